@@ -1,0 +1,113 @@
+"""The records that policy (scheduler) and execution (runner) share."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.9  # 0 = greedy
+    top_k: int = 50  # <= 0 disables
+    top_p: float = 1.0
+    seed: int | None = None  # None: the engine draws one at admission
+    max_audio_length_ms: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_audio_length_ms < 80:
+            raise ValueError(f"max_audio_length_ms must be >= 80 (one frame), got {self.max_audio_length_ms}")
+
+    @property
+    def max_frames(self) -> int:
+        return self.max_audio_length_ms // 80
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED_EOS = "finished_eos"  # the all-zero frame
+    FINISHED_LENGTH = "finished_length"  # max_audio_length_ms reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    tokens: np.ndarray  # [P, 33] int64 prompt frames
+    mask: np.ndarray  # [P, 33] bool
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # engine-owned state
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    num_prefilled: int = 0  # prompt positions whose KV is written (prefill stops at P-1)
+    num_frames: int = 0  # frames generated so far (EOS frame excluded)
+    arrival_time: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_to_prefill(self) -> int:
+        # every prompt position but the last; the last enters through the first frame step
+        return self.prompt_len - 1 - self.num_prefilled
+
+
+@dataclass
+class AudioChunk:
+    request_id: str
+    audio: np.ndarray  # [n * 1920] float32 at 24 kHz (empty when the codec is not loaded)
+    codes: np.ndarray  # [n, 32] int64
+    frame_start: int  # index of codes[0] within the request's generated frames
+    final: bool = False
+    finish_reason: str | None = None  # "eos" | "length" | "abort" | "error" on the final chunk
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    slot: int
+    start: int  # position of tokens[0] in the slot's context
+    tokens: np.ndarray  # [n, 33]
+    mask: np.ndarray  # [n, 33]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A slot starting a new request: reset its per-row state, load its sampling params and its first input."""
+
+    slot: int
+    first_tokens: np.ndarray  # [33] the prompt's last frame, input to the first frame step
+    first_mask: np.ndarray  # [33]
+    first_pos: int  # = prompt_len - 1
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One engine step: admissions and prefill chunks run first, then one frame for each decode slot."""
+
+    admissions: list[Admission] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.admissions or self.prefills or self.decode_slots)

@@ -1,0 +1,99 @@
+"""CSM: frame embeddings, the Llama backbone, codebook-0 head, projection, depth decoder, codebook heads.
+
+A frame is 33 columns: codebooks 0..K-1 then one text token, with a 33-column mask; its input
+embedding is the masked sum of the column embeddings. One generated frame = one backbone position
++ K-1 depth-decoder steps (spec §1.4-1.5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .llama import KVView, Llama, LlamaConfig
+
+
+def llama_1b() -> LlamaConfig:
+    return LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate=8192)
+
+
+def llama_100m() -> LlamaConfig:
+    return LlamaConfig(dim=1024, n_layers=4, n_heads=8, n_kv_heads=2, intermediate=8192)
+
+
+@dataclass(frozen=True)
+class CSMConfig:
+    backbone: LlamaConfig = field(default_factory=llama_1b)
+    decoder: LlamaConfig = field(default_factory=llama_100m)
+    text_vocab_size: int = 128_256
+    audio_vocab_size: int = 2051
+    num_codebooks: int = 32
+    max_seq_len: int = 2048  # backbone positions
+
+    @property
+    def frame_width(self) -> int:
+        return self.num_codebooks + 1
+
+
+# sample(logits [B, V], codebook index) -> codes [B] int64
+Sampler = Callable[[Tensor, int], Tensor]
+
+
+class CSMModel(nn.Module):
+    def __init__(self, cfg: CSMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        K, V, Db, Dd = cfg.num_codebooks, cfg.audio_vocab_size, cfg.backbone.dim, cfg.decoder.dim
+        self.text_embeddings = nn.Embedding(cfg.text_vocab_size, Db)
+        self.audio_embeddings = nn.Embedding(V * K, Db)  # row = code + codebook * V
+        self.backbone = Llama(cfg.backbone)
+        self.decoder = Llama(cfg.decoder)
+        self.projection = nn.Linear(Db, Dd, bias=False)
+        self.codebook0_head = nn.Linear(Db, V, bias=False)
+        self.audio_head = nn.Parameter(torch.empty(K - 1, Dd, V))  # codebook i>=1 uses [i-1]
+        self.register_buffer("codebook_offsets", torch.arange(K) * V, persistent=False)  # [K]
+
+    def embed_frames(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        # tokens, mask [B, S, 33] -> [B, S, Db]; audio columns summed first (32 terms, as HF does)
+        K = self.cfg.num_codebooks
+        m = mask.to(self.text_embeddings.weight.dtype)
+        audio = self.audio_embeddings(tokens[..., :K] + self.codebook_offsets)  # [B, S, K, Db]
+        text = self.text_embeddings(tokens[..., K])  # [B, S, Db]
+        return (audio * m[..., :K, None]).sum(2) + text * m[..., K, None]
+
+    def embed_audio(self, codebook: int, codes: Tensor) -> Tensor:
+        return self.audio_embeddings(codes + codebook * self.cfg.audio_vocab_size)
+
+    def embed_codes(self, codes: Tensor) -> Tensor:
+        # codes [B, K] of one generated frame -> [B, Db] backbone input of the next position
+        return self.audio_embeddings(codes + self.codebook_offsets).sum(1)
+
+    def forward_backbone(self, tokens: Tensor, mask: Tensor, pos: Tensor, kv: KVView) -> Tensor:
+        """tokens/mask [B, S, 33], pos [B, S] -> final-normed hidden states [B, S, Db]."""
+        return self.backbone(self.embed_frames(tokens, mask), pos, kv)
+
+    def codebook_logits(self, codebook: int, h_dec: Tensor) -> Tensor:
+        # h_dec [B, Dd] -> [B, V]
+        return h_dec @ self.audio_head[codebook - 1]
+
+    def decode_frame(self, h: Tensor, sample: Sampler, kv: KVView, pos: Tensor) -> Tensor:
+        """One frame's K codes from the backbone's last hidden state h [B, Db].
+
+        `kv` is a depth-decoder view of >= K positions, fresh for this frame; `pos` is arange(K) [K]
+        on h's device. Returns codes [B, K] int64.
+        """
+        B = h.shape[0]
+        c = sample(self.codebook0_head(h), 0)
+        codes = [c]
+        x = torch.stack([h, self.embed_audio(0, c)], dim=1)  # [B, 2, Db]
+        p = pos[:2].expand(B, 2)
+        for i in range(1, self.cfg.num_codebooks):
+            out = self.decoder(self.projection(x), p, kv)  # [B, S, Dd]
+            c = sample(self.codebook_logits(i, out[:, -1]), i)
+            codes.append(c)
+            if i + 1 < self.cfg.num_codebooks:
+                x = self.embed_audio(i, c)[:, None]  # codebook i's code enters at decoder position i+1
+                p = pos[i + 1 : i + 2].expand(B, 1)
+        return torch.stack(codes, dim=1)

@@ -1,0 +1,194 @@
+"""Llama blocks shared by the CSM backbone and depth decoder.
+
+Math only. Attention never owns a cache: it computes q/k/v with RoPE and hands
+them to a `KVView`, which writes the new keys/values wherever the caller keeps
+them and returns the attention output. The reference generator uses `DenseKV`;
+the engine supplies its own views over slot-indexed buffers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    # llama3 scaling, HF parametrisation; factor None = plain RoPE.
+    rope_factor: float | None = 32.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def llama3_inv_freq(cfg: LlamaConfig) -> Tensor:
+    """Inverse frequencies [head_dim/2], float32, llama3-scaled as in HF `_compute_llama3_parameters`."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_factor is None:
+        return inv
+    low_wavelen = cfg.rope_original_max_pos / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_pos / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+    smooth = (cfg.rope_original_max_pos / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: LlamaConfig) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_seq_len, head_dim] float32, rotate-half layout."""
+    pos = torch.arange(cfg.max_seq_len, dtype=torch.float32)
+    freqs = pos[:, None] * llama3_inv_freq(cfg)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [B, S, H, hd]; cos/sin [B, S, hd] in x.dtype
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
+
+
+class KVView(Protocol):
+    def begin(self, pos: Tensor) -> None:
+        """Called once per forward, before the layers: pos [B, S] absolute positions of the new tokens."""
+        ...
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, S, Hq, hd], k/v [B, S, Hkv, hd] for the new positions -> [B, S, Hq, hd]."""
+        ...
+
+
+class DenseKV:
+    """Contiguous per-row cache k, v [L, B, Hkv, T, hd]; rows write at `pos` and attend to keys <= pos.
+
+    Only the first `kv_len` keys are read (set it to the context in use so the cost follows it).
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]  # [B, 1]
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.kv_len = max_len
+        self.mask = None
+
+    def begin(self, pos: Tensor) -> None:
+        self.pos = pos
+        keys = torch.arange(self.kv_len, device=pos.device)
+        self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, kv_len]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rows = self.rows[: q.shape[0]]
+        self.k[layer][rows, :, self.pos] = k
+        self.v[layer][rows, :, self.pos] = v
+        keys = self.k[layer, : q.shape[0], :, : self.kv_len]
+        values = self.v[layer, : q.shape[0], :, : self.kv_len]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask,
+                                             enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def reset(self) -> None:
+        self.k.zero_()
+        self.v.zero_()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # fused [q; k; v] rows, rotate-half RoPE layout (HF convention)
+        self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVView, layer: int) -> Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        q = apply_rope(q.view(B, S, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(k.view(B, S, self.n_kv, self.hd), cos, sin)
+        out = kv.attend(layer, q, k, v.view(B, S, self.n_kv, self.hd))
+        return self.o_proj(out.reshape(B, S, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)  # [gate; up]
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVView, layer: int) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Llama(nn.Module):
+    """A stack of blocks and the final norm: embeddings in, normed hidden states out."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd] fp32
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: Tensor, pos: Tensor, kv: KVView) -> Tensor:
+        # x [B, S, D]; pos [B, S] absolute positions
+        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
+        kv.begin(pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv, i)
+        return self.norm(x)
+
+    def new_kv(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DenseKV:
+        c = self.cfg
+        return DenseKV(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, device)
