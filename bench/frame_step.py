@@ -1,0 +1,64 @@
+"""Frame-step time of the runner at several batch sizes (random full-size weights unless --tiny).
+
+python bench/frame_step.py --batches 1,8,64,256 --context 256
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from csmserve.engine.request import Admission
+from csmserve.engine.runner import ModelRunner
+from csmserve.models.csm import CSMConfig, CSMModel
+
+
+def dummy_model(device: str, dtype: torch.dtype) -> CSMModel:
+    with torch.device(device):
+        m = CSMModel(CSMConfig()).to(dtype)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return m.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    model = dummy_model("cuda", torch.bfloat16)
+    n = max(batches)
+    t0 = time.perf_counter()
+    runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches)
+    print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
+    W = model.cfg.frame_width
+    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
+    mask[-1] = True
+    runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in range(n)])
+    print("| batch | frame step ms | frames/s per stream | frames/s total |")
+    print("|---|---|---|---|")
+    for b in batches:
+        slots = list(range(b))
+        for _ in range(3):
+            runner.step(slots).wait()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        prev = None
+        for _ in range(args.steps):
+            out = runner.step(slots)
+            if prev is not None:
+                prev.wait()
+            prev = out
+        prev.wait()
+        dt = (time.perf_counter() - t) / args.steps
+        runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in slots])  # rewind positions
+        print(f"| {b} | {dt * 1e3:.2f} | {1 / dt:.1f} | {b / dt:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

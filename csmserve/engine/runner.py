@@ -1,0 +1,152 @@
+"""GPU execution: admissions, batched prefill, and the frame step (graphed per bucket on CUDA).
+
+The frame step reads each slot's next input frame from SlotState, runs one backbone position, the
+codebook-0 sample and the 31-step depth loop, writes the generated frame back as the slot's next
+input, and (with a codec) runs one batched Mimi streaming-decode step. No host sync inside.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..models.csm import CSMModel
+from ..models.llama import DenseKV
+from .request import Admission, PrefillChunk
+from .sampler import sample
+from .slots import SlotKV, SlotState
+
+
+class StreamingCodec(Protocol):
+    frame_size: int
+
+    def decode_step(self, codes: Tensor, rows: Tensor) -> Tensor: ...  # [B, K, 1], [B] -> [B, frame_size]
+
+    def reset(self, rows: Tensor) -> None: ...
+
+
+@dataclass
+class StepOutput:
+    """A frame step's results in pinned host memory; valid once `event` has completed."""
+
+    slots: list[int]
+    codes: Tensor  # [B, K] int64 (host, pinned on CUDA)
+    pcm: Tensor | None  # [B, frame_size] float32
+    event: torch.cuda.Event | None
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        n = len(self.slots)
+        return self.codes[:n].numpy(), None if self.pcm is None else self.pcm[:n].numpy()
+
+
+class ModelRunner:
+    def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, codec: StreamingCodec | None = None,
+                 buckets: list[int] | None = None, use_graphs: bool | None = None) -> None:
+        p = next(model.parameters())
+        self.model, self.codec, self.device, self.dtype = model, codec, p.device, p.dtype
+        self.cfg = model.cfg
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.scratch = num_slots
+        self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
+        self.state = SlotState(self.cfg, num_slots, self.device)
+        self.buckets = buckets or default_buckets(num_slots)
+        d = self.cfg.decoder
+        self.depth_kv = DenseKV(d.n_layers, self.buckets[-1], d.n_kv_heads, self.cfg.num_codebooks, d.head_dim,
+                                self.dtype, self.device)
+        self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
+        self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
+        self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)
+        self.graphs = None
+        if use_graphs if use_graphs is not None else self.device.type == "cuda":
+            from .graphs import FrameGraphs
+            self.graphs = FrameGraphs(self)
+
+    # ---- admissions and prefill (eager) ----
+    def admit(self, admissions: list[Admission]) -> None:
+        if not admissions:
+            return
+        s = self.state
+        slots = torch.tensor([a.slot for a in admissions], device=self.device)
+        host = {
+            "next_tokens": torch.tensor(np.stack([a.first_tokens for a in admissions]), dtype=torch.long),
+            "next_mask": torch.tensor(np.stack([a.first_mask for a in admissions]), dtype=torch.bool),
+            "pos": torch.tensor([a.first_pos for a in admissions], dtype=torch.long),
+            "frame": torch.zeros(len(admissions), dtype=torch.long),
+            "temperature": torch.tensor([a.temperature for a in admissions], dtype=torch.float32),
+            "top_k": torch.tensor([a.top_k for a in admissions], dtype=torch.long),
+            "top_p": torch.tensor([a.top_p for a in admissions], dtype=torch.float32),
+            "seed": torch.tensor([a.seed for a in admissions], dtype=torch.long),
+        }
+        for name, value in host.items():
+            getattr(s, name).index_copy_(0, slots, value.to(self.device, non_blocking=True))
+        for a in admissions:
+            self.host_pos[a.slot] = a.first_pos
+        if self.codec is not None:
+            self.codec.reset(slots)
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> None:
+        if not chunks:
+            return
+        C, S = len(chunks), max(len(c.tokens) for c in chunks)
+        W = self.cfg.frame_width
+        tokens = np.zeros((C, S, W), dtype=np.int64)
+        mask = np.zeros((C, S, W), dtype=bool)
+        pos = np.zeros((C, S), dtype=np.int64)
+        slot_tok = np.full((C, S), self.scratch, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            n = len(c.tokens)
+            tokens[i, :n], mask[i, :n] = c.tokens, c.mask
+            pos[i, :n] = np.arange(c.start, c.start + n)
+            slot_tok[i, :n] = c.slot
+        bound = max(c.start + len(c.tokens) for c in chunks)
+        dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        self.kv.set_prefill(dev(slot_tok), bound)
+        self.model.forward_backbone(dev(tokens), dev(mask), dev(pos), self.kv)
+
+    # ---- the frame step ----
+    def frame_step(self, slot_ids: Tensor, kv_bound: int) -> tuple[Tensor, Tensor | None]:
+        """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None."""
+        s, m = self.state, self.model
+        pos = s.pos[slot_ids]  # [B]
+        x = m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])  # [B, 1, D]
+        self.kv.set_decode(slot_ids, kv_bound)
+        h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
+        temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
+        seed, frame = s.seed[slot_ids], s.frame[slot_ids]
+
+        def sampler(logits: Tensor, codebook: int) -> Tensor:
+            return sample(logits, temp, top_k, top_p, seed, frame, codebook)
+
+        codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
+        live = slot_ids != self.scratch
+        s.next_tokens[slot_ids] = torch.cat([codes, torch.zeros_like(codes[:, :1])], 1)
+        s.next_mask[slot_ids] = self.audio_mask.expand(len(slot_ids), -1)
+        s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)
+        s.frame[slot_ids] = torch.where(live, frame + 1, 0)
+        pcm = None if self.codec is None else self.codec.decode_step(codes[:, :, None], slot_ids)
+        return codes, pcm
+
+    @torch.inference_mode()
+    def step(self, slots: list[int]) -> StepOutput | None:
+        if not slots:
+            return None
+        bound = int(self.host_pos[slots].max()) + 1
+        self.host_pos[slots] += 1
+        if self.graphs is not None:
+            return self.graphs.run(slots)
+        codes, pcm = self.frame_step(torch.tensor(slots, device=self.device), bound)
+        return StepOutput(slots, codes.cpu(), None if pcm is None else pcm.float().cpu(), None)
+
+
+def default_buckets(num_slots: int) -> list[int]:
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return out + [num_slots]

@@ -1,0 +1,80 @@
+"""The slot pool: every per-stream tensor the frame step reads or writes, indexed by slot.
+
+Slot `num_slots` (one past the last) is scratch: padding rows of a batch bucket point at it, so a
+padded graph replay never touches a live stream. Everything is allocated once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from ..models.csm import CSMConfig
+
+
+class SlotKV:
+    """Backbone KV k, v [L, N+1, Hkv, T, hd]; a KVView for prefill chunks and for frame steps."""
+
+    def __init__(self, cfg: CSMConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        c = cfg.backbone
+        shape = (c.n_layers, num_slots + 1, c.n_kv_heads, max_seq_len, c.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.use_triton = device.type == "cuda"
+        self.decoding = True
+        self.slot_tok = self.pos = self.lengths = self.mask = None
+        self.kv_bound = max_seq_len  # torch path: keys read per row (host-known upper bound)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def set_decode(self, slot_ids: Tensor, kv_bound: int) -> None:
+        # slot_ids [B]; the frame step's positions come through begin()
+        self.decoding, self.slot_tok, self.kv_bound = True, slot_ids, kv_bound
+
+    def set_prefill(self, slot_tok: Tensor, kv_bound: int) -> None:
+        # slot_tok [C, S]: each token's slot (padding tokens -> scratch slot)
+        self.decoding, self.slot_tok, self.kv_bound = False, slot_tok, kv_bound
+
+    def begin(self, pos: Tensor) -> None:
+        self.pos = pos  # [B, 1] decode / [C, S] prefill
+        if self.decoding:
+            self.lengths = (pos[:, 0] + 1).to(torch.int32)
+        else:
+            keys = torch.arange(self.kv_bound, device=pos.device)
+            self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [C, 1, S, kv_bound]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kc, vc = self.k[layer], self.v[layer]
+        if self.decoding:  # q [B, 1, Hq, hd]
+            kc[self.slot_tok, :, self.pos[:, 0]] = k[:, 0]
+            vc[self.slot_tok, :, self.pos[:, 0]] = v[:, 0]
+            if self.use_triton:
+                out = decode_attention_triton(q[:, 0], kc, vc, self.slot_tok, self.lengths)
+            else:
+                out = decode_attention_torch(q[:, 0], kc, vc, self.slot_tok, self.lengths, self.kv_bound)
+            return out[:, None]
+        kc[self.slot_tok, :, self.pos] = k  # [C, S, Hkv, hd]
+        vc[self.slot_tok, :, self.pos] = v
+        rows = self.slot_tok[:, 0]  # a chunk's first token is never padding
+        keys, values = kc[rows, :, : self.kv_bound], vc[rows, :, : self.kv_bound]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+class SlotState:
+    """Per-slot inputs of the next frame step and sampling parameters, all [N+1, ...] on the device."""
+
+    def __init__(self, cfg: CSMConfig, num_slots: int, device: torch.device) -> None:
+        n, w = num_slots + 1, cfg.frame_width
+        self.next_tokens = torch.zeros(n, w, dtype=torch.long, device=device)  # [N+1, 33]
+        self.next_mask = torch.zeros(n, w, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=device)  # position of next_tokens
+        self.frame = torch.zeros(n, dtype=torch.long, device=device)  # frames generated (sampling counter)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(n, dtype=torch.long, device=device)

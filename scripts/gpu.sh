@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Everything that needs the H200, in one call: GPU tests, then benchmarks. Output under $OUT (or ./.out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-.out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/gpu.txt"
+what=${1:-all}
+if [[ $what == all || $what == tests ]]; then
+  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt"
+fi
+if [[ $what == all || $what == frame ]]; then
+  python bench/frame_step.py ${FRAME_ARGS:-} 2>&1 | tee "$OUT/frame_step.txt"
+fi
