@@ -1,0 +1,221 @@
+"""Streaming encoders: float32 PCM chunks (mono) -> bytes ready for the wire, one class per format.
+
+    enc = make_encoder("mp3", sample_rate=24000, speed=1.0)
+    for chunk in chunks:            # [n] float32 in [-1, 1], any n (engine chunks are n * 1920)
+        send(enc.write(chunk))      # may be b"" while the codec fills its first frame
+    send(enc.close())               # codec tail; the stream is complete after this
+
+Every format streams: bytes leave on write(), not only at close(). Output is never seeked
+back into (the muxers see a non-seekable sink), so the bytes sent first are final:
+no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the wav header, no sample count or MD5
+in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at 24 kHz:
+pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead).
+speed != 1 adds about one chunk of lag (atempo's analysis window).
+"""
+from __future__ import annotations
+
+import struct
+from fractions import Fraction
+from typing import ClassVar
+
+import av
+import numpy as np
+
+from csmserve.audio.tempo import TimeStretch, check_speed
+
+SAMPLE_RATE = 24_000  # CSM/Mimi and OpenAI's pcm
+
+
+class Encoder:
+    """Base: validates chunks, applies `speed` (atempo), then hands PCM to `_encode`."""
+
+    format: ClassVar[str]
+    media_type: ClassVar[str]
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
+        self.sample_rate = sample_rate
+        self.stretch = TimeStretch(sample_rate, speed) if check_speed(speed) != 1.0 else None
+        self.closed = False
+
+    def write(self, pcm: np.ndarray) -> bytes:
+        if self.closed:
+            raise RuntimeError("write() after close()")
+        pcm = _as_mono_f32(pcm)
+        if self.stretch is not None:
+            pcm = self.stretch.write(pcm)
+        return self._encode(pcm) if pcm.size else b""
+
+    def close(self) -> bytes:
+        if self.closed:
+            return b""
+        self.closed = True
+        tail = self._encode(self.stretch.flush()) if self.stretch is not None else b""
+        return tail + self._finish()
+
+    def _encode(self, pcm: np.ndarray) -> bytes:  # pcm: [n>0] float32
+        raise NotImplementedError
+
+    def _finish(self) -> bytes:
+        return b""
+
+
+def _as_mono_f32(pcm: np.ndarray) -> np.ndarray:
+    pcm = np.asarray(pcm)
+    if pcm.ndim == 2 and 1 in pcm.shape:  # [1, n] or [n, 1]
+        pcm = pcm.reshape(-1)
+    if pcm.ndim != 1:
+        raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
+    return np.ascontiguousarray(pcm, dtype=np.float32)
+
+
+def to_s16le(pcm: np.ndarray) -> bytes:
+    # [n] float32 -> 2n bytes; 32767 scale so +1.0 does not wrap and q/32767 round-trips exactly
+    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+class PcmEncoder(Encoder):
+    """Raw s16le mono, no header (OpenAI `pcm`: 24 kHz)."""
+
+    format, media_type = "pcm", "audio/pcm"
+
+    def _encode(self, pcm: np.ndarray) -> bytes:
+        return to_s16le(pcm)
+
+
+def wav_header(sample_rate: int, data_size: int = 0xFFFFFFFF) -> bytes:
+    # 44-byte canonical header, 16-bit PCM mono; 0xFFFFFFFF = "unknown, read to EOF" (streaming)
+    riff_size = 0xFFFFFFFF if data_size == 0xFFFFFFFF else 36 + data_size
+    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", riff_size, b"WAVE", b"fmt ", 16,
+                       1, 1, sample_rate, 2 * sample_rate, 2, 16,  # PCM, mono, rate, bytes/s, align, bits
+                       b"data", data_size)
+
+
+class WavEncoder(PcmEncoder):
+    """Streaming WAV: header with RIFF and data sizes 0xFFFFFFFF, then s16le samples."""
+
+    format, media_type = "wav", "audio/wav"
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
+        super().__init__(sample_rate, speed)
+        self.header: bytes | None = wav_header(sample_rate)  # sent with the first bytes
+
+    def _encode(self, pcm: np.ndarray) -> bytes:
+        return self._take_header() + to_s16le(pcm)
+
+    def _finish(self) -> bytes:
+        return self._take_header()  # an empty stream is still a valid (empty) wav
+
+    def _take_header(self) -> bytes:
+        header, self.header = self.header or b"", None
+        return header
+
+
+class _Sink:
+    """Write-only file object for libav: no seek(), so muxers never rewrite earlier bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def drain(self) -> bytes:
+        data, self.parts = b"".join(self.parts), []
+        return data
+
+
+class AvEncoder(Encoder):
+    """A libav codec in a libav muxer, writing into a `_Sink` drained after every write."""
+
+    container: ClassVar[str]
+    codec: ClassVar[str]
+    bit_rate: ClassVar[int | None] = None
+    container_options: ClassVar[dict[str, str]] = {}
+    codec_options: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
+        super().__init__(sample_rate, speed)
+        self.sink = _Sink()
+        # flush_packets: push every muxed packet through avio to the sink at once
+        options = {"flush_packets": "1", **self.container_options}
+        self.out = av.open(self.sink, mode="w", format=self.container, options=options)
+        self.stream = self.out.add_stream(self.codec, rate=_codec_rate(self.codec, sample_rate),
+                                          options=dict(self.codec_options))
+        self.stream.layout = "mono"
+        if self.bit_rate:
+            self.stream.bit_rate = self.bit_rate
+        self.num_samples = 0  # pts of the next input frame, in 1/sample_rate
+
+    def _encode(self, pcm: np.ndarray) -> bytes:
+        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
+        frame.sample_rate, frame.pts = self.sample_rate, self.num_samples
+        frame.time_base = Fraction(1, self.sample_rate)
+        self.num_samples += pcm.size
+        # PyAV converts format/rate and re-blocks to the codec's frame size (1152, 1024, 480...)
+        self.out.mux(self.stream.encode(frame))
+        return self.sink.drain()
+
+    def _finish(self) -> bytes:
+        self.out.mux(self.stream.encode(None))  # drain the codec's delay line
+        self.out.close()  # trailer: last Ogg page, etc.
+        return self.sink.drain()
+
+
+def _codec_rate(codec: str, sample_rate: int) -> int:
+    # the codec's rate if it takes ours (24 kHz: all four do), else its highest (PyAV resamples)
+    rates = av.codec.Codec(codec, "w").audio_rates
+    return sample_rate if not rates or sample_rate in rates else max(rates)
+
+
+class Mp3Encoder(AvEncoder):
+    """MPEG-2 Layer III (24 kHz). No ID3 tag and no Xing/Info frame: a plain frame stream,
+    so decoders see the encoder delay and padding (~1100 samples) as extra audio."""
+
+    format, media_type = "mp3", "audio/mpeg"
+    container, codec, bit_rate = "mp3", "libmp3lame", 64_000
+    container_options = {"write_xing": "0", "id3v2_version": "0"}
+
+
+class OpusEncoder(AvEncoder):
+    """Ogg/Opus at 24 kHz in (libopus takes it directly; decoders output 48 kHz).
+    page_duration 20 ms: one Ogg page per Opus packet, so pages leave every write."""
+
+    format, media_type = "opus", "audio/ogg; codecs=opus"
+    container, codec, bit_rate = "ogg", "libopus", 32_000
+    container_options = {"page_duration": "20000"}
+
+
+class AacEncoder(AvEncoder):
+    """AAC-LC in ADTS (self-framed, no container header)."""
+
+    format, media_type = "aac", "audio/aac"
+    container, codec, bit_rate = "adts", "aac", 64_000
+
+
+class FlacEncoder(AvEncoder):
+    """FLAC with 1920-sample blocks (one per 80 ms chunk); STREAMINFO leaves total samples
+    and MD5 unset because the header is sent before the audio exists."""
+
+    format, media_type = "flac", "audio/flac"
+    container, codec = "flac", "flac"
+    container_options = {"metadata_header_padding": "0"}  # default pads the header with 8 KiB
+    codec_options = {"frame_size": "1920"}
+
+
+ENCODERS: dict[str, type[Encoder]] = {
+    cls.format: cls for cls in (Mp3Encoder, OpusEncoder, AacEncoder, FlacEncoder, WavEncoder, PcmEncoder)
+}
+FORMATS = tuple(ENCODERS)  # OpenAI's response_format values
+MEDIA_TYPES = {name: cls.media_type for name, cls in ENCODERS.items()}
+
+
+def make_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> Encoder:
+    try:
+        cls = ENCODERS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown response_format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
+    return cls(sample_rate, speed)

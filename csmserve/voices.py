@@ -1,0 +1,162 @@
+"""Cloned voices: a clip's Mimi codes + its transcript, stored once in SQLite.
+
+Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string
+resolves, in order: stored id, stored name (the newest with that name), OpenAI voice alias.
+So a stored voice named e.g. "alloy" takes over that alias, which lets clients that only
+send OpenAI names (Pipecat) use a cloned voice.
+
+Aliases carry no clip: they pick a CSM speaker id, and CSM then speaks with whatever
+voice it draws for that speaker (it varies with the seed).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+NUM_CODEBOOKS = 32
+CODEBOOK_SIZE = 2048  # Mimi codes are 0..2047, so int16 holds them
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx",
+                 "nova", "sage", "shimmer", "verse", "marin", "cedar")
+ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS voices (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    transcript TEXT NOT NULL,
+    speaker INTEGER NOT NULL,
+    sample_rate INTEGER NOT NULL,
+    num_frames INTEGER NOT NULL,
+    codes BLOB NOT NULL,            -- [num_frames, 32] int16 little-endian, row-major
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS voices_name ON voices (name, created_at);
+"""
+_INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at"
+
+
+class VoiceNotFoundError(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    id: str
+    name: str
+    transcript: str
+    speaker: int
+    sample_rate: int  # rate of the audio the codes encode (Mimi: 24000)
+    num_frames: int  # 80 ms Mimi frames
+    created_at: float  # unix seconds
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames * 0.08
+
+
+@dataclass(frozen=True, eq=False)  # eq over an array is ambiguous
+class Voice(VoiceInfo):
+    codes: np.ndarray  # [num_frames, 32] int64
+
+
+@dataclass(frozen=True)
+class ResolvedVoice:
+    speaker: int  # CSM speaker id for the generated turn
+    voice: Voice | None  # the reference clip to put in the prompt; None for a bare alias
+
+
+def default_db_path() -> Path:
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data_home) / "csmserve" / "voices.db"
+
+
+def _check_codes(codes: np.ndarray) -> np.ndarray:
+    codes = np.asarray(codes)
+    if codes.ndim != 2 or codes.shape[1] != NUM_CODEBOOKS or codes.shape[0] == 0:
+        raise ValueError(f"codes must have shape [T>0, {NUM_CODEBOOKS}], got {codes.shape}")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"codes must be integers, got {codes.dtype}")
+    if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
+        raise ValueError(f"codes must be in [0, {CODEBOOK_SIZE})")
+    return codes.astype("<i2")
+
+
+class VoiceStore:
+    """SQLite-backed store. One connection guarded by a lock (safe across threads); WAL and a
+    busy timeout let several processes share the file; every write is one transaction."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        path = default_db_path() if path is None else path
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10.0)
+        with self._lock, self._conn:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.executescript(_SCHEMA)
+
+    def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
+               sample_rate: int = 24_000) -> Voice:
+        if not name or not name.strip():
+            raise ValueError("voice name must not be empty")
+        codes16 = _check_codes(codes)
+        voice = Voice(id=f"voice_{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
+                      speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
+                      created_at=time.time(), codes=codes16.astype(np.int64))
+        with self._lock, self._conn:
+            self._conn.execute(
+                f"INSERT INTO voices ({_INFO_COLUMNS}, codes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
+                 voice.num_frames, voice.created_at, codes16.tobytes()))
+        return voice
+
+    def get(self, id_or_name: str) -> Voice | None:
+        """By id, else the newest voice with that name; None if neither exists."""
+        sql = f"SELECT {_INFO_COLUMNS}, codes FROM voices WHERE {{}} = ? ORDER BY created_at DESC, rowid DESC LIMIT 1"
+        with self._lock:
+            row = self._conn.execute(sql.format("id"), (id_or_name,)).fetchone()
+            row = row or self._conn.execute(sql.format("name"), (id_or_name,)).fetchone()
+        if row is None:
+            return None
+        codes = np.frombuffer(row[-1], dtype="<i2").reshape(-1, NUM_CODEBOOKS).astype(np.int64)
+        return Voice(*row[:-1], codes=codes)
+
+    def list(self) -> list[VoiceInfo]:
+        """All voices, oldest first, without their codes."""
+        with self._lock:
+            rows = self._conn.execute(f"SELECT {_INFO_COLUMNS} FROM voices ORDER BY created_at, rowid").fetchall()
+        return [VoiceInfo(*row) for row in rows]
+
+    def delete(self, voice_id: str) -> bool:
+        """Delete by id (names may repeat, so not by name). False if no such id."""
+        with self._lock, self._conn:
+            return self._conn.execute("DELETE FROM voices WHERE id = ?", (voice_id,)).rowcount > 0
+
+    def resolve(self, voice: str | dict) -> ResolvedVoice:
+        """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""
+        key = voice.get("id") if isinstance(voice, dict) else voice
+        if not isinstance(key, str) or not key:
+            raise VoiceNotFoundError(f"invalid voice {voice!r}")
+        if (stored := self.get(key)) is not None:
+            return ResolvedVoice(speaker=stored.speaker, voice=stored)
+        if key.lower() in ALIASES:
+            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)
+        raise VoiceNotFoundError(f"voice {key!r} not found")
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> VoiceStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
