@@ -41,6 +41,15 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
 
+    @property
+    def finish_reason(self) -> str | None:
+        """AudioChunk.finish_reason for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_EOS: "eos", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
+
 
 _ids = itertools.count()
 
@@ -56,6 +65,7 @@ class Request:
     slot: int | None = None
     num_prefilled: int = 0  # prompt positions whose KV is written (prefill stops at P-1)
     num_frames: int = 0  # frames generated so far (EOS frame excluded)
+    num_scheduled_frames: int = 0  # frame steps scheduled; their results reach the host one step later
     arrival_time: float = 0.0
 
     @property
@@ -107,6 +117,7 @@ class Batch:
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
+    step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
 
     @property
     def empty(self) -> bool:

@@ -1,0 +1,218 @@
+"""The engine loop on its own thread. `EngineClient` is its only door.
+
+One iteration: drain the inbox (submit / abort) -> Scheduler.schedule() -> runner.admit/prefill/step
+(launched, not waited) -> read the PREVIOUS step's results (pinned host copies) -> Scheduler.update
+-> per-request AudioChunks to each request's sink.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..config import EngineConfig
+from .request import AudioChunk, Request
+from .runner import ModelRunner, StepOutput
+from .scheduler import RequestOutput, Scheduler, SchedulerBusy
+
+log = logging.getLogger("csmserve.engine")
+
+Sink = Callable[[AudioChunk | BaseException], None]
+
+
+@dataclass
+class _Stream:
+    """Host-side accumulation of one request's frames into chunks."""
+
+    request: Request
+    sink: Sink
+    codes: list[np.ndarray] = field(default_factory=list)  # [1, K] each
+    pcm: list[np.ndarray] = field(default_factory=list)  # [frame_size] each
+    emitted_frames: int = 0
+    first_audio_time: float | None = None
+
+    def flush(self, final: bool, reason: str | None, frame_size: int) -> None:
+        K = self.codes[0].shape[1] if self.codes else 0
+        codes = np.concatenate(self.codes) if self.codes else np.zeros((0, K or 32), np.int64)
+        audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
+        if len(codes) and self.first_audio_time is None:
+            self.first_audio_time = time.perf_counter()
+        self.sink(AudioChunk(self.request.request_id, audio, codes, self.emitted_frames, final, reason))
+        self.emitted_frames += len(codes)
+        self.codes, self.pcm = [], []
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, start: bool = True) -> None:
+        self.runner, self.config = runner, config
+        self.scheduler = Scheduler(config)
+        self.frame_size = runner.codec.frame_size if runner.codec is not None else 0
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, _Stream] = {}
+        self.stats = {"frames": 0, "steps": 0}
+        self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="csmserve-engine", daemon=True)
+        if start:  # start=False: tests drive step() by hand, frame by frame
+            self._thread.start()
+
+    # ---- thread-safe entry points
+    def submit(self, request: Request, sink: Sink) -> None:
+        request.arrival_time = time.perf_counter()
+        self.inbox.put(("add", request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id, None))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None, None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    @property
+    def idle(self) -> bool:
+        return self._prev is None and not self.scheduler.has_unfinished()
+
+    # ---- the loop
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                try:
+                    self.step(block=self.idle)
+                except Exception as e:  # a failed step fails its requests; the engine goes on
+                    log.exception("engine step failed")
+                    self._prev = None
+                    self._fail_all(e)
+
+    def step(self, block: bool = False) -> None:
+        self._drain(block)
+        batch = self.scheduler.schedule()
+        self.runner.admit(batch.admissions)
+        self.runner.prefill(batch.prefills)
+        out = self.runner.step(batch.decode_slots)
+        if self._prev is not None:
+            self._collect(*self._prev)
+        self._prev = (batch.step, out) if out is not None else None
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, a, b = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self._add(a, b)
+            elif kind == "abort":
+                self._abort(a)
+
+    def _add(self, request: Request, sink: Sink) -> None:
+        try:
+            self.scheduler.add(request)
+        except (SchedulerBusy, ValueError) as e:
+            sink(e)
+            return
+        self.streams[request.request_id] = _Stream(request, sink)
+
+    def _abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None and request_id in self.streams:
+            self.streams.pop(request_id).flush(True, "abort", self.frame_size)
+
+    def _collect(self, step: int, out: StepOutput) -> None:
+        codes, pcm = out.wait()
+        self.stats["steps"] += 1
+        for o in self.scheduler.update(step, codes):
+            self._deliver(o, pcm)
+
+    def _deliver(self, o: RequestOutput, pcm: np.ndarray | None) -> None:
+        st = self.streams.get(o.request_id)
+        if st is None:
+            return
+        if len(o.codes):
+            self.stats["frames"] += 1
+            st.codes.append(o.codes)
+            if pcm is not None:
+                st.pcm.append(pcm[o.row].copy())
+        want = self.config.first_chunk_frames if st.emitted_frames == 0 else self.config.chunk_frames
+        if o.finish_reason is not None:
+            del self.streams[o.request_id]
+            st.flush(True, o.finish_reason, self.frame_size)
+        elif len(st.codes) >= want:
+            st.flush(False, None, self.frame_size)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.streams):
+            self.scheduler.abort(rid)
+            self.streams.pop(rid).sink(RuntimeError(f"engine step failed: {error}"))
+
+
+class EngineClient:
+    """Submit requests and read their chunks, from plain threads or from asyncio."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def stream(self, request: Request) -> Iterator[AudioChunk]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine.submit(request, q.put)
+        done = False
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.final
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # the caller stopped iterating: free the slot
+                self.engine.abort(request.request_id)
+
+    async def astream(self, request: Request) -> AsyncIterator[AudioChunk]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self.engine.submit(request, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.final
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # client went away: free the slot at the next frame boundary
+                self.engine.abort(request.request_id)
+
+    def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
+        """Submit all, wait for all; chunks per request in order."""
+        queues = []
+        for r in requests:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self.engine.submit(r, q.put)
+            queues.append(q)
+        results = []
+        for q in queues:
+            chunks = []
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                chunks.append(item)
+                if item.final:
+                    break
+            results.append(chunks)
+        return results
