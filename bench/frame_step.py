@@ -29,7 +29,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--fuse", action="store_true", help="torch.compile the elementwise pieces")
     args = ap.parse_args()
+    if args.fuse:
+        from csmserve.models.llama import fuse_elementwise
+
+        fuse_elementwise()
     batches = [int(b) for b in args.batches.split(",")]
     model = dummy_model("cuda", torch.bfloat16)
     n = max(batches)

@@ -12,4 +12,5 @@ if [[ $what == all || $what == tests ]]; then
 fi
 if [[ $what == all || $what == frame ]]; then
   python bench/frame_step.py ${FRAME_ARGS:-} 2>&1 | tee "$OUT/frame_step.txt"
+  python bench/frame_step.py ${FRAME_ARGS:-} --fuse 2>&1 | tee "$OUT/frame_step_fused.txt"
 fi

@@ -2,7 +2,10 @@
 
 The noise for (seed, frame, codebook, token) is a hash of those four integers, so a seeded row
 draws the same sample whatever else shares its batch, and nothing touches a global generator.
-All ops are elementwise, sort or gather on static shapes: no host sync, CUDA-graph safe.
+Top-k and top-p keep every token whose scaled logit reaches the cut-off value (ties kept, as the
+reference `sample_topk` does), then Gumbel-max picks one. No host sync; CUDA-graph safe. On CUDA
+the whole of it is one Triton kernel per call (kernels/sampler.py); the torch code here is the
+reference it is tested against, and the CPU path.
 """
 from __future__ import annotations
 
@@ -10,14 +13,15 @@ import torch
 from torch import Tensor
 
 _M32 = 0xFFFFFFFF
+MIX1, MIX2 = 0x7FEB352D, 0x5BD1E995  # < 2^31: products of 32-bit values stay inside int64
 
 
 def _mix32(x: Tensor) -> Tensor:
-    # x int64 in [0, 2^32); multipliers < 2^31 keep every product inside int64
+    # x int64 in [0, 2^32)
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * MIX1) & _M32
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
+    x = (x * MIX2) & _M32
     return x ^ (x >> 16)
 
 
@@ -31,24 +35,32 @@ def hash_uniform(seed: Tensor, frame: Tensor, codebook: int, vocab: int) -> Tens
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def sample_torch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
+                 codebook: int) -> Tensor:
+    logits = logits.float()
+    V = logits.shape[-1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    x = logits / t[:, None]  # [B, V]
+    s = x.sort(-1, descending=True).values
+    rank = torch.arange(V, device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))[:, None]  # [B, 1]
+    sk = s.masked_fill(rank >= k, float("-inf"))
+    probs = sk.softmax(-1)
+    keep = ((probs.cumsum(-1) - probs) <= top_p[:, None]) & (rank < k)  # mass before a token <= top_p
+    cut = s.gather(1, keep.sum(-1, keepdim=True) - 1)  # [B, 1] smallest kept value (<= k-th largest)
+    gumbel = -torch.log(-torch.log(hash_uniform(seed, frame, codebook, V)))
+    choice = (x + gumbel).masked_fill(x < cut, float("-inf")).argmax(-1)
+    return torch.where(temperature > 0, choice, logits.argmax(-1))
+
+
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
            codebook: int) -> Tensor:
     """logits [B, V]; temperature/top_p [B] float32; top_k/seed/frame [B] int64 -> tokens [B] int64.
 
     temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 disables top-p.
     """
-    logits = logits.float()
-    V = logits.shape[-1]
-    greedy = logits.argmax(-1)
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    vals, idx = (logits / t[:, None]).sort(-1, descending=True)  # [B, V]
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
-    vals = vals.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = vals.softmax(-1)
-    # drop tokens once the mass before them already exceeds top_p (the first token always stays)
-    vals = vals.masked_fill((probs.cumsum(-1) - probs) > top_p[:, None], float("-inf"))
-    u = hash_uniform(seed, frame, codebook, V).gather(1, idx)  # noise follows the token, not its rank
-    gumbel = -torch.log(-torch.log(u))
-    choice = idx.gather(1, (vals + gumbel).argmax(-1, keepdim=True))[:, 0]
-    return torch.where(temperature > 0, choice, greedy)
+    if logits.is_cuda:
+        from ..kernels.sampler import sample_triton
+
+        return sample_triton(logits, temperature, top_k, top_p, seed, frame, codebook)
+    return sample_torch(logits, temperature, top_k, top_p, seed, frame, codebook)
