@@ -14,3 +14,6 @@ if [[ $what == all || $what == frame ]]; then
   python bench/frame_step.py ${FRAME_ARGS:-} 2>&1 | tee "$OUT/frame_step.txt"
   python bench/frame_step.py ${FRAME_ARGS:-} --fuse 2>&1 | tee "$OUT/frame_step_fused.txt"
 fi
+if [[ $what == profile ]]; then
+  python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"
+fi
