@@ -1,4 +1,10 @@
-"""The sampler of engine/sampler.py as one Triton kernel: a program per row, the vocab in registers."""
+"""The sampler of engine/sampler.py as one Triton kernel: a program per row, the vocab in registers.
+
+No sort: the top-k cut-off is the k-th largest logit found by bisection over the logits' order-
+preserving integer keys (32 counting passes), and the top-p cut-off the smallest logit whose
+strictly-larger mass is <= top_p, found the same way. Ties at a cut-off are kept, as in the torch
+reference; the two agree exactly whenever no two candidate logits are equal.
+"""
 from __future__ import annotations
 
 import torch
@@ -31,14 +37,30 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     top_k = tl.load(TOPK + b).to(tl.int32)
     top_p = tl.load(TOPP + b)
     x = raw / tl.where(temp > 0, temp, 1.0)
-    s = tl.sort(x, descending=True)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # float order as integer order
     k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
-    sk = tl.where(i < k, s, float("-inf"))
-    e = tl.exp(sk - tl.max(sk, 0))
+    # k-th largest key: the largest t with count(key >= t) >= k
+    lo = tl.min(tl.where(valid, key, 2147483647), 0)
+    hi = tl.max(key, 0)
+    for _ in range(33):
+        mid = lo + (hi - lo + 1) // 2
+        ok = tl.sum((key >= mid).to(tl.int32), 0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    kth = lo
+    cand = valid & (key >= kth)
+    e = tl.where(cand, tl.exp(x - tl.max(x, 0)), 0.0)
     probs = e / tl.sum(e, 0)
-    keep = ((tl.cumsum(probs, 0) - probs) <= top_p) & (i < k)
-    n_keep = tl.sum(keep.to(tl.int32), 0)
-    cut = tl.sum(tl.where(i == n_keep - 1, s, 0.0), 0)
+    # top-p: the smallest t >= kth with mass(key > t) <= top_p
+    lo = kth
+    hi = tl.max(key, 0)
+    for _ in range(33):
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(tl.where(key > mid, probs, 0.0), 0) <= top_p
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid + 1)
+    cut = tl.where(top_p >= 1.0, kth, lo)
     # counter-based noise, bit-identical to engine.sampler.hash_uniform
     seed = tl.load(SEED + b)
     frame = tl.load(FRAME + b)
@@ -47,7 +69,7 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     h = _mix32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    score = tl.where(valid & (x >= cut), x - tl.log(-tl.log(u)), float("-inf"))
+    score = tl.where(valid & (key >= cut), x - tl.log(-tl.log(u)), float("-inf"))
     choice = tl.argmax(score, 0)
     greedy = tl.argmax(raw, 0)
     tl.store(OUT + b, tl.where(temp > 0, choice, greedy).to(tl.int64))
@@ -58,5 +80,5 @@ def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), num_warps=8)
+                         BLOCK=triton.next_power_of_2(V), num_warps=4)
     return out

@@ -1,0 +1,209 @@
+"""Mimi codec (Kyutai): SEANet + transformers + split RVQ, with per-row streaming state.
+
+Math only. Whole-utterance `Mimi.encode` / `Mimi.decode` run without state. Streaming
+runs through `MimiStream`: buffers preallocated for `max_rows` rows (slots), each step
+gathers the rows it names (`index_select`), computes, and scatters the new tails back
+(`index_copy_`). No host sync and no state allocation in a step, so a step of fixed
+(B, n) can be captured in a CUDA graph. Spec: docs/reference/csm-mimi-spec.md §3.
+
+Our parameter layout (loaders in `mimi_loader.py` convert HF and moshi names to it):
+SEANet modules keep HF's `layers.N` indices; attention is one fused `qkv` Linear with q/k
+in the rotate-half RoPE layout (HF's; moshi's interleaved q/k rows are permuted on load).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from csmserve.models.mimi_layers import (CausalConv, CausalConvTr, RowView, SplitRVQ, Stateful, Transformer,
+                                         run_layers, seanet_decoder, seanet_encoder)
+
+
+@dataclass(frozen=True)
+class MimiConfig:
+    """Field names follow HF `MimiConfig`; defaults are the real model (`kyutai/mimi`)."""
+
+    sampling_rate: int = 24000
+    audio_channels: int = 1
+    hidden_size: int = 512
+    num_filters: int = 64
+    num_residual_layers: int = 1
+    upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_growth_rate: int = 2
+    compress: int = 2
+    codebook_size: int = 2048
+    codebook_dim: int = 256
+    num_quantizers: int = 32
+    num_semantic_quantizers: int = 1
+    upsample_groups: int = 512
+    num_hidden_layers: int = 8
+    intermediate_size: int = 2048
+    num_attention_heads: int = 8
+    head_dim: int = 64
+    norm_eps: float = 1e-5
+    sliding_window: int = 250
+    rope_theta: float = 10000.0
+    layer_scale_initial_scale: float = 0.01
+    latent_stride: int = 2  # encoder frame rate / frame rate (25 Hz -> 12.5 Hz)
+
+    @property
+    def hop_length(self) -> int:
+        return math.prod(self.upsampling_ratios)
+
+    @property
+    def frame_size(self) -> int:
+        return self.hop_length * self.latent_stride  # 1920 samples = 80 ms
+
+    @property
+    def frame_rate(self) -> float:
+        return self.sampling_rate / self.frame_size
+
+    @classmethod
+    def tiny(cls, **kw: object) -> "MimiConfig":
+        """The spec §4.4 tiny codec (frame_size 64), with a small FFN; override fields with kw."""
+        base = dict(hidden_size=32, num_filters=8, upsampling_ratios=(8, 4), codebook_size=16,
+                    codebook_dim=64, upsample_groups=32, num_hidden_layers=2, num_attention_heads=2,
+                    head_dim=16, intermediate_size=64, sliding_window=4, num_quantizers=4)
+        base.update(kw)
+        return cls(**base)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "MimiConfig":
+        """From an HF `MimiConfig.to_dict()` / `codec_config` dict; rejects variants we do not implement."""
+        fixed = dict(use_causal_conv=True, pad_mode="constant", use_conv_shortcut=False, trim_right_ratio=1.0,
+                     audio_channels=1, attention_bias=False, hidden_act="gelu")
+        for k, want in fixed.items():
+            if d.get(k, want) != want:
+                raise ValueError(f"unsupported Mimi config {k}={d[k]!r} (need {want!r})")
+        heads = d.get("num_attention_heads", cls.num_attention_heads)
+        if d.get("num_key_value_heads", heads) != heads:
+            raise ValueError("Mimi with grouped-query attention is not supported")
+        vq = d.get("vector_quantization_hidden_dimension")
+        if vq is not None and vq != d.get("codebook_dim", cls.codebook_dim):
+            raise ValueError("vector_quantization_hidden_dimension must equal codebook_dim")
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "upsampling_ratios" in kw:
+            kw["upsampling_ratios"] = tuple(kw["upsampling_ratios"])
+        if "head_dim" not in kw or kw["head_dim"] is None:
+            kw["head_dim"] = kw.get("hidden_size", cls.hidden_size) // heads
+        rope = d.get("rope_parameters") or {}
+        kw["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", cls.rope_theta)))
+        return cls(**kw)
+
+    def hf_kwargs(self) -> dict:
+        """Kwargs for transformers' `MimiConfig` describing the same model (used by tests and the bench)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("rope_theta", "latent_stride"):
+            kw.pop(k)
+        kw["upsampling_ratios"] = list(self.upsampling_ratios)
+        kw.update(vector_quantization_hidden_dimension=self.codebook_dim,
+                  num_key_value_heads=self.num_attention_heads, use_cache=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        return kw
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+class Mimi(nn.Module):
+    """encode: wav [B, 1, L] -> codes [B, Q, T] (T = ceil(L / frame_size) when ratios allow); decode: codes [B, K, T] -> [B, 1, T*frame_size]."""
+
+    def __init__(self, cfg: MimiConfig = MimiConfig()):
+        super().__init__()
+        self.cfg = cfg
+        d, s = cfg.hidden_size, cfg.latent_stride
+        self.encoder = seanet_encoder(cfg)
+        self.encoder_transformer = Transformer(cfg)
+        self.downsample = CausalConv(d, d, 2 * s, stride=s, bias=False, replicate=True)
+        self.quantizer = SplitRVQ(cfg)
+        self.upsample = CausalConvTr(d, d, 2 * s, stride=s, groups=cfg.upsample_groups, bias=False)
+        self.decoder_transformer = Transformer(cfg)
+        self.decoder = seanet_decoder(cfg)
+        for name, m in self.named_modules():
+            if isinstance(m, Stateful):
+                m.key = name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.downsample.weight.dtype
+
+    def latent(self, wav: Tensor, st: RowView | None = None) -> Tensor:
+        # wav [B, 1, L] -> [B, D, T] (T = L / frame_size when streaming whole frames)
+        x = run_layers(self.encoder, wav.to(self.dtype), st)
+        return self.downsample(self.encoder_transformer(x, st), st)
+
+    def synth(self, codes: Tensor, st: RowView | None = None) -> Tensor:
+        # codes [B, K, T] -> wav [B, 1, T * frame_size]
+        x = self.upsample(self.quantizer.decode(codes, self.dtype), st)
+        return run_layers(self.decoder, self.decoder_transformer(x, st), st)
+
+    @torch.inference_mode()
+    def encode(self, wav: Tensor) -> Tensor:
+        # wav [B, 1, L] -> codes [B, Q, ~ceil(L / frame_size)]; each strided conv completes its last window
+        return self.quantizer.encode(self.latent(wav))
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.synth(codes)
+
+    def stateful_modules(self, part: str) -> list[Stateful]:
+        """part: "decode" or "encode" -> the modules whose state a stream of that kind carries."""
+        root = [self.upsample, self.decoder_transformer, self.decoder] if part == "decode" else \
+            [self.encoder, self.encoder_transformer, self.downsample]
+        return [m for r in root for m in r.modules() if isinstance(m, Stateful)]
+
+
+class MimiStream:
+    """Per-row streaming state for `max_rows` rows (slots) and the step over any subset of them.
+
+    step(x, rows): rows LongTensor [B] of distinct row ids; only those rows are read and written.
+    A CUDA-graph bucket pads its batch with a spare row id (e.g. allocate max_rows + 1).
+    max_frames: the most frames one step may carry (sizes the transformer ring slack).
+    """
+
+    def __init__(self, mimi: Mimi, max_rows: int, part: str = "decode", max_frames: int = 4,
+                 device: torch.device | str | None = None, moshi_window: bool = False):
+        if part not in ("decode", "encode"):
+            raise ValueError(f"part must be 'decode' or 'encode', not {part!r}")
+        self.mimi, self.part, self.max_frames, self.moshi_window = mimi, part, max_frames, moshi_window
+        device = device or mimi.downsample.weight.device
+        self.bufs: dict[str, Tensor] = {}
+        steps = max_frames * mimi.cfg.latent_stride
+        for m in mimi.stateful_modules(part):
+            for name, (shape, dtype) in m.state_specs(steps).items():
+                self.bufs[f"{m.key}.{name}"] = torch.zeros(max_rows, *shape, dtype=dtype or mimi.dtype, device=device)
+        self.max_rows = max_rows
+
+    def reset(self, rows: Tensor) -> None:
+        """Zero the named rows (start new streams there); other rows are untouched."""
+        for buf in self.bufs.values():
+            buf.index_fill_(0, rows, 0)
+
+    def _view(self, rows: Tensor, n: int) -> RowView:
+        if n > self.max_frames:
+            raise ValueError(f"{n} frames per step > max_frames={self.max_frames}")
+        return RowView(self.bufs, rows, self.moshi_window)
+
+    @torch.inference_mode()
+    def decode_step(self, codes: Tensor, rows: Tensor) -> Tensor:
+        # codes [B, K, n] -> pcm [B, n * frame_size] (dtype of the model)
+        assert self.part == "decode"
+        return self.mimi.synth(codes, self._view(rows, codes.shape[-1]))[:, 0]
+
+    @torch.inference_mode()
+    def encode_step(self, wav: Tensor, rows: Tensor) -> Tensor:
+        # wav [B, 1, n * frame_size] or [B, n * frame_size] -> codes [B, Q, n]
+        assert self.part == "encode"
+        wav = wav if wav.dim() == 3 else wav[:, None]
+        fs = self.mimi.cfg.frame_size
+        if wav.shape[-1] == 0 or wav.shape[-1] % fs:
+            raise ValueError(f"streaming encode takes whole frames of {fs} samples, got {wav.shape[-1]}")
+        view = self._view(rows, wav.shape[-1] // fs)
+        return self.mimi.quantizer.encode(self.mimi.latent(wav, view))
