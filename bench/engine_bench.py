@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--no-codec", action="store_true")
+    ap.add_argument("--codec-dtype", default="bfloat16")
     ap.add_argument("--hf", action="store_true", help="also run transformers on the same weights")
     ap.add_argument("--hf-compile", action="store_true", help="and its static-cache compile recipe")
     ap.add_argument("--out")
@@ -148,7 +149,7 @@ def main() -> None:
                        prefill_token_budget=2048)
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    runner = ModelRunner(model, n_slots, args.max_seq_len, codec=codec)
+    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec)
     capture_s = time.perf_counter() - t
     engine = Engine(runner, cfg)
     emit(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, dtype {args.dtype}, "
@@ -208,6 +209,7 @@ def build(args, dtype):
             hf_model = CsmForConditionalGeneration(cfg).to(dtype).eval()
         d = tempfile.mkdtemp()
         hf_model.save_pretrained(d)
+        args.ckpt_dir = d
         model = load_csm(d, "cuda", dtype)[0]
     else:
         model = load_csm(args.model, "cuda", dtype)[0]
@@ -216,11 +218,12 @@ def build(args, dtype):
 
 
 def load_codec_for(args, dtype, hf_model):
-    try:
-        from csmserve.models import mimi  # noqa: F401
-    except ImportError:
-        return None
-    return None  # wired once the Mimi streaming API lands
+    from csmserve.models.mimi_loader import load_mimi
+
+    codec_dtype = getattr(torch, args.codec_dtype)
+    if hf_model is not None:  # the codec inside the same checkpoint
+        return load_mimi(args.ckpt_dir, dtype=codec_dtype, device="cuda")
+    return load_mimi("dummy", dtype=codec_dtype, device="cuda")
 
 
 if __name__ == "__main__":

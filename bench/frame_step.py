@@ -12,15 +12,12 @@ import torch
 
 from csmserve.engine.request import Admission
 from csmserve.engine.runner import ModelRunner
-from csmserve.models.csm import CSMConfig, CSMModel
 
 
 def dummy_model(device: str, dtype: torch.dtype) -> CSMModel:
-    with torch.device(device):
-        m = CSMModel(CSMConfig()).to(dtype)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return m.eval()
+    from csmserve.models.loader import load_csm
+
+    return load_csm("dummy", device, dtype)[0]
 
 
 def main() -> None:
@@ -30,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--fuse", action="store_true", help="torch.compile the elementwise pieces")
+    ap.add_argument("--codec", action="store_true", help="include the Mimi streaming decode (bf16)")
     args = ap.parse_args()
     if args.fuse:
         from csmserve.models.llama import fuse_elementwise
@@ -39,7 +37,12 @@ def main() -> None:
     model = dummy_model("cuda", torch.bfloat16)
     n = max(batches)
     t0 = time.perf_counter()
-    runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches)
+    mimi = None
+    if args.codec:
+        from csmserve.models.mimi_loader import load_mimi
+
+        mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches, mimi=mimi)
     print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
     W = model.cfg.frame_width
     tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)

@@ -11,8 +11,14 @@ if [[ $what == all || $what == tests ]]; then
   python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt"
 fi
 if [[ $what == all || $what == frame ]]; then
-  python bench/frame_step.py ${FRAME_ARGS:-} 2>&1 | tee "$OUT/frame_step.txt"
-  python bench/frame_step.py ${FRAME_ARGS:-} --fuse 2>&1 | tee "$OUT/frame_step_fused.txt"
+  python bench/frame_step.py ${FRAME_ARGS:-} --fuse 2>&1 | tee "$OUT/frame_step.txt"
+  python bench/frame_step.py ${FRAME_ARGS:-} --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt"
+fi
+if [[ $what == all || $what == mimi ]]; then
+  python bench/mimi_decode.py --device cuda --batches 1,8,64,256 --dtype bfloat16 2>&1 | tee "$OUT/mimi_decode.txt"
+fi
+if [[ $what == all || $what == engine ]]; then
+  python bench/engine_bench.py ${ENGINE_ARGS:-} --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt"
 fi
 if [[ $what == profile ]]; then
   python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"

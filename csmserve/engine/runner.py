@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 
 from ..models.csm import CSMModel
-from ..models.llama import DenseKV
+from ..models.mimi import Mimi, MimiStream
 from .request import Admission, PrefillChunk
 from .sampler import sample
-from .slots import SlotKV, SlotState
+from .slots import DepthKV, SlotKV, SlotState
 
 
 class StreamingCodec(Protocol):
@@ -45,19 +45,19 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, codec: StreamingCodec | None = None,
+    def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None) -> None:
         p = next(model.parameters())
-        self.model, self.codec, self.device, self.dtype = model, codec, p.device, p.dtype
+        self.model, self.device, self.dtype = model, p.device, p.dtype
+        # one codec row per slot, plus the scratch row that padding points at
+        self.codec: StreamingCodec | None = None if mimi is None else MimiStream(mimi, num_slots + 1, "decode", 1)
         self.cfg = model.cfg
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
         self.state = SlotState(self.cfg, num_slots, self.device)
         self.buckets = buckets or default_buckets(num_slots)
-        d = self.cfg.decoder
-        self.depth_kv = DenseKV(d.n_layers, self.buckets[-1], d.n_kv_heads, self.cfg.num_codebooks, d.head_dim,
-                                self.dtype, self.device)
+        self.depth_kv = DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)

@@ -65,6 +65,38 @@ class SlotKV:
         return out.transpose(1, 2)
 
 
+class DepthKV:
+    """The depth decoder's one-frame cache k, v [L, B, Hkv, K, hd], rewritten every frame (batch-local:
+    nothing crosses a frame boundary, so no slot indexing). One-query steps use the decode kernel."""
+
+    def __init__(self, cfg: CSMConfig, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+        d = cfg.decoder
+        shape = (d.n_layers, batch, d.n_kv_heads, cfg.num_codebooks, d.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows = torch.arange(batch, device=device)
+        self.use_triton = device.type == "cuda"
+        self.pos = self.lengths = self.mask = None
+
+    def begin(self, pos: Tensor) -> None:
+        self.pos = pos  # [B, S]
+        self.lengths = (pos[:, -1] + 1).to(torch.int32)
+        keys = torch.arange(self.k.shape[3], device=pos.device)
+        self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, S = q.shape[:2]
+        rows = self.rows[:B]
+        kc, vc = self.k[layer], self.v[layer]
+        kc[rows[:, None], :, self.pos] = k
+        vc[rows[:, None], :, self.pos] = v
+        if S == 1 and self.use_triton:
+            return decode_attention_triton(q[:, 0], kc, vc, rows, self.lengths, splits=1)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), kc[:B], vc[:B], attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
 class SlotState:
     """Per-slot inputs of the next frame step and sampling parameters, all [N+1, ...] on the device."""
 

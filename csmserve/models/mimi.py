@@ -180,6 +180,7 @@ class MimiStream:
             for name, (shape, dtype) in m.state_specs(steps).items():
                 self.bufs[f"{m.key}.{name}"] = torch.zeros(max_rows, *shape, dtype=dtype or mimi.dtype, device=device)
         self.max_rows = max_rows
+        self.frame_size = mimi.cfg.frame_size
 
     def reset(self, rows: Tensor) -> None:
         """Zero the named rows (start new streams there); other rows are untouched."""
