@@ -1,21 +1,26 @@
-"""The offline Python API: `CSM(model).prompt(...)`, `CSM(model).generate(...)`.
+"""The offline Python API: `CSM(model)` with `prompt`, `generate`, `stream`, `astream`, `encode_audio`.
 
-For now `generate` runs the reference generator (batch 1, no graphs); the engine takes its place
-behind the same signature later, and `.audio` is filled once the Mimi codec lands.
+Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
+`engine=False` keeps the plain reference generator (batch 1), the golden path the tests compare to.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import reference
-from .engine.request import SamplingParams
+from .config import EngineConfig
+from .engine.request import AudioChunk, Request, SamplingParams
+from .models.codec import load_codec
 from .models.loader import load_csm
 from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames
 
+log = logging.getLogger("csmserve")
 SAMPLE_RATE = 24_000
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -27,15 +32,15 @@ class Segment:
     speaker: int
     text: str
     codes: np.ndarray | None = None  # [frames, 32] int
-    audio: np.ndarray | None = None  # [samples] float at 24 kHz (needs the Mimi codec)
+    audio: np.ndarray | None = None  # [samples] float at 24 kHz (encoded with Mimi once)
 
 
 @dataclass
 class GenerationResult:
     codes: np.ndarray  # [frames, 32] int64, the ending all-zero frame excluded
-    audio: np.ndarray | None  # [frames * 1920] float32 at 24 kHz; None until the codec is loaded
-    finish_reason: str  # "eos" | "length"
-    seed: int
+    audio: np.ndarray | None  # [frames * 1920] float32 at 24 kHz; None without a codec
+    finish_reason: str  # "eos" | "length" | "abort"
+    seed: int | None
     sample_rate: int = SAMPLE_RATE
 
     @property
@@ -54,25 +59,81 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 class CSM:
-    """CSM-1B: `model` is a hub id, a local directory, `dummy` or `dummy-tiny`."""
+    """CSM-1B: `model` is a hub id, a local directory, `dummy` or `dummy-tiny`.
+
+    codec: None = the Mimi weights beside the model (`codec_model.*`, a moshi/kyutai file in the same
+    directory, or random weights for dummy models); a path = a kyutai/mimi dir or moshi safetensors;
+    "none" = no codec (codes only).
+    """
 
     def __init__(self, model: str = "sesame/csm-1b", device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> None:
+                 dtype: str | torch.dtype | None = None, codec: str | Path | None = None,
+                 codec_dtype: str | torch.dtype | None = None, engine: bool = True,
+                 engine_config: EngineConfig | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config, self.model_dir = load_csm(model, self.device, self.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
+        cdtype = resolve_dtype(codec_dtype, self.device) if codec_dtype else torch.float32
+        self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
+        self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
+        self.sample_rate = SAMPLE_RATE
+        self.use_engine = engine
+        self.engine_config = engine_config
+        self._engine = None
+        self._client = None
+
+    # ---- engine
+    @property
+    def client(self) -> "EngineClient":  # noqa: F821
+        if self._client is None:
+            from .engine.engine import Engine, EngineClient
+            from .engine.runner import ModelRunner
+            from .engine.slots import size_slots
+
+            cfg = self.engine_config or EngineConfig(max_slots=size_slots(self.model, self.mimi, 2048))
+            runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi)
+            self._engine = Engine(runner, cfg)
+            self._client = EngineClient(self._engine)
+        return self._client
+
+    @property
+    def engine(self):
+        _ = self.client
+        return self._engine
+
+    @property
+    def ready(self) -> bool:
+        return self._client is not None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = self._client = None
+
+    # ---- prompts
+    def encode_audio(self, audio: np.ndarray) -> np.ndarray:
+        """A 24 kHz mono waveform -> Mimi codes [frames, 32] int64."""
+        if self.mimi is None:
+            raise RuntimeError("no codec loaded: pass codes=, or load CSM with a Mimi codec")
+        wav = torch.as_tensor(np.asarray(audio, dtype=np.float32), device=self.device)
+        if wav.ndim != 1 or wav.numel() == 0:
+            raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {tuple(wav.shape)}")
+        with torch.inference_mode():
+            codes = self.mimi.encode(wav[None, None].to(self.mimi.dtype))[0]  # [Q, T]
+        return codes[: self.config.num_codebooks].T.cpu().numpy().astype(np.int64)
 
     def _segments(self, context: Sequence[Segment]) -> list[PromptSegment]:
         out = []
         for seg in context:
-            if seg.audio is not None and seg.codes is None:
-                raise NotImplementedError("Segment(audio=...) needs the Mimi codec, not loaded yet; pass codes=")
-            if seg.codes is not None:
-                codes = np.asarray(seg.codes)
+            codes = seg.codes
+            if codes is None and seg.audio is not None:
+                codes = self.encode_audio(seg.audio)
+            if codes is not None:
+                codes = np.asarray(codes)
                 if codes.size and (codes.min() < 0 or codes.max() >= self.config.audio_vocab_size):
                     raise ValueError(f"codes must be in [0, {self.config.audio_vocab_size})")
-            out.append(PromptSegment(int(seg.speaker), seg.text, seg.codes))
+            out.append(PromptSegment(int(seg.speaker), seg.text, codes))
         return out
 
     def prompt(self, text: str, speaker: int = 0, context: Sequence[Segment] = (),
@@ -82,12 +143,58 @@ class CSM:
         return prompt_frames(self.tokenizer, self._segments(context), text, int(speaker), self.config.num_codebooks,
                              max_frames, self.config.max_seq_len)
 
-    def generate(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
-                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
-                 max_audio_length_ms: int = 10_000) -> GenerationResult:
-        """Speech for `text` as `speaker`, after `context`. temperature 0 = greedy; seed None = a random seed."""
+    def request(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
+                top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
+                max_audio_length_ms: int = 10_000) -> Request:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms)
-        tokens, mask = self.prompt(text, speaker, context, max_audio_length_ms)
-        out = reference.generate(self.model, tokens, mask, params)
-        return GenerationResult(codes=out.codes, audio=None, finish_reason=out.finish_reason, seed=out.seed)
+        return Request(*self.prompt(text, speaker, context, max_audio_length_ms), params=params)
+
+    # ---- generation
+    def generate(self, text: str | Sequence[str] | Sequence[Request], speaker: int = 0,
+                 context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
+                 seed: int | None = None, max_audio_length_ms: int = 10_000
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Speech for `text` as `speaker`, after `context`. temperature 0 = greedy; seed None = a random seed.
+
+        A list of texts (same keyword arguments for all) or of `Request`s runs together on the engine
+        and returns a list of results in the same order.
+        """
+        kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  max_audio_length_ms=max_audio_length_ms)
+        if isinstance(text, str):
+            if not self.use_engine:
+                return self._reference(self.request(text, **kw))
+            return self._results([self.request(text, **kw)])[0]
+        reqs = [t if isinstance(t, Request) else self.request(t, **kw) for t in text]
+        return self._results(reqs)
+
+    def stream(self, text: str | Request, **kw) -> Iterator[AudioChunk]:
+        """Chunks (.audio float32 24 kHz, .codes [n, 32]) as they are generated; the first after one frame."""
+        req = text if isinstance(text, Request) else self.request(text, **kw)
+        yield from self.client.stream(req)
+
+    async def astream(self, text: str | Request, **kw) -> AsyncIterator[AudioChunk]:
+        req = text if isinstance(text, Request) else self.request(text, **kw)
+        async for chunk in self.client.astream(req):
+            yield chunk
+
+    def _results(self, reqs: list[Request]) -> list[GenerationResult]:
+        out = []
+        for req, chunks in zip(reqs, self.client.run(reqs)):
+            codes = np.concatenate([c.codes for c in chunks])
+            audio = np.concatenate([c.audio for c in chunks]) if self.mimi is not None else None
+            out.append(GenerationResult(codes, audio, chunks[-1].finish_reason or "length", req.params.seed))
+        return out
+
+    def _reference(self, req: Request) -> GenerationResult:
+        out = reference.generate(self.model, req.tokens, req.mask, req.params)
+        return GenerationResult(out.codes, self.decode(out.codes), out.finish_reason, out.seed)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray | None:
+        """Whole-utterance Mimi decode of codes [frames, 32] -> float32 [frames * 1920]."""
+        if self.mimi is None:
+            return None
+        with torch.inference_mode():
+            c = torch.as_tensor(np.asarray(codes).T[None], dtype=torch.long, device=self.device)  # [1, 32, T]
+            return self.mimi.decode(c)[0, 0].float().cpu().numpy()

@@ -110,3 +110,21 @@ class SlotState:
         self.top_k = torch.zeros(n, dtype=torch.long, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = torch.zeros(n, dtype=torch.long, device=device)
+
+
+def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len: int,
+               memory_fraction: float = 0.85, cap: int = 4096) -> int:
+    """Slots that fit in free device memory (CUDA), leaving room for graphs' activations; 8 on the CPU."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return 8
+    cfg = model.cfg
+    c = cfg.backbone
+    kv = 2 * c.n_layers * c.n_kv_heads * max_seq_len * c.head_dim * p.element_size()
+    codec = 0
+    if mimi is not None:
+        from ..models.mimi import MimiStream
+
+        codec = sum(b[0].numel() * b.element_size() for b in MimiStream(mimi, 1, "decode", 1).bufs.values())
+    free, _ = torch.cuda.mem_get_info(p.device)
+    return max(1, min(cap, int(free * memory_fraction) // (kv + codec + 64 * 1024)))

@@ -180,17 +180,23 @@ def dummy_init(mimi: Mimi, seed: int = 0) -> Mimi:
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+    """Every tensor of a Mimi file; from a CSM checkpoint only its `codec_model.*` tensors."""
+    from safetensors import safe_open
 
     if path.is_file():
-        return load_file(str(path))
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        [p.name for p in path.glob("*.safetensors")]
-    sd: dict[str, Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(path / f)))
-    return sd
+        files = [path]
+    else:
+        index = path / "model.safetensors.index.json"
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+            [p.name for p in path.glob("*.safetensors")]
+        files = [path / n for n in names]
+    if not files:
+        raise FileNotFoundError(f"no safetensors file in {path}")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    if any(k.startswith("codec_model.") for _, k in keys):
+        keys = [(h, k) for h, k in keys if k.startswith("codec_model.")]
+    return {k: h.get_tensor(k) for h, k in keys}
 
 
 def _config_from_dir(path: Path) -> MimiConfig:
