@@ -55,11 +55,14 @@ def test_api_prompt_and_generate():
                      max_audio_length_ms=320)
     b = csm.generate("Hello.", context=[Segment(1, "Hi.", codes=codes)], temperature=0.9, seed=11,
                      max_audio_length_ms=320)
-    assert a.codes.shape == (4, 32) and a.audio is None
+    assert a.codes.shape == (4, 32) and a.audio.shape == (4 * 1920,) and a.audio.dtype == np.float32
     np.testing.assert_array_equal(a.codes, b.codes)
     greedy = csm.generate("Hello.", temperature=0, max_audio_length_ms=240)
     assert greedy.codes.shape == (3, 32)
-    with pytest.raises(NotImplementedError, match="codec"):
-        csm.prompt("x", context=[Segment(0, "y", audio=np.zeros(1920, dtype=np.float32))])
+    # context audio is Mimi-encoded into audio frames (+ the EOS frame) between the turn's text frames
+    t2, m2 = csm.prompt("x", context=[Segment(0, "y", audio=np.zeros(2 * 1920, dtype=np.float32))])
+    audio_rows = m2[:, :32].all(1)
+    assert audio_rows.sum() == 3 and not t2[audio_rows][-1].any()  # 2 frames + the all-zero EOS frame
     with pytest.raises(ValueError, match="prompt too long"):
         csm.generate("x" * 2100, max_audio_length_ms=800)
+    csm.close()
