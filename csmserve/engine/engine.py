@@ -38,9 +38,8 @@ class _Stream:
     emitted_frames: int = 0
     first_audio_time: float | None = None
 
-    def flush(self, final: bool, reason: str | None, frame_size: int) -> None:
-        K = self.codes[0].shape[1] if self.codes else 0
-        codes = np.concatenate(self.codes) if self.codes else np.zeros((0, K or 32), np.int64)
+    def flush(self, final: bool, reason: str | None, num_codebooks: int) -> None:
+        codes = np.concatenate(self.codes) if self.codes else np.zeros((0, num_codebooks), np.int64)
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
         if len(codes) and self.first_audio_time is None:
             self.first_audio_time = time.perf_counter()
@@ -52,8 +51,8 @@ class _Stream:
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, start: bool = True) -> None:
         self.runner, self.config = runner, config
-        self.scheduler = Scheduler(config)
-        self.frame_size = runner.codec.frame_size if runner.codec is not None else 0
+        self.scheduler = Scheduler(config, runner.cfg.num_codebooks)
+        self.num_codebooks = runner.cfg.num_codebooks
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
         self.stats = {"frames": 0, "steps": 0}
@@ -124,7 +123,7 @@ class Engine:
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None and request_id in self.streams:
-            self.streams.pop(request_id).flush(True, "abort", self.frame_size)
+            self.streams.pop(request_id).flush(True, "abort", self.num_codebooks)
 
     def _collect(self, step: int, out: StepOutput) -> None:
         codes, pcm = out.wait()
@@ -144,9 +143,9 @@ class Engine:
         want = self.config.first_chunk_frames if st.emitted_frames == 0 else self.config.chunk_frames
         if o.finish_reason is not None:
             del self.streams[o.request_id]
-            st.flush(True, o.finish_reason, self.frame_size)
+            st.flush(True, o.finish_reason, self.num_codebooks)
         elif len(st.codes) >= want:
-            st.flush(False, None, self.frame_size)
+            st.flush(False, None, self.num_codebooks)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.streams):

@@ -52,7 +52,8 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, num_codebooks: int = 32) -> None:
+        self.num_codebooks = num_codebooks
         self.max_slots = config.max_slots
         self.max_waiting = config.max_waiting
         self.max_seq_len = config.max_seq_len
@@ -144,8 +145,9 @@ class Scheduler:
     def _validate(self, req: Request) -> None:
         if req.status != RequestStatus.WAITING or req.request_id in self._requests:
             raise ValueError(f"request {req.request_id} was already added")
-        if req.tokens.ndim != 2 or req.tokens.shape[1] != 33 or req.mask.shape != req.tokens.shape:
-            raise ValueError(f"prompt must be tokens/mask [P, 33], got {req.tokens.shape} / {req.mask.shape}")
+        w = self.num_codebooks + 1
+        if req.tokens.ndim != 2 or req.tokens.shape[1] != w or req.mask.shape != req.tokens.shape:
+            raise ValueError(f"prompt must be tokens/mask [P, {w}], got {req.tokens.shape} / {req.mask.shape}")
         if not 1 <= req.prompt_len <= self.max_seq_len:
             raise ValueError(f"prompt is {req.prompt_len} frames; it must be 1..{self.max_seq_len} (max_seq_len)")
 
