@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--fuse", action="store_true")
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--codec", action="store_true")
     args = ap.parse_args()
     if args.fuse:
         from csmserve.models.llama import fuse_elementwise
@@ -29,7 +30,12 @@ def main() -> None:
     model = load_csm("dummy", "cuda", torch.bfloat16)[0]
     batches = [int(b) for b in args.batches.split(",")]
     n = max(batches)
-    runner = ModelRunner(model, num_slots=n, max_seq_len=512, use_graphs=False)
+    mimi = None
+    if args.codec:
+        from csmserve.models.mimi_loader import load_mimi
+
+        mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(model, num_slots=n, max_seq_len=512, use_graphs=False, mimi=mimi)
     W = model.cfg.frame_width
     tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
     mask[-1] = True

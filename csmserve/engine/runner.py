@@ -52,6 +52,8 @@ class ModelRunner:
         # one codec row per slot, plus the scratch row that padding points at
         self.codec: StreamingCodec | None = None if mimi is None else MimiStream(mimi, num_slots + 1, "decode", 1)
         self.cfg = model.cfg
+        if self.device.type == "cuda":
+            model.prepare_heads()
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)

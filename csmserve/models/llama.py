@@ -88,9 +88,11 @@ apply_rope, rms_norm, silu_mul = _apply_rope, _rms_norm, _silu_mul
 def fuse_elementwise() -> None:
     """Replace the elementwise pieces with torch.compile'd fusions (CUDA): far fewer kernels per frame."""
     global apply_rope, rms_norm, silu_mul
+    from ..kernels.elementwise import silu_mul_triton
+
     apply_rope = torch.compile(_apply_rope, dynamic=True, fullgraph=True)
     rms_norm = torch.compile(_rms_norm, dynamic=True, fullgraph=True)
-    silu_mul = torch.compile(_silu_mul, dynamic=True, fullgraph=True)
+    silu_mul = silu_mul_triton
 
 
 class KVView(Protocol):

@@ -98,3 +98,14 @@ def test_triton_sampler_matches_torch(V):
             b = sample_torch(logits, temperature, top_k, tp, seed, frame, cb)
             agree = (a == b).float().mean().item()
             assert agree >= (1.0 if top_p == 1.0 else 0.95), agree
+
+
+@cuda
+def test_silu_mul_kernel():
+    from csmserve.kernels.elementwise import silu_mul_triton
+    from csmserve.models.llama import _silu_mul
+
+    x = torch.randn(37, 2 * 3000, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=2e-2, rtol=2e-2)
+    x = torch.randn(5, 1, 2 * 64, device="cuda")
+    torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=1e-5, rtol=1e-5)
