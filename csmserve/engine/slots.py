@@ -80,9 +80,11 @@ class DepthKV:
 
     def begin(self, pos: Tensor) -> None:
         self.pos = pos  # [B, S]
-        self.lengths = (pos[:, -1] + 1).to(torch.int32)
-        keys = torch.arange(self.k.shape[3], device=pos.device)
-        self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
+        if pos.shape[1] == 1 and self.use_triton:
+            self.lengths = (pos[:, 0] + 1).to(torch.int32)
+        else:
+            keys = torch.arange(self.k.shape[3], device=pos.device)
+            self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, S = q.shape[:2]

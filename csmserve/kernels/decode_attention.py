@@ -78,10 +78,15 @@ def _kernels():  # lazy: triton is only present with CUDA builds of torch
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 l = l * alpha + tl.sum(p, 1)
                 m = m_new
-            part = q_rows * SPLITS + sp  # [GP]
-            tl.store(O_PART + part[:, None] * HD + d[None, :], acc, mask=g_ok[:, None])
-            tl.store(M_PART + part, m, mask=g_ok)
-            tl.store(L_PART + part, l, mask=g_ok)
+            if SPLITS == 1:  # the whole row in one program: normalise and write the output directly
+                out = acc / l[:, None]
+                tl.store(O_PART + q_rows[:, None] * HD + d[None, :], out.to(O_PART.dtype.element_ty),
+                         mask=g_ok[:, None])
+            else:
+                part = q_rows * SPLITS + sp  # [GP]
+                tl.store(O_PART + part[:, None] * HD + d[None, :], acc, mask=g_ok[:, None])
+                tl.store(M_PART + part, m, mask=g_ok)
+                tl.store(L_PART + part, l, mask=g_ok)
 
         @triton.jit
         def _reduce_kernel(O_PART, M_PART, L_PART, OUT, HD: tl.constexpr, SPLITS: tl.constexpr):
@@ -108,21 +113,28 @@ def num_splits(batch: int, n_kv_heads: int, max_splits: int = 16) -> int:
 
 def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_ids: Tensor, lengths: Tensor,
                             splits: int | None = None) -> Tensor:
+    import triton
+
     split_kernel, reduce_kernel = _kernels()
     B, Hq, hd = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
     splits = splits or num_splits(B, Hkv)
     q = q.contiguous()
-    o_part = torch.empty(B * Hq * splits, hd, dtype=torch.float32, device=q.device)
-    m_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if splits == 1:
+        o_part = m_part = l_part = out  # the kernel writes the output itself
+    else:
+        o_part = torch.empty(B * Hq * splits, hd, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
+    block_n = min(64, triton.next_power_of_2(k_cache.shape[2]))
     split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, slot_ids, lengths, o_part, m_part, l_part, 1.0 / math.sqrt(hd),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, GP=max(16, G), HD=hd, BLOCK_N=64, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4,
+        G=G, GP=max(16, G), HD=hd, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4,
     )
-    reduce_kernel[(B * Hq,)](o_part, m_part, l_part, out, HD=hd, SPLITS=splits, num_warps=1)
+    if splits > 1:
+        reduce_kernel[(B * Hq,)](o_part, m_part, l_part, out, HD=hd, SPLITS=splits, num_warps=1)
     return out

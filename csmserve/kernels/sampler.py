@@ -38,29 +38,30 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     top_p = tl.load(TOPP + b)
     x = raw / tl.where(temp > 0, temp, 1.0)
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # float order as integer order
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
     k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
     # k-th largest key: the largest t with count(key >= t) >= k
-    lo = tl.min(tl.where(valid, key, 2147483647), 0)
-    hi = tl.max(key, 0)
+    lo = tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64)  # scalars in int64: no overflow
+    hi = tl.max(key, 0).to(tl.int64)
     for _ in range(33):
         mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum((key >= mid).to(tl.int32), 0) >= k
+        ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= k
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
     kth = lo
-    cand = valid & (key >= kth)
-    e = tl.where(cand, tl.exp(x - tl.max(x, 0)), 0.0)
-    probs = e / tl.sum(e, 0)
-    # top-p: the smallest t >= kth with mass(key > t) <= top_p
-    lo = kth
-    hi = tl.max(key, 0)
-    for _ in range(33):
-        mid = lo + (hi - lo) // 2
-        ok = tl.sum(tl.where(key > mid, probs, 0.0), 0) <= top_p
-        hi = tl.where(ok, mid, hi)
-        lo = tl.where(ok, lo, mid + 1)
-    cut = tl.where(top_p >= 1.0, kth, lo)
+    cut = kth
+    if top_p < 1.0:  # top-p: the smallest t >= kth with mass(key > t) <= top_p
+        cand = valid & (key >= kth.to(tl.int32))
+        e = tl.where(cand, tl.exp(x - tl.max(x, 0)), 0.0)
+        probs = e / tl.sum(e, 0)
+        lo = kth
+        hi = tl.max(key, 0).to(tl.int64)
+        for _ in range(33):
+            mid = lo + (hi - lo) // 2
+            ok = tl.sum(tl.where(key > mid.to(tl.int32), probs, 0.0), 0) <= top_p
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
+        cut = lo
     # counter-based noise, bit-identical to engine.sampler.hash_uniform
     seed = tl.load(SEED + b)
     frame = tl.load(FRAME + b)
@@ -69,7 +70,7 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     h = _mix32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
     h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
     u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    score = tl.where(valid & (key >= cut), x - tl.log(-tl.log(u)), float("-inf"))
+    score = tl.where(valid & (key >= cut.to(tl.int32)), x - tl.log(-tl.log(u)), float("-inf"))
     choice = tl.argmax(score, 0)
     greedy = tl.argmax(raw, 0)
     tl.store(OUT + b, tl.where(temp > 0, choice, greedy).to(tl.int64))

@@ -86,6 +86,8 @@ class CSMModel(nn.Module):
     def prepare_heads(self, multiple: int = 64) -> None:
         """Transposed codebook heads with the vocab padded to `multiple`: 2051 columns make GEMMs fall
         back to unaligned kernels on CUDA. Costs one extra copy of the heads (130 MB in bf16)."""
+        if self.head_t is not None:  # captured graphs may already read it: never replace it
+            return
         V = self.cfg.audio_vocab_size
         pad = -V % multiple
         self.head_t = F.pad(self.audio_head.transpose(1, 2), (0, 0, 0, pad)).contiguous()
