@@ -24,3 +24,35 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP/WebSocket edge: where to listen, who may call, and the limits on one request.
+
+    Every field is a `csmserve serve` flag and a CSMSERVE_<FIELD> environment variable."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # checked against `Authorization: Bearer <key>`; None = open
+    model_name: str = "sesame/csm-1b"  # the id /v1/models reports
+    voices_db: str | None = None  # SQLite path; None = $XDG_DATA_HOME/csmserve/voices.db
+    max_input_chars: int = 4096  # OpenAI's maxLength for `input`
+    max_body_bytes: int = 32 * 2**20  # any request body (JSON with base64 context audio, multipart)
+    max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
+    max_clip_seconds: float = 60.0  # one decoded reference / context clip
+    max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
+    max_audio_length_ms: int = 90_000  # the largest max_audio_length_ms a request may ask for
+    default_audio_length_ms: int = 30_000  # when the request does not say
+    max_concurrent_requests: int = 256  # generations in flight (HTTP + WebSocket); past it: 429
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns",
+                     "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_clip_seconds <= 0:
+            raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
+        if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
+            raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")

@@ -128,7 +128,7 @@ def decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_id
         o_part = torch.empty(B * Hq * splits, hd, dtype=torch.float32, device=q.device)
         m_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty(B * Hq * splits, dtype=torch.float32, device=q.device)
-    block_n = min(64, triton.next_power_of_2(k_cache.shape[2]))
+    block_n = max(16, min(64, triton.next_power_of_2(k_cache.shape[2])))  # tl.dot needs K >= 16
     split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, slot_ids, lengths, o_part, m_part, l_part, 1.0 / math.sqrt(hd),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from csmserve.models.mimi_layers import (CausalConv, CausalConvTr, RowView, SplitRVQ, Stateful, Transformer,
-                                         run_layers, seanet_decoder, seanet_encoder)
+                                         run_layers, seanet_decoder, seanet_encoder, window_attention_available)
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,12 @@ class MimiStream:
     step(x, rows): rows LongTensor [B] of distinct row ids; only those rows are read and written.
     A CUDA-graph bucket pads its batch with a spare row id (e.g. allocate max_rows + 1).
     max_frames: the most frames one step may carry (sizes the transformer ring slack).
+    kernel: transformer attention reads the KV rings in place (Triton) instead of gathering the
+    step's rows; None = when the state lives on CUDA and triton imports. Same results either way.
     """
 
     def __init__(self, mimi: Mimi, max_rows: int, part: str = "decode", max_frames: int = 4,
-                 device: torch.device | str | None = None, moshi_window: bool = False):
+                 device: torch.device | str | None = None, moshi_window: bool = False, kernel: bool | None = None):
         if part not in ("decode", "encode"):
             raise ValueError(f"part must be 'decode' or 'encode', not {part!r}")
         self.mimi, self.part, self.max_frames, self.moshi_window = mimi, part, max_frames, moshi_window
@@ -181,6 +183,7 @@ class MimiStream:
                 self.bufs[f"{m.key}.{name}"] = torch.zeros(max_rows, *shape, dtype=dtype or mimi.dtype, device=device)
         self.max_rows = max_rows
         self.frame_size = mimi.cfg.frame_size
+        self.kernel = window_attention_available(torch.device(device)) if kernel is None else kernel
 
     def reset(self, rows: Tensor) -> None:
         """Zero the named rows (start new streams there); other rows are untouched."""
@@ -190,7 +193,7 @@ class MimiStream:
     def _view(self, rows: Tensor, n: int) -> RowView:
         if n > self.max_frames:
             raise ValueError(f"{n} frames per step > max_frames={self.max_frames}")
-        return RowView(self.bufs, rows, self.moshi_window)
+        return RowView(self.bufs, rows, self.moshi_window, self.kernel)
 
     @torch.inference_mode()
     def decode_step(self, codes: Tensor, rows: Tensor) -> Tensor:

@@ -2,6 +2,9 @@
 and vs moshi's streaming decode, per-row resets, streaming encode, loaders. CPU, fast."""
 from __future__ import annotations
 
+import copy
+import os
+
 import pytest
 import torch
 
@@ -219,6 +222,89 @@ def test_bfloat16_decode_close_to_float32() -> None:
     assert wav.dtype == torch.bfloat16
     assert (wav.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
     assert (stream_decode(low, codes).float() - wav[:, 0].float()).abs().max().item() <= 0.05 * ref.abs().max()
+
+
+def _kernel_device() -> str:
+    """Where the in-place ring attention kernel (Triton) runs: CUDA, or the CPU interpreter."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.importorskip("triton")
+        return "cpu"
+    pytest.skip("the ring attention kernel needs CUDA (or TRITON_INTERPRET=1 with triton installed)")
+
+
+@pytest.mark.parametrize("moshi_window", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_ring_kernel_equals_gather(moshi_pair, moshi_window: bool, n: int) -> None:
+    """kernel=True reads each row's KV ring in place; it must equal the gather + SDPA path, with rows
+    starting at different frames, reset rows holding stale keys, and padding rows repeating a spare row."""
+    cfg, _, ours = moshi_pair
+    dev = _kernel_device()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # fp32 convs on CUDA: no TF32
+        _ring_kernel_vs_gather(cfg, copy.deepcopy(ours).to(dev), dev, moshi_window, n)
+
+
+def _ring_kernel_vs_gather(cfg: MimiConfig, model: Mimi, dev: str, moshi_window: bool, n: int) -> None:
+    T, starts, rows = 24, [0, 4, 10], torch.tensor([3, 0, 2], device=dev)
+    codes = codes_for(cfg, 3, T, seed=12).to(dev)
+    streams = {k: MimiStream(model, 5, "decode", max_frames=n, moshi_window=moshi_window, kernel=k)
+               for k in (False, True)}
+    assert streams[True].kernel and not streams[False].kernel
+    outs = {k: [] for k in streams}
+    for k, st in streams.items():
+        st.decode_step(codes_for(cfg, 2, n, seed=9).to(dev), torch.tensor([0, 2], device=dev))  # stale state
+        for t in range(0, T, n):
+            fresh = [i for i, s in enumerate(starts) if s == t and t > 0]
+            if fresh:
+                st.reset(rows[fresh])
+            live = [i for i, s in enumerate(starts) if t >= s]
+            spare = torch.full((2,), 4, device=dev)  # a graph bucket's padding: the spare row, twice
+            pcm = st.decode_step(torch.cat([codes[live, :, t:t + n], codes[:2, :, t:t + n]]),
+                                 torch.cat([rows[live], spare]))
+            outs[k].append((live, pcm[: len(live)]))
+    for (live, a), (_, b) in zip(outs[False], outs[True]):
+        assert (a - b).abs().max().item() <= TOL, live
+    if not moshi_window:  # and both equal whole decode
+        ref = model.decode(codes[2:3, :, 10:])[0, 0]
+        got = torch.cat([pcm[live.index(2)] for live, pcm in outs[True] if 2 in live])
+        assert (got - ref).abs().max().item() <= TOL
+
+
+def test_ring_kernel_stream_encode_equals_whole() -> None:
+    dev = _kernel_device()
+    cfg = MimiConfig.tiny(sliding_window=6)
+    ours = dummy_init(Mimi(cfg)).to(dev)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        wav = 5 * ours.decode(codes_for(cfg, 2, 24, seed=7).to(dev))
+        whole = ours.encode(wav)
+        fs, rows = cfg.frame_size, torch.tensor([2, 0], device=dev)
+        for n in (1, 3):
+            st = MimiStream(ours, max_rows=3, part="encode", max_frames=n, kernel=True)
+            st.encode_step(wav[..., :fs].flip(0), rows)
+            st.reset(rows)
+            got = torch.cat([st.encode_step(wav[..., i * fs:(i + n) * fs], rows) for i in range(0, 24, n)], dim=-1)
+            assert torch.equal(got, whole), n
+
+
+def test_ring_kernel_bfloat16_close() -> None:
+    dev = _kernel_device()
+    if dev == "cpu":
+        pytest.skip("triton's interpreter has no bfloat16")
+    cfg = MimiConfig(num_hidden_layers=2)
+    model = dummy_init(Mimi(cfg)).to(dev, torch.bfloat16).eval()
+    codes = codes_for(cfg, 3, 8).to(dev)
+    rows = torch.tensor([0, 2, 1], device=dev)
+    got = {}
+    for k in (False, True):
+        st = MimiStream(model, 3, "decode", max_frames=1, kernel=k)
+        got[k] = torch.cat([st.decode_step(codes[..., i:i + 1], rows) for i in range(8)], -1).float()
+    assert (got[True] - got[False]).abs().max().item() <= 0.02 * got[False].abs().max().item()
+
+
+def test_kernel_off_without_cuda() -> None:
+    ours = dummy_init(Mimi(MimiConfig.tiny()))
+    assert not MimiStream(ours, 2, "decode", max_frames=1).kernel  # state on the CPU: the gather path
 
 
 # --------------------------------------------------------------------------- streaming encode
