@@ -2,9 +2,11 @@
 
 Math only. Whole-utterance `Mimi.encode` / `Mimi.decode` run without state. Streaming
 runs through `MimiStream`: buffers preallocated for `max_rows` rows (slots), each step
-gathers the rows it names (`index_select`), computes, and scatters the new tails back
-(`index_copy_`). No host sync and no state allocation in a step, so a step of fixed
-(B, n) can be captured in a CUDA graph. Spec: docs/reference/csm-mimi-spec.md §3.
+gathers the conv tails of the rows it names (`index_select`), computes, and scatters the new
+tails back (`index_copy_`). Transformer KV rings only get the step's new keys written in place;
+on CUDA attention reads the rings in place (Triton `window_attention`), elsewhere it gathers
+them. No host sync and no state allocation in a step, so a step of fixed (B, n) can be
+captured in a CUDA graph. Spec: docs/reference/csm-mimi-spec.md §3.
 
 Our parameter layout (loaders in `mimi_loader.py` convert HF and moshi names to it):
 SEANet modules keep HF's `layers.N` indices; attention is one fused `qkv` Linear with q/k
