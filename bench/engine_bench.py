@@ -6,7 +6,6 @@ Prints markdown tables; --out FILE also writes them.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -194,25 +193,36 @@ def build(args, dtype):
     """Our model (and codec), and transformers' model holding the same weights when --hf."""
     from csmserve.models.loader import load_csm
 
-    hf_model = None
     if args.hf:
-        import tempfile
+        try:
+            return build_with_hf(args, dtype)
+        except Exception as e:  # an older transformers on the GPU image: bench ourselves, say so
+            print(f"transformers reference unavailable ({type(e).__name__}: {e}); dummy weights", flush=True)
+            args.hf = False
+    model = load_csm(args.model, "cuda", dtype)[0]
+    codec = None if args.no_codec else load_codec_for(args, dtype, None)
+    return model, codec, None
 
-        from transformers import CsmConfig, CsmForConditionalGeneration
 
-        rope = lambda low, high, orig: {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,  # noqa: E731
-                                        "low_freq_factor": low, "high_freq_factor": high,
-                                        "original_max_position_embeddings": orig}
-        cfg = CsmConfig(rope_parameters=rope(0.125, 0.5, 1024),
-                        depth_decoder_config={"rope_parameters": rope(0.001953125, 0.0078125, 16)})
-        with torch.device("cuda"):
-            hf_model = CsmForConditionalGeneration(cfg).to(dtype).eval()
-        d = tempfile.mkdtemp()
-        hf_model.save_pretrained(d)
-        args.ckpt_dir = d
-        model = load_csm(d, "cuda", dtype)[0]
-    else:
-        model = load_csm(args.model, "cuda", dtype)[0]
+def build_with_hf(args, dtype):
+    """transformers' CsmForConditionalGeneration with random weights, saved; ours loads the same file."""
+    import tempfile
+
+    from transformers import CsmConfig, CsmForConditionalGeneration
+
+    from csmserve.models.loader import load_csm
+
+    def rope(low: float, high: float, orig: int) -> dict:
+        return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings": orig}
+
+    cfg = CsmConfig(rope_parameters=rope(0.125, 0.5, 1024),
+                    depth_decoder_config={"rope_parameters": rope(0.001953125, 0.0078125, 16)})
+    with torch.device("cuda"):
+        hf_model = CsmForConditionalGeneration(cfg).to(dtype).eval()
+    args.ckpt_dir = tempfile.mkdtemp()
+    hf_model.save_pretrained(args.ckpt_dir)
+    model = load_csm(args.ckpt_dir, "cuda", dtype)[0]
     codec = None if args.no_codec else load_codec_for(args, dtype, hf_model)
     return model, codec, hf_model
 

@@ -14,7 +14,7 @@ from csmserve.engine.request import Admission
 from csmserve.engine.runner import ModelRunner
 
 
-def dummy_model(device: str, dtype: torch.dtype) -> CSMModel:
+def dummy_model(device: str, dtype: torch.dtype) -> torch.nn.Module:
     from csmserve.models.loader import load_csm
 
     return load_csm("dummy", device, dtype)[0]

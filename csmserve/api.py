@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from .engine.request import AudioChunk, Request, SamplingParams
 from .models.codec import load_codec
 from .models.loader import load_csm
 from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames
+
+if TYPE_CHECKING:
+    from .engine.engine import EngineClient
 
 log = logging.getLogger("csmserve")
 SAMPLE_RATE = 24_000
@@ -85,7 +89,7 @@ class CSM:
 
     # ---- engine
     @property
-    def client(self) -> "EngineClient":  # noqa: F821
+    def client(self) -> "EngineClient":
         if self._client is None:
             from .engine.engine import Engine, EngineClient
             from .engine.runner import ModelRunner

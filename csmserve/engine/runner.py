@@ -46,7 +46,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
-                 buckets: list[int] | None = None, use_graphs: bool | None = None) -> None:
+                 buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True) -> None:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         # one codec row per slot, plus the scratch row that padding points at
@@ -54,6 +54,10 @@ class ModelRunner:
         self.cfg = model.cfg
         if self.device.type == "cuda":
             model.prepare_heads()
+            if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
+                from ..models.llama import fuse_elementwise
+
+                fuse_elementwise()
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
