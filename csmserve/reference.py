@@ -29,14 +29,15 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
-def frame_sampler(params: SamplingParams, seed: int, frame: int, device: torch.device) -> Sampler:
+def frame_sampler(params: SamplingParams, seed: int, frame: int, device: torch.device,
+                  n_codes: int | None = None) -> Sampler:
     """sample(logits [1, V], codebook) for one frame of one row, from the engine's sampler."""
     def one(x: float | int, dt: torch.dtype) -> Tensor:
         return torch.tensor([x], dtype=dt, device=device)
 
     t, p = one(params.temperature, torch.float32), one(params.top_p, torch.float32)
     k, s, f = one(params.top_k, torch.int64), one(seed, torch.int64), one(frame, torch.int64)
-    return lambda logits, codebook: sample(logits, t, k, p, s, f, codebook)
+    return lambda logits, codebook: sample(logits[:, :n_codes], t, k, p, s, f, codebook)
 
 
 @torch.inference_mode()
@@ -58,7 +59,7 @@ def generate(model: CSMModel, tokens: np.ndarray | Tensor, mask: np.ndarray | Te
     frame_mask = torch.tensor([[[True] * K + [False]]], device=device)  # [1, 1, K+1]
     out: list[Tensor] = []
     for f in range(n_max):
-        codes = model.decode_frame(h, frame_sampler(params, seed, f, device), dkv, dpos)  # [1, K]
+        codes = model.decode_frame(h, frame_sampler(params, seed, f, device, cfg.sampleable_codes), dkv, dpos)  # [1, K]
         if bool((codes == 0).all()):
             return ReferenceOutput(_stack(out, K), "eos", seed)
         out.append(codes[0])

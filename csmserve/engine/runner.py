@@ -125,9 +125,10 @@ class ModelRunner:
         h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
         temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
         seed, frame = s.seed[slot_ids], s.frame[slot_ids]
+        n = self.cfg.sampleable_codes
 
         def sampler(logits: Tensor, codebook: int) -> Tensor:
-            return sample(logits, temp, top_k, top_p, seed, frame, codebook)
+            return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
         codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         live = slot_ids != self.scratch

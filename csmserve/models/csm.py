@@ -37,6 +37,11 @@ class CSMConfig:
     def frame_width(self) -> int:
         return self.num_codebooks + 1
 
+    @property
+    def sampleable_codes(self) -> int:
+        # the real vocab's ids 2048..2050 are unused and Mimi cannot decode them: never sample them
+        return 2048 if self.audio_vocab_size == 2051 else self.audio_vocab_size
+
 
 # sample(logits [B, V], codebook index) -> codes [B] int64
 Sampler = Callable[[Tensor, int], Tensor]

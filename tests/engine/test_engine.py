@@ -118,3 +118,21 @@ def test_chunking_first_chunk_is_one_frame(model):
     sizes = [len(c.codes) for c in col.chunks[r.request_id]]
     assert sizes[0] == 1 and all(s <= 4 for s in sizes[1:])
     assert sum(sizes) == len(reference.generate(model, r.tokens, r.mask, params).codes)
+
+
+def test_unused_ids_never_sampled(model):
+    # ids 2048..2050 exist in the head but Mimi cannot decode them: even when they dominate, never sampled
+    with torch.no_grad():
+        saved = model.codebook0_head.weight[2048:].clone()
+        model.codebook0_head.weight[2048:] = model.codebook0_head.weight[:3] * 50
+    try:
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, max_audio_length_ms=3 * 80, seed=1)
+            r = Request(*prompt(4, 1), params=params)
+            engine, col = make_engine(model), Collector()
+            drive(engine, col, {0: [r]})
+            assert col.codes(r.request_id).max() < 2048
+            assert reference.generate(model, r.tokens, r.mask, params).codes.max() < 2048
+    finally:
+        with torch.no_grad():
+            model.codebook0_head.weight[2048:] = saved
