@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="csmserve", description="Streaming inference for Sesame CSM-1B.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _speak_parser(sub)
+    from .server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

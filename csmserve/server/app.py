@@ -1,0 +1,142 @@
+"""The FastAPI app: `create_app(csm, config)`.
+
+    app = create_app(CSM("sesame/csm-1b", engine=True), ServerConfig(api_key="secret"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+`csm` may be None with `load` given: the app then answers /health at once, /ready and every model
+route 503 until `load()` (run in a thread at startup) returns the CSM.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..config import ServerConfig
+from ..voices import VoiceStore
+from . import errors, models, speech, voices, ws
+from .errors import APIError, check_bearer
+from .state import ServerState
+
+if TYPE_CHECKING:
+    from ..api import CSM
+
+log = logging.getLogger("csmserve.server")
+
+
+def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceStore | None = None,
+               load: Callable[[], CSM] | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    owns_store, owns_csm = store is None, csm is None and load is not None
+    state = ServerState(csm, config, store if store is not None else VoiceStore(config.voices_db))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = load
+        if loader is None and state.csm is not None and not state.ready:
+            loader = partial(_start_engine, state.csm)
+        task = asyncio.create_task(_load(state, loader)) if loader is not None else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            if owns_csm and state.csm is not None:
+                await asyncio.to_thread(state.csm.close)
+            if owns_store:
+                state.store.close()
+
+    app = FastAPI(title="csmserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible streaming speech for Sesame CSM-1B. See docs/api.md.")
+    app.state.server = state
+    errors.install(app)
+    for module in (speech, voices, models, ws):
+        app.include_router(module.router)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       on_error=state.metrics.error)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    return app
+
+
+def _start_engine(csm: CSM) -> CSM:
+    _ = csm.client  # CSM starts its engine on first use
+    return csm
+
+
+async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
+    try:
+        state.csm = await asyncio.to_thread(load)
+        log.info("model %s loaded; ready", state.config.model_name)
+    except Exception:
+        log.exception("loading the model failed; /ready stays 503")
+
+
+class GuardMiddleware:
+    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size, error counts."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 on_error: Callable[[int], None]) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            if not check_bearer(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
+                return await self._reject(send, APIError(401, "invalid or missing API key; send "
+                                                         "'Authorization: Bearer <key>'", "invalid_api_key"))
+        too_large = APIError(413, f"request body is larger than {self.max_body_bytes} bytes", "request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._reject(send, too_large)
+        seen, exceeded, started = 0, False, False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:  # a chunked upload without Content-Length
+                    exceeded = True
+                    raise APIError(413, too_large.message, "request_too_large")
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                if exceeded:  # whatever the app made of the aborted body, the answer is 413
+                    started = True
+                    return await self._reject(send, too_large)
+                started = True
+                if message["status"] >= 400:
+                    self.on_error(message["status"])
+            elif exceeded:
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except APIError:
+            if not started:
+                await self._reject(send, too_large)
+
+    async def _reject(self, send: Send, error: APIError) -> None:
+        self.on_error(error.status)
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if error.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

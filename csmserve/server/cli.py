@@ -1,0 +1,104 @@
+"""`csmserve serve`: flags for every ServerConfig and EngineConfig field, each mirrored by a
+CSMSERVE_<FIELD> environment variable (flag > environment > default).
+
+    csmserve serve --model sesame/csm-1b --port 8000 --api-key secret --max-slots 64
+    CSMSERVE_API_KEY=secret CSMSERVE_MAX_SLOTS=64 csmserve serve
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..config import EngineConfig, ServerConfig
+
+ENV_PREFIX = "CSMSERVE_"
+_MODEL_FLAGS = {  # name -> (default, help)
+    "model": ("sesame/csm-1b", "hub id, local directory, or dummy / dummy-tiny (random weights, no download)"),
+    "device": (None, "cpu or cuda (default: cuda if available)"),
+    "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
+    "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
+    "log_level": ("info", "debug, info, warning, error"),
+}
+_HELP = {
+    "host": "address to listen on", "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer <key>' on /v1 routes and the WebSocket",
+    "model_name": "model id reported by /v1/models (default: --model)",
+    "voices_db": "SQLite file of stored voices (default: $XDG_DATA_HOME/csmserve/voices.db)",
+    "cors_origins": "comma-separated origins allowed by CORS",
+}
+
+
+def _parser_for(type_name: str) -> Callable[[str], Any]:
+    if type_name.startswith("int"):
+        return int
+    if type_name.startswith("float"):
+        return float
+    if type_name.startswith("tuple"):
+        return lambda s: tuple(x.strip() for x in s.split(",") if x.strip())
+    return str
+
+
+def _env_default(name: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise SystemExit(f"csmserve serve: {ENV_PREFIX}{name.upper()}={raw!r} is not a valid value") from None
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP/WebSocket server",
+                              description="Every flag also reads CSMSERVE_<FLAG> (e.g. CSMSERVE_API_KEY).")
+    for name, (default, help_) in _MODEL_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=_env_default(name, default, str),
+                       help=f"{help_} [env {ENV_PREFIX}{name.upper()}]")
+    for title, cls in (("server", ServerConfig), ("engine", EngineConfig)):
+        group = p.add_argument_group(title)
+        for f in dataclasses.fields(cls):
+            parse = _parser_for(str(f.type))
+            default = f.default if f.default is not dataclasses.MISSING else None
+            help_ = _HELP.get(f.name, f.name.replace("_", " "))
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse,
+                               default=_env_default(f.name, default, parse),
+                               help=f"{help_} (default: {default}) [env {ENV_PREFIX}{f.name.upper()}]")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
+    server = pick(ServerConfig)
+    if server["model_name"] == _default(ServerConfig, "model_name"):  # not set: report --model
+        server["model_name"] = args.model
+    return ServerConfig(**server), EngineConfig(**pick(EngineConfig))
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config, engine_config = configs(args)
+
+    def load():
+        from ..api import CSM
+
+        csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec, engine=True,
+                  engine_config=engine_config)
+        _ = csm.client  # start the engine (and capture graphs) before /ready says so
+        return csm
+
+    app = create_app(None, server_config, load=load)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower())
+    return 0

@@ -1,0 +1,89 @@
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, for every failure we answer."""
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("csmserve.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def check_bearer(authorization: str, api_key: str) -> bool:
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code, param)
+
+
+def _param(loc: tuple) -> str | None:
+    # ("body", "context", 0, "audio") -> "context[0].audio"
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header", "form") else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_type_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _is_type_tag(part: str) -> bool:
+    # pydantic puts the union member in loc: ("voice", "str"), ("voice", "VoiceRef"), ("x", "function-after[...]")
+    return part in ("str", "int", "float", "bool", "list", "dict", "none") or part[:1].isupper() or "[" in part
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
+                        "invalid_json")
+    if first.get("type") == "missing":
+        return APIError(400, f"missing required parameter '{param}'", "missing_required_parameter", param)
+    return APIError(400, f"invalid value for '{param}': {msg}" if param else msg, "invalid_value", param)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", "internal_error").response()

@@ -1,0 +1,70 @@
+"""Request bodies, validated at the edge. Unknown fields are ignored (OpenAI clients add new ones);
+known fields of the wrong type are a 400 naming the field."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from ..audio import MAX_SPEED, MIN_SPEED
+
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+
+
+class VoiceRef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+
+
+class ContextTurn(BaseModel):
+    """One earlier turn of the conversation: who spoke, what they said, and how it sounded."""
+
+    model_config = ConfigDict(extra="ignore")
+    speaker: StrictInt = Field(0, ge=0, le=255)
+    text: StrictStr = ""
+    audio: StrictStr | None = None  # base64 of any common audio file (wav, mp3, flac, ogg, ...)
+    voice_id: StrictStr | None = None  # a stored voice's clip and transcript
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ContextTurn:
+        if self.audio is not None and self.voice_id is not None:
+            raise ValueError("give either audio or voice_id, not both")
+        return self
+
+
+class SamplingFields(BaseModel):
+    """CSM extensions shared by HTTP and WebSocket requests."""
+
+    model_config = ConfigDict(extra="ignore")
+    speaker: StrictInt | None = Field(None, ge=0, le=255)  # default: the voice's speaker (0 for aliases)
+    temperature: float = Field(0.9, ge=0.0, le=2.0)  # 0 = greedy
+    top_k: StrictInt = Field(50, ge=0, le=2051)  # 0 disables
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    max_audio_length_ms: StrictInt | None = Field(None, ge=80)
+
+
+class SpeechRequest(SamplingFields):
+    """OpenAI's CreateSpeechRequest plus the CSM extensions (`extra_body=` in the openai SDK)."""
+
+    model: StrictStr
+    input: StrictStr
+    voice: StrictStr | VoiceRef
+    instructions: StrictStr | None = Field(None, max_length=4096)  # accepted, not used: CSM has no style prompt
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    stream_format: Literal["audio", "sse"] = "audio"
+    context: list[ContextTurn] = Field(default_factory=list)
+
+
+class WsRequest(SamplingFields):
+    """One client message on the WebSocket (see docs/api.md)."""
+
+    context_id: StrictStr = Field("default", min_length=1, max_length=256)
+    text: StrictStr | None = None
+    voice: StrictStr | VoiceRef | None = None
+    context: list[ContextTurn] | None = None
+    output_format: Literal["pcm_s16le", "pcm_f32le"] | None = None
+    flush: bool = False
+    close: bool = False
+    cancel: bool = False

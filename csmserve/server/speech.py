@@ -1,0 +1,127 @@
+"""POST /v1/audio/speech: OpenAI's speech endpoint, streamed while the engine generates.
+
+The first chunk is awaited before the response starts, so an error up to the first audio (busy,
+bad prompt) still gets its HTTP status; after that, an error ends the stream: an SSE `error`
+event in sse mode, a connection closed without the last chunk in audio mode (clients see an
+incomplete body). Either way it is logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..audio import MEDIA_TYPES, Encoder, make_encoder
+from ..engine.request import AudioChunk
+from .errors import APIError
+from .schemas import SpeechRequest
+from .state import ServerState
+
+log = logging.getLogger("csmserve.server")
+router = APIRouter()
+_INLINE_FORMATS = ("pcm", "wav")  # cheap enough to encode on the event loop
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Always closes the body iterator, however the response ends (client gone, cancelled, done), so
+    the generator's `finally` aborts the engine request at once rather than at garbage collection."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+@router.post("/v1/audio/speech")
+async def create_speech(body: SpeechRequest, http: Request) -> StreamingResponse:
+    arrival = time.perf_counter()
+    state: ServerState = http.app.state.server
+    state.check_input(body.input)
+    request, _ = await state.build_request(body.input, body.voice, body, body.context)
+    encoder = make_encoder(body.response_format, speed=body.speed)
+    chunks = state.stream(request, arrival)
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = None
+    headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if body.stream_format == "sse":
+        content = _sse(chunks, first, encoder, request.prompt_len, request.request_id)
+        return ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers)
+    media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
+    return ClosingStreamingResponse(_audio(chunks, first, encoder, request.request_id), media_type=media_type,
+                                    headers=headers)
+
+
+async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:
+    """Encode one chunk (None: close); libav formats and speed != 1 run off the event loop."""
+    if encoder.format in _INLINE_FORMATS and encoder.stretch is None:
+        return encoder.close() if chunk is None else encoder.write(chunk.audio)
+    if chunk is None:
+        return await asyncio.to_thread(encoder.close)
+    return await asyncio.to_thread(encoder.write, chunk.audio)
+
+
+async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder
+                   ) -> AsyncIterator[tuple[bytes, int]]:
+    # -> (bytes, frames in them); the encoder's tail comes last with 0 frames
+    try:
+        if first is not None:
+            yield await _encode(encoder, first), len(first.codes)
+            async for chunk in chunks:
+                yield await _encode(encoder, chunk), len(chunk.codes)
+        yield await _encode(encoder, None), 0
+    finally:
+        await chunks.aclose()
+
+
+async def _audio(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder,
+                 request_id: str) -> AsyncIterator[bytes]:
+    encoded = _encoded(chunks, first, encoder)
+    try:
+        async for data, _ in encoded:
+            if data:
+                yield data
+    except APIError as e:
+        log.error("speech %s failed after streaming began: %s", request_id, e.message)
+        raise
+    except Exception:
+        log.exception("speech %s failed after streaming began", request_id)
+        raise
+    finally:
+        await encoded.aclose()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _sse(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, prompt_len: int,
+               request_id: str) -> AsyncIterator[str]:
+    frames = 0
+    encoded = _encoded(chunks, first, encoder)
+    try:
+        async for data, n in encoded:
+            frames += n
+            if data:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        yield _event({"type": "speech.audio.done",
+                      "usage": {"input_tokens": prompt_len, "output_tokens": frames,
+                                "total_tokens": prompt_len + frames}})
+    except Exception as e:
+        error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}", "generation_failed")
+        if isinstance(e, APIError):
+            log.error("speech %s failed after streaming began: %s", request_id, e.message)
+        else:
+            log.exception("speech %s failed after streaming began", request_id)
+        yield _event({"type": "error", **error.body()})
+    finally:
+        await encoded.aclose()

@@ -1,0 +1,205 @@
+"""What every route shares: the model, the voice store, the limits, the metrics, and the one path
+from (voice, context, text) to prompt frames to a stream of AudioChunks."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..audio import AudioDecodeError, AudioTooLongError, decode_audio, resample
+from ..config import ServerConfig
+from ..engine.request import AudioChunk, Request, SamplingParams
+from ..engine.scheduler import SchedulerBusy
+from ..voices import ResolvedVoice, VoiceNotFoundError, VoiceStore
+from .errors import APIError, bad_request
+from .metrics import Metrics
+from .schemas import ContextTurn, SamplingFields, VoiceRef
+
+if TYPE_CHECKING:
+    from ..api import CSM, Segment
+
+log = logging.getLogger("csmserve.server")
+SAMPLE_RATE = 24_000
+FRAME_SECONDS = 0.08
+
+
+class ServerState:
+    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceStore) -> None:
+        self.csm, self.config, self.store = csm, config, store
+        self.active = 0  # generations in flight, HTTP and WebSocket
+        self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
+        self.metrics = Metrics(config.model_name, self._num_running, self._num_waiting)
+
+    # ---- readiness and limits
+    @property
+    def ready(self) -> bool:
+        return self.csm is not None and bool(getattr(self.csm, "ready", True))
+
+    def require_ready(self) -> CSM:
+        if not self.ready:
+            raise APIError(503, "the model is still loading; retry when GET /ready answers 200", "model_not_ready")
+        return self.csm
+
+    def _scheduler(self):
+        if not self.ready:  # CSM.client would start the engine
+            return None
+        engine = getattr(self.csm.client, "engine", None)
+        return getattr(engine, "scheduler", None)
+
+    def _num_running(self) -> float:
+        s = self._scheduler()
+        return float(s.num_running + s.num_prefilling) if s is not None else 0.0
+
+    def _num_waiting(self) -> float:
+        s = self._scheduler()
+        return float(s.num_waiting) if s is not None else 0.0
+
+    def check_input(self, text: str, param: str = "input") -> str:
+        if not text.strip():
+            raise APIError(400, f"'{param}' must not be empty", "empty_input", param)
+        if len(text) > self.config.max_input_chars:
+            raise APIError(400, f"'{param}' is {len(text)} characters; the limit is {self.config.max_input_chars}",
+                           "input_too_long", param)
+        return text
+
+    def audio_length_ms(self, asked: int | None) -> int:
+        if asked is None:
+            return self.config.default_audio_length_ms
+        if asked > self.config.max_audio_length_ms:
+            raise bad_request(f"max_audio_length_ms is {asked}; the limit is {self.config.max_audio_length_ms}",
+                              "max_audio_length_ms")
+        return asked
+
+    # ---- voices and context
+    async def resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
+        key = voice.id if isinstance(voice, VoiceRef) else voice
+        try:
+            return await asyncio.to_thread(self.store.resolve, key)
+        except VoiceNotFoundError:
+            raise APIError(404, f"voice {key!r} not found; GET /v1/audio/voices lists the voices",
+                           "voice_not_found", param) from None
+
+    async def encode_clip(self, data: bytes, param: str) -> np.ndarray:
+        """Audio file bytes -> Mimi codes [T, 32] (decode, downmix, resample to 24 kHz, encode)."""
+        if len(data) > self.config.max_upload_bytes:
+            raise APIError(413, f"'{param}' is {len(data)} bytes; the limit is {self.config.max_upload_bytes}",
+                           "file_too_large", param)
+        csm = self.require_ready()
+        try:
+            pcm, sr = await asyncio.to_thread(decode_audio, data, self.config.max_clip_seconds)
+        except AudioTooLongError as e:
+            raise bad_request(f"'{param}': {e}", param, "audio_too_long") from None
+        except AudioDecodeError as e:
+            raise bad_request(f"'{param}' is not audio we can read: {e}", param, "invalid_audio") from None
+        if sr != SAMPLE_RATE:
+            pcm = await asyncio.to_thread(resample, pcm, sr, SAMPLE_RATE)
+        if pcm.size < 1920:
+            raise bad_request(f"'{param}' is shorter than one 80 ms frame", param, "audio_too_short")
+        return await asyncio.to_thread(csm.encode_audio, pcm)
+
+    async def context_segments(self, turns: Sequence[ContextTurn], param: str = "context") -> list[Segment]:
+        from ..api import Segment
+
+        if len(turns) > self.config.max_context_turns:
+            raise bad_request(f"'{param}' has {len(turns)} turns; the limit is {self.config.max_context_turns}",
+                              param, "context_too_long")
+        out = []
+        for i, turn in enumerate(turns):
+            p = f"{param}[{i}]"
+            if turn.voice_id is not None:
+                v = await asyncio.to_thread(self.store.get, turn.voice_id)
+                if v is None:
+                    raise APIError(404, f"voice {turn.voice_id!r} not found", "voice_not_found", f"{p}.voice_id")
+                out.append(Segment(turn.speaker, turn.text or v.transcript, codes=v.codes))
+            elif turn.audio is not None:
+                out.append(Segment(turn.speaker, turn.text, codes=await self.encode_clip(
+                    _b64decode(turn.audio, f"{p}.audio", self.config.max_upload_bytes), f"{p}.audio")))
+            else:
+                out.append(Segment(turn.speaker, turn.text))
+        return out
+
+    def prompt(self, text: str, speaker: int, segments: Sequence[Segment], max_audio_length_ms: int,
+               param: str = "context") -> tuple[np.ndarray, np.ndarray]:
+        try:
+            tokens, mask = self.require_ready().prompt(text, speaker=speaker, context=list(segments),
+                                                       max_audio_length_ms=max_audio_length_ms)
+        except ValueError as e:
+            raise bad_request(str(e), param, "context_too_long" if "too long" in str(e) else "invalid_value") from None
+        self.last_prompt = (tokens, mask)
+        return tokens, mask
+
+    async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
+                            turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = ()) -> tuple[Request, int]:
+        """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
+        the context turns, then `extra`, then `text`."""
+        from ..api import Segment
+
+        self.require_ready()
+        max_ms = self.audio_length_ms(fields.max_audio_length_ms)
+        resolved = await self.resolve_voice(voice)
+        segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
+            if resolved.voice is not None else []
+        segments += await self.context_segments(turns)
+        segments += list(extra)
+        speaker = fields.speaker if fields.speaker is not None else resolved.speaker
+        tokens, mask = self.prompt(text, speaker, segments, max_ms)
+        params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
+                                seed=fields.seed, max_audio_length_ms=max_ms)
+        return Request(tokens, mask, params=params), speaker
+
+    # ---- generation
+    async def stream(self, request: Request, arrival: float) -> AsyncIterator[AudioChunk]:
+        """The engine's chunks with the concurrency limit and the metrics around them. Closing this
+        generator early (client gone, cancel) aborts the request and frees its slot."""
+        csm = self.require_ready()
+        if self.active >= self.config.max_concurrent_requests:
+            raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
+                           "too_many_requests")
+        self.active += 1
+        agen = csm.client.astream(request)
+        frames, reason, first = 0, "abort", None
+        try:
+            async for chunk in agen:
+                if first is None and len(chunk.codes):
+                    first = time.perf_counter()
+                    self.metrics.ttfa.observe(first - arrival)
+                    admitted = getattr(request, "admit_time", None)
+                    self.metrics.queue_time.observe((admitted or first) - (request.arrival_time or arrival))
+                frames += len(chunk.codes)
+                if chunk.final:
+                    reason = chunk.finish_reason or "eos"
+                yield chunk
+        except SchedulerBusy as e:
+            raise APIError(503, str(e), "server_busy") from None
+        except ValueError as e:  # the engine refused the prompt
+            raise bad_request(str(e), "input", "invalid_prompt") from None
+        finally:
+            await agen.aclose()  # GeneratorExit at the engine's queue: abort, slot freed at the next frame
+            self.active -= 1
+            self._account(arrival, frames, reason)
+
+    def _account(self, arrival: float, frames: int, reason: str) -> None:
+        wall = time.perf_counter() - arrival
+        self.metrics.frames.inc(frames)
+        self.metrics.audio_seconds.inc(frames * FRAME_SECONDS)
+        self.metrics.e2e.observe(wall)
+        self.metrics.finished(reason)
+        if frames:
+            self.metrics.rtf.observe(wall / (frames * FRAME_SECONDS))
+
+
+def _b64decode(data: str, param: str, limit: int) -> bytes:
+    if len(data) > limit * 4 // 3 + 4:
+        raise APIError(413, f"'{param}' decodes to more than {limit} bytes", "file_too_large", param)
+    if data.startswith("data:") and "," in data:  # a data: URL
+        data = data.split(",", 1)[1]
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"'{param}' is not valid base64", param, "invalid_base64") from None

@@ -1,0 +1,62 @@
+"""Voices: POST/GET/DELETE /v1/audio/voices. A voice is a clip's Mimi codes + its transcript, encoded once."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+
+from ..voices import ALIASES, VoiceInfo
+from .errors import APIError, bad_request
+from .state import ServerState
+
+router = APIRouter()
+
+
+def voice_object(v: VoiceInfo) -> dict:
+    return {"id": v.id, "object": "audio.voice", "type": "audio_sample", "name": v.name,
+            "created_at": int(v.created_at), "transcript": v.transcript, "speaker": v.speaker,
+            "num_frames": v.num_frames, "duration_s": round(v.duration_s, 3)}
+
+
+@router.post("/v1/audio/voices")
+async def create_voice(http: Request, name: str = Form(...), audio_sample: UploadFile = File(...),
+                       transcript: str = Form(""), speaker: int = Form(0)) -> dict:
+    """multipart: `name`, `audio_sample` (any common audio file), `transcript` (what the clip says;
+    CSM conditions on it, so give it), `speaker` (CSM speaker id, default 0)."""
+    state: ServerState = http.app.state.server
+    if not name.strip():
+        raise bad_request("'name' must not be empty", "name", "empty_name")
+    if not 0 <= speaker <= 255:
+        raise bad_request("'speaker' must be in 0..255", "speaker")
+    if len(transcript) > state.config.max_input_chars:
+        raise bad_request(f"'transcript' is longer than {state.config.max_input_chars} characters", "transcript")
+    data = await audio_sample.read(state.config.max_upload_bytes + 1)
+    codes = await state.encode_clip(data, "audio_sample")
+    voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker)
+    return voice_object(voice)
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(http: Request) -> dict:
+    state: ServerState = http.app.state.server
+    stored = [voice_object(v) for v in await asyncio.to_thread(state.store.list)]
+    aliases = [{"id": name, "object": "audio.voice", "type": "alias", "name": name, "speaker": spk}
+               for name, spk in ALIASES.items()]
+    return {"object": "list", "voices": stored + aliases, "data": stored + aliases}
+
+
+@router.get("/v1/audio/voices/{voice_id}")
+async def get_voice(voice_id: str, http: Request) -> dict:
+    state: ServerState = http.app.state.server
+    v = await asyncio.to_thread(state.store.get, voice_id)
+    if v is None:
+        raise APIError(404, f"voice {voice_id!r} not found", "voice_not_found", "voice_id")
+    return voice_object(v)
+
+
+@router.delete("/v1/audio/voices/{voice_id}")
+async def delete_voice(voice_id: str, http: Request) -> dict:
+    state: ServerState = http.app.state.server
+    if not await asyncio.to_thread(state.store.delete, voice_id):
+        raise APIError(404, f"voice {voice_id!r} not found", "voice_not_found", "voice_id")
+    return {"id": voice_id, "object": "audio.voice", "deleted": True}

@@ -1,0 +1,67 @@
+"""Models, health, readiness, metrics."""
+import threading
+
+import httpx
+
+from server_helpers import error_of
+
+
+def test_models(server):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["object"] == "list"
+    ids = [m["id"] for m in models["data"]]
+    assert {"tts-1", "sesame/csm-1b"} <= set(ids)
+    assert all(set(m) == {"id", "object", "created", "owned_by"} for m in models["data"])
+    assert httpx.get(f"{server.url}/v1/audio/models").json()["models"][0] == {"id": "sesame/csm-1b"}
+    assert httpx.get(f"{server.url}/v1/models/tts-1").json()["id"] == "tts-1"
+    assert error_of(httpx.get(f"{server.url}/v1/models/nope"))["code"] == "model_not_found"
+
+
+def test_health_and_ready(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+def test_ready_is_503_until_loaded(serve, csm):
+    gate = threading.Event()
+
+    def load():
+        gate.wait(30)
+        return csm
+
+    from csmserve.config import ServerConfig
+    from csmserve.server import create_app
+    from server_helpers import Server
+
+    server = Server(create_app(None, ServerConfig(voices_db=":memory:"), load=load)).start()
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        r = httpx.get(f"{server.url}/ready")
+        assert r.status_code == 503 and error_of(r)["code"] == "model_not_ready"
+        r = httpx.post(f"{server.url}/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "hi"})
+        assert r.status_code == 503 and error_of(r)["code"] == "model_not_ready"
+        gate.set()
+        for _ in range(200):
+            if httpx.get(f"{server.url}/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+    finally:
+        server.app.state.server.csm = None  # not ours to close
+        server.stop()
+
+
+def test_metrics_names(server):
+    r = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+        "model": "tts-1", "voice": "alloy", "input": "metrics", "response_format": "pcm", "max_audio_length_ms": 160})
+    assert r.status_code == 200
+    httpx.post(f"{server.url}/v1/audio/speech", json={"model": "tts-1", "voice": "nobody", "input": "x"})
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("csmserve:time_to_first_audio_seconds_bucket", "csmserve:real_time_factor_bucket",
+                 "csmserve:num_requests_running", "csmserve:num_requests_waiting",
+                 "csmserve:request_queue_time_seconds_bucket", "csmserve:generated_frames_total",
+                 "csmserve:generated_audio_seconds_total", "csmserve:e2e_request_latency_seconds_bucket",
+                 'csmserve:request_errors_total{model_name="sesame/csm-1b",status="404"}'):
+        assert name in text, name
+    frames = [line for line in text.splitlines() if line.startswith("csmserve:generated_frames_total")]
+    assert float(frames[0].split()[-1]) >= 1

@@ -1,0 +1,62 @@
+"""`csmserve serve` flags and CSMSERVE_* environment variables; the command starting a real server."""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from csmserve.config import EngineConfig, ServerConfig
+from csmserve.server.cli import add_serve_parser, configs
+from server_helpers import free_port
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_flags_and_env(monkeypatch):
+    server, engine = configs(parse([]))
+    assert server == ServerConfig() and engine == EngineConfig()
+    monkeypatch.setenv("CSMSERVE_API_KEY", "from-env")
+    monkeypatch.setenv("CSMSERVE_MAX_SLOTS", "8")
+    monkeypatch.setenv("CSMSERVE_MAX_CLIP_SECONDS", "12.5")
+    monkeypatch.setenv("CSMSERVE_CORS_ORIGINS", "http://a, http://b")
+    monkeypatch.setenv("CSMSERVE_MODEL", "dummy-tiny")
+    args = parse(["--port", "9001", "--max-slots", "16"])  # a flag beats the environment
+    server, engine = configs(args)
+    assert args.model == "dummy-tiny" and server.model_name == "dummy-tiny"
+    assert server.api_key == "from-env" and server.port == 9001 and server.max_clip_seconds == 12.5
+    assert server.cors_origins == ("http://a", "http://b") and engine.max_slots == 16
+
+
+def test_serve_subprocess(tmp_path):
+    port = free_port()
+    env = {**os.environ, "CSMSERVE_VOICES_DB": str(tmp_path / "v.db"), "CSMSERVE_MAX_SLOTS": "4",
+           "CSMSERVE_MAX_SEQ_LEN": "256"}
+    code = ("import sys, argparse; from csmserve.server.cli import add_serve_parser; p = argparse.ArgumentParser();"
+            "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", "dummy-tiny", "--device", "cpu",
+                             "--port", str(port), "--api-key", "k", "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("server did not become ready")
+        r = httpx.post(f"{url}/v1/audio/speech", headers={"Authorization": "Bearer k"}, timeout=60, json={
+            "model": "tts-1", "voice": "alloy", "input": "From the command line.", "response_format": "wav",
+            "max_audio_length_ms": 160})
+        assert r.status_code == 200 and r.content[:4] == b"RIFF" and len(r.content) == 44 + 2 * 1920 * 2
+    finally:
+        proc.terminate()
+        proc.wait(30)

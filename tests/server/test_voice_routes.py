@@ -1,0 +1,80 @@
+"""Voices: create, list, use, delete; stored voices survive a restart and condition the prompt."""
+import httpx
+import numpy as np
+import openai
+
+from server_helpers import SHORT_MS, error_of, wav_bytes
+
+
+def create(url: str, name: str = "narrator", transcript: str = "A short reference clip.", seconds: float = 1.0,
+           **data) -> httpx.Response:
+    return httpx.post(f"{url}/v1/audio/voices", timeout=60, data={"name": name, "transcript": transcript, **data},
+                      files={"audio_sample": ("ref.wav", wav_bytes(seconds), "audio/wav")})
+
+
+def audio_rows(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    # prompt frames carrying audio codes (context clips and their EOS frames) -> their codes [n, 32]
+    return tokens[mask[:, :32].any(axis=1), :32]
+
+
+def test_create_list_get_delete(server):
+    r = create(server.url, speaker="1")
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["id"].startswith("voice_") and v["object"] == "audio.voice" and v["name"] == "narrator"
+    assert v["speaker"] == 1 and v["num_frames"] in (12, 13)  # 1 s = 12.5 frames of 80 ms
+    listed = httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]
+    assert {"id": v["id"], "name": "narrator"}.items() <= listed[0].items()
+    assert {"alloy", "nova"} <= {x["id"] for x in listed}  # OpenAI names as aliases
+    assert httpx.get(f"{server.url}/v1/audio/voices/{v['id']}").json()["transcript"] == "A short reference clip."
+    assert httpx.delete(f"{server.url}/v1/audio/voices/{v['id']}").json() == {
+        "id": v["id"], "object": "audio.voice", "deleted": True}
+    assert error_of(httpx.delete(f"{server.url}/v1/audio/voices/{v['id']}"))["code"] == "voice_not_found"
+    assert v["id"] not in {x["id"] for x in httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]}
+
+
+def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, tmp_path):
+    db = str(tmp_path / "persist.db")
+    first = serve(voices_db=db)
+    v = create(first.url, name="keeper", transcript="Keep this voice.").json()
+    stored = first.state.store.get(v["id"]).codes
+    first.stop()
+
+    second = serve(voices_db=db)  # a new app over the same SQLite file
+    assert v["id"] in {x["id"] for x in httpx.get(f"{second.url}/v1/audio/voices").json()["voices"]}
+    c = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
+    for voice in (v["id"], {"id": v["id"]}, "keeper"):  # by id, as an object, by name
+        second.state.last_prompt = None
+        with c.audio.speech.with_streaming_response.create(
+                model="tts-1", voice=voice, input="Now say this.", response_format="pcm",
+                extra_body={"max_audio_length_ms": SHORT_MS, "seed": 1}) as r:
+            assert r.status_code == 200 and len(r.read()) > 0
+        tokens, mask = second.state.last_prompt
+        rows = audio_rows(tokens, mask)
+        np.testing.assert_array_equal(rows[:-1], stored)  # the clip's codes, then the turn's EOS frame
+        assert not rows[-1].any()
+        want = csm.prompt("Now say this.", speaker=0, context=[_segment(v, stored)], max_audio_length_ms=SHORT_MS)
+        np.testing.assert_array_equal(tokens, want[0])
+        np.testing.assert_array_equal(mask, want[1])
+
+    # an alias carries no clip: no audio frames in the prompt
+    with c.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="Plain.",
+                                                       extra_body={"max_audio_length_ms": SHORT_MS}) as r:
+        r.read()
+    assert audio_rows(*second.state.last_prompt).size == 0
+
+
+def _segment(v, codes):
+    from csmserve.api import Segment
+
+    return Segment(v["speaker"], v["transcript"], codes=codes)
+
+
+def test_context_turn_by_voice_id(server):
+    v = create(server.url).json()
+    r = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+        "model": "tts-1", "voice": "alloy", "input": "Reply.", "response_format": "pcm", "max_audio_length_ms": 160,
+        "context": [{"speaker": 1, "voice_id": v["id"]}]})
+    assert r.status_code == 200
+    rows = audio_rows(*server.state.last_prompt)
+    np.testing.assert_array_equal(rows[:-1], server.state.store.get(v["id"]).codes)
