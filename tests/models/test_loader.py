@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from csmserve.engine.request import SamplingParams
 from csmserve.models.csm import CSMModel
 from csmserve.models.loader import (ModelUnavailableError, config_from_original, load_csm, rope_permute,
-                                    rope_unpermute, tiny_config)
+                                    rope_unpermute)
 from csmserve.reference import generate
 from csmserve.tokenizer import load_tokenizer, prompt_frames
 
