@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -59,6 +60,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     errors.install(app)
     for module in (speech, voices, models, ws):
         app.include_router(module.router)
+    _add_page(app)
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_error=state.metrics.error)
     if config.cors_origins:
@@ -67,6 +69,21 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"])
     return app
+
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def _add_page(app: FastAPI) -> None:
+    """The web page to try voices and conversations: `/` and its files under `/static` (no build step)."""
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
 def _start_engine(csm: CSM) -> CSM:
