@@ -1,12 +1,20 @@
-"""The offline Python API: `CSM(model)` with `prompt`, `generate`, `stream`, `astream`, `encode_audio`.
+"""The offline Python API: `CSM(model)` with `prompt`, `generate`, `stream`, `astream`, `speak`, `aspeak`,
+`encode_audio`.
+
+`speak` is long-form: text of any length (or text streamed in, piece by piece) is cut into sentences
+(csmserve/text.py) and spoken in one slot, each sentence seeing the earlier ones as context, as one
+continuous audio stream.
 
 Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
 `engine=False` keeps the plain reference generator (batch 1), the golden path the tests compare to.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+import threading
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +27,8 @@ from .config import EngineConfig
 from .engine.request import AudioChunk, Request, SamplingParams
 from .models.codec import load_codec
 from .models.loader import load_csm
-from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames
+from .text import SentenceSplitter, split_sentences
+from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames, segment_ids, text_frames
 
 if TYPE_CHECKING:
     from .engine.engine import EngineClient
@@ -183,6 +192,131 @@ class CSM:
         async for chunk in self.client.astream(req):
             yield chunk
 
+    # ---- long-form
+    def segment_frames(self, text: str, speaker: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """A later segment's prompt: the text frames of `<bos>[speaker]text<eos>`."""
+        return text_frames(segment_ids(self.tokenizer, int(speaker), text), self.config.num_codebooks)
+
+    def long_request(self, segments: Sequence[str], speaker: int = 0, context: Sequence[Segment] = (),
+                     open: bool = False, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
+                     seed: int | None = None, max_audio_length_ms: int = 10_000) -> Request:
+        """One request speaking `segments` in order in one slot (max_audio_length_ms is per segment);
+        open=True: more may be appended (EngineClient.append) until EngineClient.close."""
+        if not segments:
+            raise ValueError("no text to speak")
+        req = self.request(segments[0], speaker, context, temperature, top_k, top_p, seed, max_audio_length_ms)
+        req.context_len = req.prompt_len - len(self.segment_frames(segments[0], speaker)[0])
+        req.segments = deque(self.segment_frames(t, speaker) for t in segments[1:])
+        req.open = open
+        return req
+
+    def speak(self, text: str | Iterable[str], speaker: int = 0, context: Sequence[Segment] = (),
+              temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
+              max_audio_length_ms: int = 20_000, max_words: int = 25, max_chars: int = 250
+              ) -> Iterator[AudioChunk]:
+        """Long-form speech as one stream of AudioChunks (chunk.segment / chunk.text: which sentence).
+
+        `text`: a string (cut into sentences, clauses when long) or an iterable of pieces (text streamed
+        in, e.g. from an LLM): speech starts once the first sentence is complete and the slot waits for
+        the rest. max_audio_length_ms caps each segment. The same text gives the same segments (and,
+        greedy or seeded, the same audio) whole or in pieces."""
+        kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=seed, max_audio_length_ms=max_audio_length_ms)
+        if isinstance(text, str):
+            texts = split_sentences(text, max_words, max_chars)
+            req = self.long_request(texts, **kw)
+            for chunk in self.client.stream(req):
+                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
+                yield chunk
+            return
+        splitter, it = SentenceSplitter(max_words, max_chars), iter(text)
+        texts, more = self._first_segments(splitter, it)
+        req = self.long_request(texts, open=more, **kw)
+        stop, errors = threading.Event(), []
+
+        def feed() -> None:
+            try:
+                for piece in it:
+                    if stop.is_set():
+                        return
+                    self._append_segments(req, texts, splitter.feed(piece), speaker)
+                self._append_segments(req, texts, splitter.flush(), speaker)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+            finally:
+                self.client.close(req.request_id)
+
+        feeder = threading.Thread(target=feed, name="csmserve-speak-feed", daemon=True)
+        try:
+            for chunk in self.client.stream(req, on_submit=feeder.start if more else None):
+                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
+                yield chunk
+        finally:
+            stop.set()
+        if errors:
+            raise errors[0]
+
+    async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
+                     context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
+                     top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int = 20_000,
+                     max_words: int = 25, max_chars: int = 250) -> AsyncIterator[AudioChunk]:
+        """`speak` for asyncio; `text` may also be an async iterable of pieces."""
+        kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=seed, max_audio_length_ms=max_audio_length_ms)
+        if isinstance(text, str):
+            text = [text]
+        splitter = SentenceSplitter(max_words, max_chars)
+        ait = text.__aiter__() if isinstance(text, AsyncIterable) else _aiter(text)
+        texts: list[str] = []
+        more = True
+        while not texts and more:
+            try:
+                texts += splitter.feed(await ait.__anext__())
+            except StopAsyncIteration:
+                texts += splitter.flush()
+                more = False
+        req = self.long_request(texts, open=more, **kw)
+        errors: list[BaseException] = []
+
+        async def feed() -> None:
+            try:
+                async for piece in ait:
+                    self._append_segments(req, texts, splitter.feed(piece), speaker)
+                self._append_segments(req, texts, splitter.flush(), speaker)
+            except Exception as e:  # noqa: BLE001 - re-raised after the stream
+                errors.append(e)
+            finally:
+                self.client.close(req.request_id)
+
+        task: list[asyncio.Task] = []
+        start = (lambda: task.append(asyncio.get_running_loop().create_task(feed()))) if more else None
+        try:
+            async for chunk in self.client.astream(req, on_submit=start):
+                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
+                yield chunk
+        finally:
+            for t in task:
+                t.cancel()
+        if errors:
+            raise errors[0]
+
+    def _first_segments(self, splitter: SentenceSplitter, it: Iterator[str]) -> tuple[list[str], bool]:
+        """Read pieces until the first segment is complete -> (segments so far, more input may come)."""
+        texts: list[str] = []
+        for piece in it:
+            texts += splitter.feed(piece)
+            if texts:
+                return texts, True
+        texts += splitter.flush()
+        if not texts:
+            raise ValueError("no text to speak")
+        return texts, False
+
+    def _append_segments(self, req: Request, texts: list[str], new: list[str], speaker: int) -> None:
+        for t in new:
+            texts.append(t)
+            self.client.append(req.request_id, *self.segment_frames(t, speaker))
+
     def _results(self, reqs: list[Request]) -> list[GenerationResult]:
         out = []
         for req, chunks in zip(reqs, self.client.run(reqs)):
@@ -202,3 +336,9 @@ class CSM:
         with torch.inference_mode():
             c = torch.as_tensor(np.asarray(codes).T[None], dtype=torch.long, device=self.device)  # [1, 32, T]
             return self.mimi.decode(c)[0, 0].float().cpu().numpy()
+
+
+async def _aiter(items: Iterable[str]) -> AsyncIterator[str]:
+    for item in items:
+        yield item
+        await asyncio.sleep(0)

@@ -37,14 +37,18 @@ class _Stream:
     pcm: list[np.ndarray] = field(default_factory=list)  # [frame_size] each
     emitted_frames: int = 0
     first_audio_time: float | None = None
+    segment: int = 0  # long-form: the segment being accumulated
+    segment_chunks: int = 0  # chunks sent for it (its first one is small: time to audio after a seam)
 
     def flush(self, final: bool, reason: str | None, num_codebooks: int) -> None:
         codes = np.concatenate(self.codes) if self.codes else np.zeros((0, num_codebooks), np.int64)
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
         if len(codes) and self.first_audio_time is None:
             self.first_audio_time = time.perf_counter()
-        self.sink(AudioChunk(self.request.request_id, audio, codes, self.emitted_frames, final, reason))
+        self.sink(AudioChunk(self.request.request_id, audio, codes, self.emitted_frames, final, reason,
+                             self.segment))
         self.emitted_frames += len(codes)
+        self.segment_chunks += 1
         self.codes, self.pcm = [], []
 
 
@@ -70,6 +74,14 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id, None))
 
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        """One more segment (text frames) for an open long-form request (Request.open)."""
+        self.inbox.put(("append", request_id, (tokens, mask)))
+
+    def close(self, request_id: str) -> None:
+        """No more segments for an open request: it ends after the ones it has."""
+        self.inbox.put(("close", request_id, None))
+
     def shutdown(self) -> None:
         self._stop.set()
         self.inbox.put(("wake", None, None))
@@ -80,12 +92,17 @@ class Engine:
     def idle(self) -> bool:
         return self._prev is None and not self.scheduler.has_unfinished()
 
+    @property
+    def waiting_for_input(self) -> bool:
+        """Nothing to compute: only requests idling for their next segment's text, if any."""
+        return self._prev is None and not self.scheduler.has_work()
+
     # ---- the loop
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
-                    self.step(block=self.idle)
+                    self.step(block=self.waiting_for_input)
                 except Exception as e:  # a failed step fails its requests; the engine goes on
                     log.exception("engine step failed")
                     self._prev = None
@@ -95,6 +112,7 @@ class Engine:
         self._drain(block)
         batch = self.scheduler.schedule()
         self.runner.admit(batch.admissions)
+        self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
         out = self.runner.step(batch.decode_slots)
         if self._prev is not None:
@@ -112,6 +130,14 @@ class Engine:
                 self._add(a, b)
             elif kind == "abort":
                 self._abort(a)
+            elif kind == "append":
+                self._append(a, *b)
+            elif kind == "close":
+                req = self.scheduler.close(a)
+                if req is not None and a in self.streams:
+                    st = self.streams.pop(a)
+                    st.segment = max(0, req.segment - 1)  # the empty final chunk closes the last segment
+                    st.flush(True, req.status.finish_reason, self.num_codebooks)
 
     def _add(self, request: Request, sink: Sink) -> None:
         try:
@@ -124,6 +150,15 @@ class Engine:
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None and request_id in self.streams:
             self.streams.pop(request_id).flush(True, "abort", self.num_codebooks)
+
+    def _append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        try:
+            self.scheduler.append(request_id, tokens, mask)
+        except ValueError as e:
+            self.scheduler.abort(request_id)
+            st = self.streams.pop(request_id, None)
+            if st is not None:
+                st.sink(e)
 
     def _collect(self, step: int, out: StepOutput) -> None:
         codes, pcm = out.wait()
@@ -140,10 +175,14 @@ class Engine:
             st.codes.append(o.codes)
             if pcm is not None:
                 st.pcm.append(pcm[o.row].copy())
-        want = self.config.first_chunk_frames if st.emitted_frames == 0 else self.config.chunk_frames
+        want = self.config.first_chunk_frames if st.segment_chunks == 0 else self.config.chunk_frames
         if o.finish_reason is not None:
             del self.streams[o.request_id]
             st.flush(True, o.finish_reason, self.num_codebooks)
+        elif o.segment_end is not None:  # chunks never span segments
+            if st.codes:
+                st.flush(False, None, self.num_codebooks)
+            st.segment, st.segment_chunks = o.segment + 1, 0
         elif len(st.codes) >= want:
             st.flush(False, None, self.num_codebooks)
 
@@ -159,9 +198,19 @@ class EngineClient:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def stream(self, request: Request) -> Iterator[AudioChunk]:
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        """Another segment (text frames [n, 33]) for an open long-form request; ignored once it ended."""
+        self.engine.append(request_id, tokens, mask)
+
+    def close(self, request_id: str) -> None:
+        """No more segments for an open long-form request."""
+        self.engine.close(request_id)
+
+    def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
         q: queue.SimpleQueue = queue.SimpleQueue()
         self.engine.submit(request, q.put)
+        if on_submit is not None:
+            on_submit()
         done = False
         try:
             while True:
@@ -177,10 +226,13 @@ class EngineClient:
             if not done:  # the caller stopped iterating: free the slot
                 self.engine.abort(request.request_id)
 
-    async def astream(self, request: Request) -> AsyncIterator[AudioChunk]:
+    async def astream(self, request: Request, on_submit: Callable[[], None] | None = None
+                      ) -> AsyncIterator[AudioChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self.engine.submit(request, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        if on_submit is not None:
+            on_submit()
         done = False
         try:
             while True:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     RUNNING = "running"
+    IDLE = "idle"  # long-form: a segment ended, the next one's text has not arrived; holds its slot, not stepped
     FINISHED_EOS = "finished_eos"  # the all-zero frame
     FINISHED_LENGTH = "finished_length"  # max_audio_length_ms reached
     FINISHED_ABORTED = "finished_aborted"
@@ -60,6 +62,11 @@ class Request:
     mask: np.ndarray  # [P, 33] bool
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    # long-form: more target turns generated after this one in the same slot, each seeing the earlier
+    # ones (their text and generated audio) through the slot's KV; one continuous audio stream
+    segments: deque = field(default_factory=deque)  # pending next turns: (tokens, mask) [n, 33] text frames
+    open: bool = False  # more segments may still be appended (text streamed in); the slot idles meanwhile
+    context_len: int = 0  # prompt frames before the first target turn's text (kept first on a re-prefill)
     # engine-owned state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -67,6 +74,11 @@ class Request:
     num_frames: int = 0  # frames generated so far (EOS frame excluded)
     num_scheduled_frames: int = 0  # frame steps scheduled; their results reach the host one step later
     arrival_time: float = 0.0
+    prompt_start: int = 0  # slot position of tokens[0] (> 0 for a long-form continuation)
+    segment: int = 0  # index of the target turn being generated
+    seg_start_pos: int = 0  # position of the segment's first frame step (its prompt's last frame)
+    seg_frames: int = 0  # frames generated in this segment
+    seg_scheduled: int = 0  # frame steps scheduled in this segment
 
     @property
     def prompt_len(self) -> int:
@@ -86,6 +98,8 @@ class AudioChunk:
     frame_start: int  # index of codes[0] within the request's generated frames
     final: bool = False
     finish_reason: str | None = None  # "eos" | "length" | "abort" | "error" on the final chunk
+    segment: int = 0  # long-form: index of the target turn (sentence / clause) these frames speak
+    text: str | None = None  # that turn's text, where the caller knows it (CSM.speak sets it)
 
 
 @dataclass(frozen=True)
@@ -112,13 +126,17 @@ class Admission:
 
 @dataclass(frozen=True)
 class Batch:
-    """One engine step: admissions and prefill chunks run first, then one frame for each decode slot."""
+    """One engine step: admissions, resumes and prefill chunks run first, then one frame per decode slot.
+
+    A resume is an Admission for a slot that continues its request with the next segment: it loads the
+    next input frame, position and sampling params but keeps the codec row and the frame counter."""
 
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
+    resumes: list[Admission] = field(default_factory=list)
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.prefills or self.decode_slots)
+        return not (self.admissions or self.prefills or self.decode_slots or self.resumes)

@@ -74,6 +74,15 @@ class ModelRunner:
 
     # ---- admissions and prefill (eager) ----
     def admit(self, admissions: list[Admission]) -> None:
+        """New requests: load each slot's first input, position and sampling params; reset its codec row."""
+        self._load(admissions, reset=True)
+
+    def resume(self, resumes: list[Admission]) -> None:
+        """Long-form continuations: the same loads, but the codec row (the audio runs on without a seam)
+        and the frame counter (the sampling noise stream) carry over."""
+        self._load(resumes, reset=False)
+
+    def _load(self, admissions: list[Admission], reset: bool) -> None:
         if not admissions:
             return
         s = self.state
@@ -82,17 +91,18 @@ class ModelRunner:
             "next_tokens": torch.tensor(np.stack([a.first_tokens for a in admissions]), dtype=torch.long),
             "next_mask": torch.tensor(np.stack([a.first_mask for a in admissions]), dtype=torch.bool),
             "pos": torch.tensor([a.first_pos for a in admissions], dtype=torch.long),
-            "frame": torch.zeros(len(admissions), dtype=torch.long),
             "temperature": torch.tensor([a.temperature for a in admissions], dtype=torch.float32),
             "top_k": torch.tensor([a.top_k for a in admissions], dtype=torch.long),
             "top_p": torch.tensor([a.top_p for a in admissions], dtype=torch.float32),
             "seed": torch.tensor([a.seed for a in admissions], dtype=torch.long),
         }
+        if reset:
+            host["frame"] = torch.zeros(len(admissions), dtype=torch.long)
         for name, value in host.items():
             getattr(s, name).index_copy_(0, slots, value.to(self.device, non_blocking=True))
         for a in admissions:
             self.host_pos[a.slot] = a.first_pos
-        if self.codec is not None:
+        if reset and self.codec is not None:
             self.codec.reset(slots)
 
     @torch.inference_mode()

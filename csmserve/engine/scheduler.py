@@ -11,6 +11,21 @@ ended (EOS, length, abort) and may already belong to a new request when that fra
 back. Every scheduled step records which request owned each of its decode slots, and
 update() drops rows whose owner has finished. The length limit is enforced when scheduling
 (num_scheduled_frames), so no frame past it is ever computed.
+
+Long-form (Request.segments / Request.open): a request may carry several target turns, generated one
+after another in its slot; each sees the earlier ones through the KV already there. When a segment
+ends, the next prompt is prefilled from the slot's next free position and a resume (an Admission
+that keeps the codec row and the frame counter) restarts the frame steps:
+- ended on EOS: when the host reads the EOS frame, the next frame step (already launched) has
+  consumed it as input and written its KV (the EOS frame of the context turn) and produced a junk
+  frame, dropped by update() (rows carry their segment index). If no such step ran (the EOS was the
+  segment's last allowed frame), the EOS frame is prefilled first.
+- ended on length: no step consumed the last frame, so [last frame, EOS frame] are prefilled first.
+When the next segment would not fit in max_seq_len, the slot is prefilled again from position 0
+with the newest segments that fit as context turns (text + generated codes + EOS), after the
+request's own context if it fits; the oldest segments are dropped. The codec state is untouched.
+A segment ending with no next segment yet on an open request leaves it IDLE: it holds its slot and
+is not stepped until append() brings text or close() ends it.
 """
 from __future__ import annotations
 
@@ -18,7 +33,7 @@ import dataclasses
 import heapq
 import secrets
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +54,8 @@ class RequestOutput(NamedTuple):  # a NamedTuple: one per running slot per step,
     codes: np.ndarray  # [n, 32] int64, n in {0, 1}; n = 0 when the step only brought the EOS frame
     frame_start: int  # index of codes[0] within the request's generated frames
     finish_reason: str | None  # "eos" | "length" when this output ends the request
+    segment: int = 0  # long-form: the segment these codes belong to
+    segment_end: str | None = None  # "eos" | "length" when this output ends its segment
 
     @property
     def request_id(self) -> str:
@@ -48,7 +65,25 @@ class RequestOutput(NamedTuple):  # a NamedTuple: one per running slot per step,
 @dataclass(frozen=True, slots=True)
 class _Step:
     step: int
-    owners: list[tuple[int, Request]]  # (slot, request) for each decode row, at scheduling time
+    owners: list[tuple[int, Request, int]]  # (slot, request, segment) for each decode row, at scheduling time
+
+
+@dataclass
+class _Turn:
+    tokens: np.ndarray  # [n, K+1] the turn's text frames
+    mask: np.ndarray
+    codes: list[np.ndarray] = field(default_factory=list)  # generated frames, [1, K] each
+
+
+@dataclass
+class _History:
+    """What a long-form request's slot holds, to continue it and to rebuild it from position 0."""
+
+    context: tuple[np.ndarray, np.ndarray] | None  # the request's own context turns (prompt[:context_len])
+    turns: list[_Turn]  # its generated segments still in the slot, oldest first; the last is the current one
+    tail: tuple[np.ndarray, np.ndarray] | None = None  # frames to prefill before the next segment's text
+    next_pos: int = 0  # slot position of tail[0] (or of the next text when there is no tail)
+    last_reason: str = "eos"  # how the last finished segment ended
 
 
 class Scheduler:
@@ -67,6 +102,8 @@ class Scheduler:
         self._free: list[int] = list(range(config.max_slots))  # heap: lowest free slot first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._inflight: deque[_Step] = deque()  # scheduled frame steps whose codes are not back
+        self._history: dict[str, _History] = {}  # long-form requests
+        self._resumes: list[Admission] = []  # continuations to load at the next schedule()
         self._step = 0
 
     # ---- counts (metrics, idle checks)
@@ -93,6 +130,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def has_work(self) -> bool:
+        """Something to schedule (idle long-form requests waiting for text are not work)."""
+        return bool(self.waiting or self.prefilling or self.running or self._resumes)
+
     # ---- inbox
     def add(self, req: Request) -> None:
         """Queue a request. Raises SchedulerBusy past max_waiting, ValueError for a bad request."""
@@ -112,18 +153,45 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> Request | None:
+        """Add a segment (text frames [n, K+1]) to an open long-form request; None if it is not live."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if not req.open:
+            raise ValueError(f"request {request_id} is not open for more text")
+        self._check_segment(tokens, mask)
+        req.segments.append((tokens, mask))
+        if req.status is RequestStatus.IDLE:
+            self._continue(req, self._history[request_id])
+        return req
+
+    def close(self, request_id: str) -> Request | None:
+        """No more segments for this request. Returns it if that finished it (it was idle), else None."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        req.open = False
+        if req.status is RequestStatus.IDLE and not req.segments:
+            reason = self._history[request_id].last_reason
+            self._finish(req, RequestStatus.FINISHED_EOS if reason == "eos" else RequestStatus.FINISHED_LENGTH)
+            return req
+        return None
+
     # ---- policy
     def schedule(self) -> Batch:
         self._step += 1
         admissions = [self._admit(self.waiting.popleft()) for _ in range(min(len(self.waiting), len(self._free)))]
+        resumes, self._resumes = self._resumes, []
         prefills = self._schedule_prefills()
-        owners = [(slot, req) for slot, req in sorted(self.running.items())
-                  if req.num_scheduled_frames < self._limits[slot]]
-        for _, req in owners:
+        owners = [(slot, req, req.segment) for slot, req in sorted(self.running.items())
+                  if req.seg_scheduled < self._limits[slot]]
+        for _, req, _ in owners:
             req.num_scheduled_frames += 1
+            req.seg_scheduled += 1
         if owners:
             self._inflight.append(_Step(self._step, owners))
-        return Batch(admissions, prefills, [slot for slot, _ in owners], step=self._step)
+        return Batch(admissions, prefills, [slot for slot, _, _ in owners], resumes, step=self._step)
 
     def update(self, step: int, codes: np.ndarray) -> list[RequestOutput]:
         """Take step `step`'s codes [len(decode_slots), 32], rows in batch.decode_slots order."""
@@ -135,11 +203,12 @@ class Scheduler:
         codes = np.array(codes, dtype=np.int64)  # our own copy: the runner reuses its host buffer
         is_eos = (~codes.any(axis=1)).tolist()  # the all-zero frame ends the utterance
         return [self._append(row, req, codes[row:row + 1], is_eos[row])
-                for row, (_, req) in enumerate(owners) if req.status is RequestStatus.RUNNING]
+                for row, (_, req, seg) in enumerate(owners)
+                if req.status is RequestStatus.RUNNING and seg == req.segment]
 
     def frame_limit(self, req: Request) -> int:
-        # the frame step for frame k runs at position prompt_len - 1 + k, inside max_seq_len
-        return min(req.params.max_frames, self.max_seq_len - req.prompt_len + 1)
+        # the frame step for frame k of a segment runs at position seg_start_pos + k, inside max_seq_len
+        return min(req.params.max_frames, self.max_seq_len - (req.prompt_start + req.prompt_len) + 1)
 
     # ---- helpers
     def _validate(self, req: Request) -> None:
@@ -150,12 +219,28 @@ class Scheduler:
             raise ValueError(f"prompt must be tokens/mask [P, {w}], got {req.tokens.shape} / {req.mask.shape}")
         if not 1 <= req.prompt_len <= self.max_seq_len:
             raise ValueError(f"prompt is {req.prompt_len} frames; it must be 1..{self.max_seq_len} (max_seq_len)")
+        if not 0 <= req.context_len < req.prompt_len:
+            raise ValueError(f"context_len {req.context_len} must be in [0, prompt_len)")
+        for tokens, mask in req.segments:
+            self._check_segment(tokens, mask)
+
+    def _check_segment(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        w = self.num_codebooks + 1
+        if tokens.ndim != 2 or tokens.shape[1] != w or mask.shape != tokens.shape or len(tokens) < 1:
+            raise ValueError(f"a segment must be tokens/mask [n, {w}], got {tokens.shape} / {mask.shape}")
+        if len(tokens) + 3 > self.max_seq_len:  # + the tail (last frame, EOS) and one generated frame
+            raise ValueError(f"a segment of {len(tokens)} frames does not fit in {self.max_seq_len} positions")
 
     def _admit(self, req: Request) -> Admission:
         slot = heapq.heappop(self._free)
         self.slots[slot] = req
         self._limits[slot] = self.frame_limit(req)
         req.slot = slot
+        req.seg_start_pos = req.prompt_start + req.prompt_len - 1
+        if req.open or req.segments:
+            c = req.context_len
+            ctx = (req.tokens[:c], req.mask[:c]) if c else None
+            self._history[req.request_id] = _History(ctx, [_Turn(req.tokens[c:], req.mask[c:])])
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
         if req.num_to_prefill > 0:
@@ -164,7 +249,7 @@ class Scheduler:
         else:
             self._start_running(req)
         p = req.params
-        return Admission(slot, req.tokens[-1], req.mask[-1], req.prompt_len - 1,
+        return Admission(slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
                          p.temperature, p.top_k, p.top_p, p.seed)
 
     def _schedule_prefills(self) -> list[PrefillChunk]:
@@ -175,7 +260,8 @@ class Scheduler:
                 break
             n = min(req.num_to_prefill, budget, self.max_prefill_chunk)
             start = req.num_prefilled
-            chunks.append(PrefillChunk(req.slot, start, req.tokens[start:start + n], req.mask[start:start + n]))
+            chunks.append(PrefillChunk(req.slot, req.prompt_start + start, req.tokens[start:start + n],
+                                       req.mask[start:start + n]))
             req.num_prefilled += n
             budget -= n
             if req.num_to_prefill == 0:
@@ -187,9 +273,10 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running[req.slot] = req
 
-    def _inflight_owners(self, step: int) -> list[tuple[int, Request]]:
+    def _inflight_owners(self, step: int) -> list[tuple[int, Request, int]]:
         while self._inflight and self._inflight[0].step < step:  # a step whose codes were never read
-            if any(req.status is RequestStatus.RUNNING for _, req in self._inflight[0].owners):
+            if any(req.status is RequestStatus.RUNNING and seg == req.segment
+                   for _, req, seg in self._inflight[0].owners):
                 raise RuntimeError(f"update({step}) but step {self._inflight[0].step}'s codes never came back")
             self._inflight.popleft()  # nobody waits for them (e.g. all aborted after a failed step)
         if not self._inflight or self._inflight[0].step > step:
@@ -197,18 +284,116 @@ class Scheduler:
         return self._inflight[0].owners
 
     def _append(self, row: int, req: Request, frame: np.ndarray, is_eos: bool) -> RequestOutput:
-        start = req.num_frames  # frame: [1, 32]
+        start, seg = req.num_frames, req.segment  # frame: [1, 32]
+        hist = self._history.get(req.request_id)
         if is_eos:  # not counted, not emitted
-            self._finish(req, RequestStatus.FINISHED_EOS)
-            return RequestOutput(req, row, frame[:0], start, "eos")
-        req.num_frames += 1
-        if req.num_frames >= self._limits[req.slot]:
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
-        return RequestOutput(req, row, frame, start, req.status.finish_reason)
+            frame, reason = frame[:0], "eos"
+        else:
+            req.num_frames += 1
+            req.seg_frames += 1
+            if hist is not None:
+                hist.turns[-1].codes.append(frame)
+            reason = "length" if req.seg_frames >= self._limits[req.slot] else None
+        if reason is None:
+            return RequestOutput(req, row, frame, start, None, seg)
+        if hist is not None and (req.segments or req.open):
+            self._end_segment(req, hist, reason)
+            return RequestOutput(req, row, frame, start, None, seg, reason)
+        self._finish(req, RequestStatus.FINISHED_EOS if reason == "eos" else RequestStatus.FINISHED_LENGTH)
+        return RequestOutput(req, row, frame, start, reason, seg, reason)
+
+    # ---- long-form
+    def _eos_frame(self) -> tuple[np.ndarray, np.ndarray]:
+        k = self.num_codebooks
+        mask = np.zeros((1, k + 1), dtype=bool)
+        mask[:, :k] = True
+        return np.zeros((1, k + 1), dtype=np.int64), mask
+
+    def _audio(self, codes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Generated frames [n, K] as context frames followed by the EOS frame."""
+        eos_t, eos_m = self._eos_frame()
+        if not codes:
+            return eos_t, eos_m
+        c = np.concatenate(codes)
+        tokens = np.concatenate([np.concatenate([c, np.zeros((len(c), 1), np.int64)], 1), eos_t])
+        return tokens, np.repeat(eos_m, len(c) + 1, axis=0)
+
+    def _end_segment(self, req: Request, hist: _History, reason: str) -> None:
+        if reason == "eos":
+            # the EOS frame is in KV iff a step after the one that produced it was scheduled
+            in_kv = req.seg_scheduled >= req.seg_frames + 2
+            hist.tail = None if in_kv else self._eos_frame()
+            hist.next_pos = req.seg_start_pos + req.seg_frames + 1 + int(in_kv)
+        else:  # length: nothing consumed the last frame
+            hist.tail = self._audio(hist.turns[-1].codes[-1:])
+            hist.next_pos = req.seg_start_pos + req.seg_frames
+        hist.last_reason = reason
+        req.segment += 1
+        req.seg_frames = req.seg_scheduled = 0
+        self.running.pop(req.slot, None)
+        if req.segments:
+            self._continue(req, hist)
+        else:
+            req.status = RequestStatus.IDLE
+
+    def _continue(self, req: Request, hist: _History) -> None:
+        """Start the next segment in the request's slot: its prompt, then a resume."""
+        text_t, text_m = req.segments.popleft()
+        parts = ([hist.tail] if hist.tail is not None else []) + [(text_t, text_m)]
+        size = sum(len(t) for t, _ in parts)
+        start = hist.next_pos
+        need = len(text_t) - 1 + req.params.max_frames  # positions from the text's first frame to the last step
+        if start + size - len(text_t) + need > self.max_seq_len:
+            start, parts = 0, self._rebuild(hist, self.max_seq_len - need) + [(text_t, text_m)]
+        hist.tail = None
+        hist.turns.append(_Turn(text_t, text_m))
+        req.tokens = np.concatenate([t for t, _ in parts])
+        req.mask = np.concatenate([m for _, m in parts])
+        req.prompt_start, req.num_prefilled = start, 0
+        req.seg_start_pos = start + req.prompt_len - 1
+        self._limits[req.slot] = self.frame_limit(req)
+        if req.num_to_prefill > 0:
+            req.status = RequestStatus.PREFILLING
+            self.prefilling.append(req)
+        else:
+            self._start_running(req)
+        p = req.params
+        self._resumes.append(Admission(req.slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
+                                       p.temperature, p.top_k, p.top_p, p.seed))
+
+    def _rebuild(self, hist: _History, room: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Context frames for a prefill from position 0 in at most `room` positions: the newest whole
+        segments that fit (text + codes + EOS), after the request's own context if that still fits."""
+        turns = [(t, self._audio(t.codes)) for t in hist.turns]
+        sizes = [len(t.tokens) + len(a[0]) for t, a in turns]
+
+        def newest_fitting(budget: int) -> int:  # how many of the newest turns fit in budget
+            n, used = 0, 0
+            for s in reversed(sizes):
+                if used + s > budget:
+                    break
+                n, used = n + 1, used + s
+            return n
+
+        ctx_len = 0 if hist.context is None else len(hist.context[0])
+        keep_ctx = hist.context is not None and ctx_len <= room and (newest_fitting(room - ctx_len) > 0 or
+                                                                     newest_fitting(room) == 0)
+        if not keep_ctx:
+            hist.context = None
+        n = newest_fitting(room - ctx_len if keep_ctx else room)
+        kept = turns[len(turns) - n:] if n else []
+        hist.turns = [t for t, _ in kept]
+        out = [hist.context] if keep_ctx else []
+        for t, a in kept:
+            out += [(t.tokens, t.mask), a]
+        return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.PREFILLING:
             self.prefilling.remove(req)
+        self._history.pop(req.request_id, None)
+        if req.slot is not None:
+            self._resumes = [r for r in self._resumes if r.slot != req.slot]
         if req.slot is not None:
             self.slots[req.slot] = None
             self.running.pop(req.slot, None)

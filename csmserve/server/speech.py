@@ -45,7 +45,7 @@ async def create_speech(body: SpeechRequest, http: Request) -> StreamingResponse
     arrival = time.perf_counter()
     state: ServerState = http.app.state.server
     state.check_input(body.input)
-    request, _ = await state.build_request(body.input, body.voice, body, body.context)
+    request, _ = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
     encoder = make_encoder(body.response_format, speed=body.speed)
     chunks = state.stream(request, arrival)
     try:

@@ -7,6 +7,7 @@ import base64
 import binascii
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -135,10 +136,23 @@ class ServerState:
         return tokens, mask
 
     async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
-                            turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = ()) -> tuple[Request, int]:
+                            turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
+                            long_form: bool = False) -> tuple[Request, int]:
         """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
-        the context turns, then `extra`, then `text`."""
+        the context turns, then `extra`, then `text`. long_form: text of several sentences is spoken
+        sentence by sentence in one slot (each seeing the earlier ones; max_audio_length_ms per sentence)."""
         from ..api import Segment
+        from ..text import split_sentences
+        from ..tokenizer import segment_ids, text_frames
+
+        texts = split_sentences(text) if long_form else []
+        if len(texts) > 1:
+            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra)
+            csm, k = self.require_ready(), request.tokens.shape[1] - 1
+            first = text_frames(segment_ids(csm.tokenizer, speaker, texts[0]), k)[0]
+            request.context_len = request.prompt_len - len(first)
+            request.segments = deque(text_frames(segment_ids(csm.tokenizer, speaker, t), k) for t in texts[1:])
+            return request, speaker
 
         self.require_ready()
         max_ms = self.audio_length_ms(fields.max_audio_length_ms)

@@ -47,7 +47,8 @@ def b64(data: bytes) -> str:
     ({"context": [{"speaker": 0, "text": "x", "audio": b64(wav_bytes(0.5)), "voice_id": "v"}]}, "context[0]",
      "invalid_value"),
     ({"context": [{"speaker": 0, "text": "x"}] * 17}, "context", "context_too_long"),
-    ({"input": "word " * 800}, "context", "context_too_long"),  # prompt + audio > the model's positions
+    # prompt + audio > the model's positions (one unsplittable word: long multi-sentence input is long-form)
+    ({"input": "w" * 3000}, "context", "context_too_long"),
 ])
 def test_400(server, patch, param, code):
     r = post(server, {**SPEECH, **patch})

@@ -1,0 +1,19 @@
+"""POST /v1/audio/speech with several sentences: spoken in one slot, one continuous body."""
+import httpx
+import numpy as np
+
+from server_helpers import wait_slots_free
+
+
+def test_multi_sentence_input_is_one_long_form_stream(server):
+    text = " ".join(f"Sentence {i} is short." for i in range(6))
+    body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm",
+            "max_audio_length_ms": 160, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 200
+    pcm = np.frombuffer(r.content, "<i2")
+    frames = len(pcm) // 1920
+    assert len(pcm) == frames * 1920 and frames > 2  # more than one sentence's cap (2 frames): long-form
+    assert frames <= 6 * 2
+    state = server.state
+    wait_slots_free(state.csm if hasattr(state, "csm") else state.require_ready())
