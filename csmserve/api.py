@@ -102,9 +102,11 @@ class CSM:
         if self._client is None:
             from .engine.engine import Engine, EngineClient
             from .engine.runner import ModelRunner
+            from .engine.prefix_cache import default_prefix_cache_bytes
             from .engine.slots import size_slots
 
-            cfg = self.engine_config or EngineConfig(max_slots=size_slots(self.model, self.mimi, 2048))
+            cfg = self.engine_config or EngineConfig(max_slots=size_slots(
+                self.model, self.mimi, 2048, reserve_bytes=default_prefix_cache_bytes(self.device.type)))
             runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi)
             self._engine = Engine(runner, cfg)
             self._client = EngineClient(self._engine)
@@ -161,7 +163,12 @@ class CSM:
                 max_audio_length_ms: int = 10_000) -> Request:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms)
-        return Request(*self.prompt(text, speaker, context, max_audio_length_ms), params=params)
+        tokens, mask = self.prompt(text, speaker, context, max_audio_length_ms)
+        # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
+        # the engine's prefix cache keeps their KV, so the next request with the same context prefills
+        # only its own text
+        prefix = len(tokens) - len(self.segment_frames(text, speaker)[0])
+        return Request(tokens, mask, params=params, prefix_len=prefix)
 
     # ---- generation
     def generate(self, text: str | Sequence[str] | Sequence[Request], speaker: int = 0,
@@ -205,7 +212,7 @@ class CSM:
         if not segments:
             raise ValueError("no text to speak")
         req = self.request(segments[0], speaker, context, temperature, top_k, top_p, seed, max_audio_length_ms)
-        req.context_len = req.prompt_len - len(self.segment_frames(segments[0], speaker)[0])
+        req.context_len = req.prefix_len  # the context turns: everything before the first segment's text
         req.segments = deque(self.segment_frames(t, speaker) for t in segments[1:])
         req.open = open
         return req

@@ -16,12 +16,17 @@ class EngineConfig:
     max_prefill_chunk: int = 512  # prompt positions prefilled per step for one slot
     first_chunk_frames: int = 1  # frames in a request's first AudioChunk (time to first audio)
     chunk_frames: int = 4  # frames in each later AudioChunk
+    # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
+    # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
                      "first_chunk_frames", "chunk_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
 
@@ -46,13 +51,20 @@ class ServerConfig:
     default_audio_length_ms: int = 30_000  # when the request does not say
     max_concurrent_requests: int = 256  # generations in flight (HTTP + WebSocket); past it: 429
     cors_origins: tuple[str, ...] = ()
+    # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
+    session_idle_s: float = 600.0  # a session unused this long is forgotten
+    max_sessions: int = 1024  # past it, the least recently used idle session is forgotten
+    max_session_turns: int = 64  # turns kept per session (both sides); the oldest are dropped
+    max_session_frames: int = 2048  # audio frames kept per session (the model's whole context); oldest dropped
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns",
-                     "max_concurrent_requests"):
+                     "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_clip_seconds <= 0:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
+        if self.session_idle_s <= 0:
+            raise ValueError(f"ServerConfig.session_idle_s must be > 0, got {self.session_idle_s}")
         if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")

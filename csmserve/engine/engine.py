@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
+from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .request import AudioChunk, Request
 from .runner import ModelRunner, StepOutput
 from .scheduler import RequestOutput, Scheduler, SchedulerBusy
@@ -55,7 +56,11 @@ class _Stream:
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, start: bool = True) -> None:
         self.runner, self.config = runner, config
-        self.scheduler = Scheduler(config, runner.cfg.num_codebooks)
+        cache_bytes = config.prefix_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_prefix_cache_bytes(runner.device.type)
+        self.prefix_cache = PrefixCache(cache_bytes, runner.kv.bytes_per_position) if cache_bytes > 0 else None
+        self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache)
         self.num_codebooks = runner.cfg.num_codebooks
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, _Stream] = {}
@@ -114,6 +119,7 @@ class Engine:
         self.runner.admit(batch.admissions)
         self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
+        self.runner.store_prefixes(batch.prefix_stores)
         out = self.runner.step(batch.decode_slots)
         if self._prev is not None:
             self._collect(*self._prev)

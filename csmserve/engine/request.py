@@ -67,6 +67,9 @@ class Request:
     segments: deque = field(default_factory=deque)  # pending next turns: (tokens, mask) [n, 33] text frames
     open: bool = False  # more segments may still be appended (text streamed in); the slot idles meanwhile
     context_len: int = 0  # prompt frames before the first target turn's text (kept first on a re-prefill)
+    # prompt-prefix cache: the leading positions that form a reusable prefix (a voice's reference turn,
+    # a conversation's earlier turns; CSM.request sets it to the context's length). < prompt_len; 0 = none
+    prefix_len: int = 0
     # engine-owned state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -122,6 +125,17 @@ class Admission:
     top_k: int
     top_p: float
     seed: int
+    prefix_hit: bytes | None = None  # prefix-cache key whose KV is copied into the slot's first positions
+
+
+@dataclass(frozen=True)
+class PrefixStore:
+    """After this step's prefill: drop the evicted entries, then keep a copy of slot's KV[:, :n] under key."""
+
+    slot: int
+    key: bytes
+    n: int
+    evict: tuple[bytes, ...] = ()  # entries the index dropped to make room (before this store)
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,7 @@ class Batch:
     decode_slots: list[int] = field(default_factory=list)
     resumes: list[Admission] = field(default_factory=list)
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
+    prefix_stores: list[PrefixStore] = field(default_factory=list)  # run after the prefills, in order
 
     @property
     def empty(self) -> bool:

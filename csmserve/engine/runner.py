@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..models.csm import CSMModel
 from ..models.mimi import Mimi, MimiStream
-from .request import Admission, PrefillChunk
+from .request import Admission, PrefillChunk, PrefixStore
 from .sampler import sample
 from .slots import DepthKV, SlotKV, SlotState
 
@@ -61,6 +61,8 @@ class ModelRunner:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
+        # the prefix cache's tensors: key -> (k, v) [L, Hkv, n, hd]; the index is the scheduler's PrefixCache
+        self.prefix_kv: dict[bytes, tuple[Tensor, Tensor]] = {}
         self.state = SlotState(self.cfg, num_slots, self.device)
         self.buckets = buckets or default_buckets(num_slots)
         self.depth_kv = DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
@@ -74,8 +76,27 @@ class ModelRunner:
 
     # ---- admissions and prefill (eager) ----
     def admit(self, admissions: list[Admission]) -> None:
-        """New requests: load each slot's first input, position and sampling params; reset its codec row."""
+        """New requests: load each slot's first input, position and sampling params; reset its codec row;
+        copy a cached prompt prefix's KV into the slot's first positions (device to device)."""
         self._load(admissions, reset=True)
+        for a in admissions:
+            if a.prefix_hit is not None:
+                k, v = self.prefix_kv[a.prefix_hit]
+                n = k.shape[2]
+                self.kv.k[:, a.slot, :, :n].copy_(k)
+                self.kv.v[:, a.slot, :, :n].copy_(v)
+
+    def store_prefixes(self, stores: list[PrefixStore]) -> None:
+        """After the prefill: drop evicted entries, keep copies of slots' KV[:, :n] (no host sync)."""
+        for st in stores:
+            for key in st.evict:
+                self.prefix_kv.pop(key, None)
+            self.prefix_kv[st.key] = (self.kv.k[:, st.slot, :, :st.n].clone(),
+                                      self.kv.v[:, st.slot, :, :st.n].clone())
+
+    @property
+    def prefix_kv_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.prefix_kv.values())
 
     def resume(self, resumes: list[Admission]) -> None:
         """Long-form continuations: the same loads, but the codec row (the audio runs on without a seam)

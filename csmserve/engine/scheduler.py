@@ -26,6 +26,12 @@ with the newest segments that fit as context turns (text + generated codes + EOS
 request's own context if it fits; the oldest segments are dropped. The codec state is untouched.
 A segment ending with no next segment yet on an open request leaves it IDLE: it holds its slot and
 is not stepped until append() brings text or close() ends it.
+
+Prefix cache (Request.prefix_len, engine/prefix_cache.py): at admission, a prompt whose first
+prefix_len positions are cached gets `Admission.prefix_hit` (the runner copies that KV into the slot)
+and its prefill starts at prefix_len. On a miss, once the prefill has written positions [0, prefix_len),
+the same batch carries a `PrefixStore` (the runner copies the slot's KV[:, :prefix_len] out, after the
+evictions that made room). A prefix never covers the prompt's last position.
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from typing import NamedTuple
 import numpy as np
 
 from csmserve.config import EngineConfig
-from csmserve.engine.request import Admission, Batch, PrefillChunk, Request, RequestStatus
+from csmserve.engine.prefix_cache import PrefixCache, prefix_key
+from csmserve.engine.request import Admission, Batch, PrefillChunk, PrefixStore, Request, RequestStatus
 
 
 class SchedulerBusy(RuntimeError):
@@ -87,8 +94,12 @@ class _History:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_codebooks: int = 32) -> None:
+    def __init__(self, config: EngineConfig, num_codebooks: int = 32, prefix_cache: PrefixCache | None = None
+                 ) -> None:
         self.num_codebooks = num_codebooks
+        self.prefix_cache = prefix_cache  # None: no prefix caching
+        self._pending_stores: dict[str, tuple[bytes, int]] = {}  # request id -> prefix to store once prefilled
+        self._stores: list[PrefixStore] = []  # this step's
         self.max_slots = config.max_slots
         self.max_waiting = config.max_waiting
         self.max_seq_len = config.max_seq_len
@@ -184,6 +195,7 @@ class Scheduler:
         admissions = [self._admit(self.waiting.popleft()) for _ in range(min(len(self.waiting), len(self._free)))]
         resumes, self._resumes = self._resumes, []
         prefills = self._schedule_prefills()
+        stores, self._stores = self._stores, []
         owners = [(slot, req, req.segment) for slot, req in sorted(self.running.items())
                   if req.seg_scheduled < self._limits[slot]]
         for _, req, _ in owners:
@@ -191,7 +203,8 @@ class Scheduler:
             req.seg_scheduled += 1
         if owners:
             self._inflight.append(_Step(self._step, owners))
-        return Batch(admissions, prefills, [slot for slot, _, _ in owners], resumes, step=self._step)
+        return Batch(admissions, prefills, [slot for slot, _, _ in owners], resumes, step=self._step,
+                     prefix_stores=stores)
 
     def update(self, step: int, codes: np.ndarray) -> list[RequestOutput]:
         """Take step `step`'s codes [len(decode_slots), 32], rows in batch.decode_slots order."""
@@ -221,6 +234,8 @@ class Scheduler:
             raise ValueError(f"prompt is {req.prompt_len} frames; it must be 1..{self.max_seq_len} (max_seq_len)")
         if not 0 <= req.context_len < req.prompt_len:
             raise ValueError(f"context_len {req.context_len} must be in [0, prompt_len)")
+        if not 0 <= req.prefix_len < req.prompt_len:
+            raise ValueError(f"prefix_len {req.prefix_len} must be in [0, prompt_len)")
         for tokens, mask in req.segments:
             self._check_segment(tokens, mask)
 
@@ -243,6 +258,7 @@ class Scheduler:
             self._history[req.request_id] = _History(ctx, [_Turn(req.tokens[c:], req.mask[c:])])
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
+        hit = self._lookup_prefix(req)
         if req.num_to_prefill > 0:
             req.status = RequestStatus.PREFILLING
             self.prefilling.append(req)
@@ -250,7 +266,28 @@ class Scheduler:
             self._start_running(req)
         p = req.params
         return Admission(slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
-                         p.temperature, p.top_k, p.top_p, p.seed)
+                         p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=hit)
+
+    def _lookup_prefix(self, req: Request) -> bytes | None:
+        """A cached prefix: skip its prefill (the admission copies it). A miss: store it once prefilled."""
+        n = req.prefix_len
+        if self.prefix_cache is None or n < 1 or req.prompt_start != 0 or req.num_prefilled != 0:
+            return None
+        key = prefix_key(req.tokens, req.mask, n)
+        if self.prefix_cache.lookup(key) is None:
+            self._pending_stores[req.request_id] = (key, n)
+            return None
+        req.num_prefilled = n
+        return key
+
+    def _store_prefix(self, req: Request) -> None:
+        pending = self._pending_stores.get(req.request_id)
+        if pending is None or req.num_prefilled < pending[1]:
+            return
+        del self._pending_stores[req.request_id]
+        key, n = pending
+        if self.prefix_cache.reserve(key, n):
+            self._stores.append(PrefixStore(req.slot, key, n, tuple(self.prefix_cache.take_evicted())))
 
     def _schedule_prefills(self) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
@@ -264,6 +301,8 @@ class Scheduler:
                                        req.mask[start:start + n]))
             req.num_prefilled += n
             budget -= n
+            if self._pending_stores:
+                self._store_prefix(req)
             if req.num_to_prefill == 0:
                 self.prefilling.remove(req)
                 self._start_running(req)  # its first frame step runs in this same batch
@@ -392,6 +431,7 @@ class Scheduler:
         if req.status == RequestStatus.PREFILLING:
             self.prefilling.remove(req)
         self._history.pop(req.request_id, None)
+        self._pending_stores.pop(req.request_id, None)
         if req.slot is not None:
             self._resumes = [r for r in self._resumes if r.slot != req.slot]
         if req.slot is not None:

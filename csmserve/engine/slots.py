@@ -30,6 +30,11 @@ class SlotKV:
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
+    @property
+    def bytes_per_position(self) -> int:
+        """k and v of one position of one slot, all layers (a prefix-cache entry's size per position)."""
+        return 2 * self.k[:, 0, :, 0].numel() * self.k.element_size()
+
     def set_decode(self, slot_ids: Tensor, kv_bound: int) -> None:
         # slot_ids [B]; the frame step's positions come through begin()
         self.decoding, self.slot_tok, self.kv_bound = True, slot_ids, kv_bound
@@ -115,8 +120,9 @@ class SlotState:
 
 
 def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len: int,
-               memory_fraction: float = 0.85, cap: int = 4096) -> int:
-    """Slots that fit in free device memory (CUDA), leaving room for graphs' activations; 8 on the CPU."""
+               memory_fraction: float = 0.85, cap: int = 4096, reserve_bytes: int = 0) -> int:
+    """Slots that fit in free device memory (CUDA), leaving room for graphs' activations and
+    `reserve_bytes` (the prefix cache); 8 on the CPU."""
     p = next(model.parameters())
     if p.device.type != "cuda":
         return 8
@@ -129,4 +135,5 @@ def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len
 
         codec = sum(b[0].numel() * b.element_size() for b in MimiStream(mimi, 1, "decode", 1).bufs.values())
     free, _ = torch.cuda.mem_get_info(p.device)
+    free = max(0, free - reserve_bytes)
     return max(1, min(cap, int(free * memory_fraction) // (kv + codec + 64 * 1024)))

@@ -63,7 +63,8 @@ class WsRequest(SamplingFields):
     context_id: StrictStr = Field("default", min_length=1, max_length=256)
     text: StrictStr | None = None
     voice: StrictStr | VoiceRef | None = None
-    context: list[ContextTurn] | None = None
+    context: list[ContextTurn] | None = None  # the session's fixed context (replaces the one given before)
+    add_context: list[ContextTurn] | None = None  # turns appended to the session's conversation (e.g. the user's)
     output_format: Literal["pcm_s16le", "pcm_f32le"] | None = None
     flush: bool = False
     close: bool = False

@@ -1,5 +1,6 @@
-"""What every route shares: the model, the voice store, the limits, the metrics, and the one path
-from (voice, context, text) to prompt frames to a stream of AudioChunks."""
+"""What every route shares: the model, the voice store, the limits, the metrics, the one path
+from (voice, context, text) to prompt frames to a stream of AudioChunks, and the WebSocket's
+conversation sessions (Sessions: bounded, LRU, idle timeout)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,9 @@ import base64
 import binascii
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,7 +22,7 @@ from ..engine.scheduler import SchedulerBusy
 from ..voices import ResolvedVoice, VoiceNotFoundError, VoiceStore
 from .errors import APIError, bad_request
 from .metrics import Metrics
-from .schemas import ContextTurn, SamplingFields, VoiceRef
+from .schemas import ContextTurn, SamplingFields, VoiceRef, WsRequest
 
 if TYPE_CHECKING:
     from ..api import CSM, Segment
@@ -28,6 +30,128 @@ if TYPE_CHECKING:
 log = logging.getLogger("csmserve.server")
 SAMPLE_RATE = 24_000
 FRAME_SECONDS = 0.08
+_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format")
+
+
+@dataclass
+class SessionTurn:
+    """One turn of a conversation: `assistant` (generated here, one Segment per sentence/clause as it was
+    spoken) or `user` (given with `add_context`, its audio encoded with Mimi once, on arrival)."""
+
+    role: str
+    segments: list  # [Segment] with codes (int16: values < 2051) or text only
+
+    @property
+    def frames(self) -> int:
+        return sum(0 if s.codes is None else len(s.codes) for s in self.segments)
+
+
+@dataclass
+class Session:
+    """A WebSocket `context_id`: its voice and settings, its fixed context and its turns, across
+    connections, until `close`, the idle timeout or eviction."""
+
+    context_id: str
+    voice: str | VoiceRef = "alloy"
+    fields: SamplingFields = field(default_factory=SamplingFields)
+    output_format: str = "pcm_s16le"
+    context: list = field(default_factory=list)  # [Segment] given with `context` (encoded once)
+    turns: list[SessionTurn] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+    busy: int = 0  # turns generating now: never expired or evicted meanwhile
+
+    def update(self, msg: WsRequest) -> None:
+        given = msg.model_fields_set
+        for name in _SETTINGS:
+            if name in given and getattr(msg, name) is not None:
+                if name == "voice":
+                    self.voice = msg.voice
+                elif name == "output_format":
+                    self.output_format = msg.output_format
+                else:
+                    self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
+
+    def history(self) -> list:
+        """The turns' Segments, oldest first: the conversation context of the next turn."""
+        return [s for t in self.turns for s in t.segments]
+
+    def drop_oldest_segment(self) -> bool:
+        """Forget the oldest segment of the conversation (the prompt would not fit); False when none is left."""
+        while self.turns and not self.turns[0].segments:
+            self.turns.pop(0)
+        if not self.turns:
+            return False
+        self.turns[0].segments.pop(0)
+        if not self.turns[0].segments:
+            self.turns.pop(0)
+        return True
+
+
+class Sessions:
+    """The conversation sessions by context_id: LRU, bounded in number and per session (turns, frames),
+    forgotten after `session_idle_s` unused (checked on every access)."""
+
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.clock = config, clock
+        self._by_id: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        self.expire()
+        return len(self._by_id)
+
+    def __contains__(self, context_id: str) -> bool:
+        return self.get(context_id) is not None
+
+    def get(self, context_id: str) -> Session | None:
+        self.expire()
+        s = self._by_id.get(context_id)
+        if s is not None:
+            self.touch(s)
+        return s
+
+    def open(self, context_id: str) -> Session:
+        """The session of `context_id`, created (empty) if there is none."""
+        s = self.get(context_id)
+        if s is None:
+            while len(self._by_id) >= self.config.max_sessions and self._evict_one():
+                pass
+            s = self._by_id[context_id] = Session(context_id, last_used=self.clock())
+        return s
+
+    def touch(self, s: Session) -> None:
+        s.last_used = self.clock()
+        if self._by_id.get(s.context_id) is s:
+            self._by_id.move_to_end(s.context_id)
+
+    def drop(self, context_id: str) -> None:
+        self._by_id.pop(context_id, None)
+
+    def expire(self) -> None:
+        cutoff = self.clock() - self.config.session_idle_s
+        for cid, s in list(self._by_id.items()):  # least recently used first
+            if s.last_used > cutoff:
+                break
+            if not s.busy:
+                del self._by_id[cid]
+
+    def _evict_one(self) -> bool:
+        for cid, s in self._by_id.items():
+            if not s.busy:
+                del self._by_id[cid]
+                return True
+        return False
+
+    def add_turn(self, s: Session, turn: SessionTurn) -> None:
+        """Append a turn; then the oldest go while the session holds more turns or frames than allowed."""
+        for seg in turn.segments:
+            if seg.codes is not None:
+                seg.codes = np.asarray(seg.codes, dtype=np.int16)
+        s.turns.append(turn)
+        while len(s.turns) > self.config.max_session_turns:
+            s.turns.pop(0)
+        while len(s.turns) > 1 and sum(t.frames for t in s.turns) > self.config.max_session_frames:
+            s.turns.pop(0)
+        self.touch(s)
 
 
 class ServerState:
@@ -35,6 +159,7 @@ class ServerState:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
+        self.sessions = Sessions(config)  # WebSocket conversation sessions by context_id
         self.metrics = Metrics(config.model_name, self._num_running, self._num_waiting)
 
     # ---- readiness and limits
@@ -168,15 +293,18 @@ class ServerState:
         return Request(tokens, mask, params=params), speaker
 
     # ---- generation
-    async def stream(self, request: Request, arrival: float) -> AsyncIterator[AudioChunk]:
+    async def stream(self, request: Request, arrival: float,
+                     on_submit: Callable[[], None] | None = None) -> AsyncIterator[AudioChunk]:
         """The engine's chunks with the concurrency limit and the metrics around them. Closing this
-        generator early (client gone, cancel) aborts the request and frees its slot."""
+        generator early (client gone, cancel) aborts the request and frees its slot. on_submit: called
+        once the engine has the request (an open long-form request may then be appended to)."""
         csm = self.require_ready()
         if self.active >= self.config.max_concurrent_requests:
             raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
                            "too_many_requests")
         self.active += 1
-        agen = csm.client.astream(request)
+        agen = csm.client.astream(request, on_submit=on_submit) if on_submit is not None \
+            else csm.client.astream(request)
         frames, reason, first = 0, "abort", None
         try:
             async for chunk in agen:

@@ -1,9 +1,17 @@
-"""WebSocket /v1/audio/speech/stream: text in (pieces, flush, close), audio out as generated,
-`context_id` continuations, cancel. The protocol is in docs/api.md.
+"""WebSocket /v1/audio/speech/stream: text streamed in, audio out as generated, conversation sessions,
+cancel. The protocol is in docs/api.md.
 
-One connection runs its utterances one at a time, in the order their flushes arrived; a context
-keeps its voice, settings and every generated turn (text + codes), which become the next turn's
-conversation context, so the voice and prosody carry across turns.
+A context's text pieces form its current *turn*: they go through a SentenceSplitter, and as soon as the
+first sentence (or clause) is complete the turn becomes ONE open long-form request (CSM.long_request's
+shape, built by ServerState.build_request): later segments are appended to it (EngineClient.append) as
+they complete, in the same slot, the codec state running on (one continuous audio stream); `flush` /
+`close` ends the input (the rest of the buffer is spoken, then EngineClient.close and a `flush_done`).
+Every audio message says which segment of the turn's text it speaks (index, text, character offsets).
+
+One connection generates one turn at a time, in the order the turns started. A context_id is a
+conversation session (ServerState.sessions): its voice, settings, fixed context and turns (the ones
+generated here and the ones the client adds with `add_context`, audio encoded once) outlive the
+connection until `close`, the idle timeout or eviction, so a later connection naming it continues.
 """
 from __future__ import annotations
 
@@ -11,63 +19,77 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from ..audio.encoders import to_s16le
+from ..engine.request import AudioChunk
+from ..text import SentenceSplitter
 from .errors import APIError, check_bearer, validation_error
-from .schemas import ContextTurn, SamplingFields, VoiceRef, WsRequest
-from .state import ServerState
+from .schemas import WsRequest
+from .state import ServerState, Session, SessionTurn
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
-_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format")
+_WORD = re.compile(r"\s*(\S+)")
 
 
-@dataclass
-class Context:
-    context_id: str
-    voice: str | VoiceRef = "alloy"
-    context: list[ContextTurn] = field(default_factory=list)  # given turns, from the first message
-    fields: SamplingFields = field(default_factory=SamplingFields)
-    output_format: str = "pcm_s16le"
-    text: str = ""  # buffered, not yet flushed
-    history: list = field(default_factory=list)  # Segments of the turns generated so far
-    epoch: int = 0  # bumped by cancel: queued jobs of an older epoch are dropped
+class Turn:
+    """A context's current input: text pieces -> segments (sentences, clauses when long) -> one request."""
 
-    def update(self, msg: WsRequest) -> None:
-        given = msg.model_fields_set
-        for name in _SETTINGS:
-            if name in given and getattr(msg, name) is not None:
-                if name == "voice":
-                    self.voice = msg.voice
-                elif name == "output_format":
-                    self.output_format = msg.output_format
-                else:
-                    self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
-        if msg.context is not None:
-            self.context = msg.context
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.context_id = session.context_id
+        self.splitter = SentenceSplitter()
+        self.received = ""  # all text of this turn so far (offsets refer to it)
+        self.texts: list[str] = []  # its complete segments, in order (AudioChunk.segment indexes them)
+        self.spans: list[tuple[int, int]] = []  # each segment's [start, end) in `received`
+        self.pending: asyncio.Queue[str | None] = asyncio.Queue()  # segments not yet given to the engine; None: end
+        self.ended = False
+        self.queued = False  # in the connection's jobs (it had a complete segment)
+        self.cancelled = False
+        self._cursor = 0
 
+    def feed(self, text: str) -> int:
+        """-> the number of segments this piece completed."""
+        self.received += text
+        return self._add(self.splitter.feed(text))
 
-@dataclass
-class Job:
-    ctx: Context
-    text: str | None  # None: the context's close marker
-    epoch: int
+    def end(self) -> None:
+        if not self.ended:
+            self._add(self.splitter.flush())
+            self.ended = True
+            self.pending.put_nowait(None)
+
+    def _add(self, segments: list[str]) -> int:
+        for seg in segments:
+            # a segment is the next words of the text, whitespace collapsed: find them in order
+            start = end = self._cursor
+            for i, word in enumerate(seg.split()):
+                m = _WORD.match(self.received, self._cursor)
+                if m is None:
+                    break
+                if i == 0:
+                    start = m.start(1)
+                end = self._cursor = m.end(1)
+            self.texts.append(seg)
+            self.spans.append((start, end))
+            self.pending.put_nowait(seg)
+        return len(segments)
 
 
 class Connection:
-    def __init__(self, ws: WebSocket, state: ServerState, binary: bool) -> None:
-        self.ws, self.state, self.binary = ws, state, binary
-        self.contexts: dict[str, Context] = {}
-        self.jobs: deque[Job] = deque()
+    def __init__(self, ws: WebSocket, state: ServerState, binary: bool, progress: bool) -> None:
+        self.ws, self.state, self.binary, self.progress = ws, state, binary, progress
+        self.open: dict[str, Turn] = {}  # context_id -> its turn still taking text
+        self.jobs: deque[Turn | str] = deque()  # turns to generate; a str: send `done` for that context_id
         self.wake = asyncio.Event()
-        self.current: tuple[Context, asyncio.Task] | None = None
+        self.current: tuple[Turn, asyncio.Task] | None = None
         self.send_lock = asyncio.Lock()
 
     async def send(self, payload: dict | bytes) -> None:
@@ -91,38 +113,61 @@ class Connection:
                     else APIError(400, "message is not valid JSON", "invalid_json")
                 await self.error(err, _context_id(raw))
                 continue
-            await self.handle(msg)
+            try:
+                await self.handle(msg)
+            except APIError as e:
+                await self.error(e, msg.context_id)
 
     async def handle(self, msg: WsRequest) -> None:
-        ctx = self.contexts.get(msg.context_id)
+        cid = msg.context_id
         if msg.cancel:
-            if ctx is not None:
-                self.cancel(ctx)
-            await self.send({"type": "cancelled", "context_id": msg.context_id})
+            self.cancel(cid)
+            await self.send({"type": "cancelled", "context_id": cid})
             return
-        if ctx is None:
-            ctx = self.contexts[msg.context_id] = Context(msg.context_id)
-        ctx.update(msg)
+        sessions = self.state.sessions
+        session = sessions.open(cid)
+        session.update(msg)
+        if msg.context is not None:  # encoded once, here
+            session.context = await self.state.context_segments(msg.context)
+        if msg.add_context:
+            segments = await self.state.context_segments(msg.add_context, "add_context")
+            sessions.add_turn(session, SessionTurn("user", segments))
         if msg.text:
-            if len(ctx.text) + len(msg.text) > self.state.config.max_input_chars:
-                ctx.text = ""
-                await self.error(APIError(400, f"buffered text is longer than {self.state.config.max_input_chars} "
-                                          "characters; flush more often", "input_too_long", "text"), ctx.context_id)
-                return
-            ctx.text += msg.text
-        if (msg.flush or msg.close) and ctx.text.strip():
-            self.jobs.append(Job(ctx, ctx.text, ctx.epoch))
-            ctx.text = ""
+            turn = self.open.get(cid)
+            if turn is None or turn.session is not session:  # (a session forgotten meanwhile: a new turn)
+                turn = Turn(session)
+            limit = self.state.config.max_input_chars
+            if len(turn.received) + len(msg.text) > limit:
+                raise APIError(400, f"the turn's text would be longer than {limit} characters; flush more often",
+                               "input_too_long", "text")
+            self.open[cid] = turn
+            if turn.feed(msg.text) and not turn.queued:
+                self._queue(turn)  # its first segment is complete: generation starts
+        if msg.flush or msg.close:
+            turn = self.open.pop(cid, None)
+            if turn is not None:
+                turn.end()
+                if turn.texts and not turn.queued:
+                    self._queue(turn)
         if msg.close:
-            self.jobs.append(Job(ctx, None, ctx.epoch))
-            del self.contexts[ctx.context_id]
+            sessions.drop(cid)  # queued turns keep their session; new messages start a fresh one
+            self.jobs.append(cid)
+            self.wake.set()
+
+    def _queue(self, turn: Turn) -> None:
+        turn.queued = True
+        self.jobs.append(turn)
         self.wake.set()
 
-    def cancel(self, ctx: Context) -> None:
-        ctx.epoch += 1
-        ctx.text = ""
-        self.contexts.pop(ctx.context_id, None)
-        if self.current is not None and self.current[0] is ctx:
+    def cancel(self, cid: str) -> None:
+        turn = self.open.pop(cid, None)
+        if turn is not None:
+            turn.cancelled = True
+        for job in self.jobs:
+            if isinstance(job, Turn) and job.context_id == cid:
+                job.cancelled = True
+        self.jobs = deque(j for j in self.jobs if not (j == cid or (isinstance(j, Turn) and j.cancelled)))
+        if self.current is not None and self.current[0].context_id == cid:
             self.current[1].cancel()
 
     # ---- generating
@@ -132,64 +177,109 @@ class Connection:
                 self.wake.clear()
                 await self.wake.wait()
             job = self.jobs.popleft()
-            if job.epoch != job.ctx.epoch:
+            if isinstance(job, str):
+                await self.send({"type": "done", "context_id": job})
                 continue
-            if job.text is None:
-                await self.send({"type": "done", "context_id": job.ctx.context_id})
+            if job.cancelled:
                 continue
-            task = asyncio.create_task(self.generate(job.ctx, job.text))
-            self.current = (job.ctx, task)
+            task = asyncio.create_task(self.generate(job))
+            self.current = (job, task)
             try:
                 await task
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():  # the connection itself is going away
                     raise
-                # else: a `cancel` message cancelled just this utterance
+                # else: a `cancel` message cancelled just this turn
             except APIError as e:
-                await self.error(e, job.ctx.context_id)
+                await self.error(e, job.context_id)
             except Exception as e:
                 log.exception("websocket generation failed")
-                await self.error(APIError(500, f"generation failed: {e}", "generation_failed"), job.ctx.context_id)
+                await self.error(APIError(500, f"generation failed: {e}", "generation_failed"), job.context_id)
             finally:
                 self.current = None
+                if self.open.get(job.context_id) is job:  # ended early (an error): later text starts a new turn
+                    del self.open[job.context_id]
 
-    async def generate(self, ctx: Context, text: str) -> None:
+    async def generate(self, turn: Turn) -> None:
         from ..api import Segment
+        from ..tokenizer import segment_ids, text_frames
 
         arrival = time.perf_counter()
-        self.state.check_input(text, "text")
-        request, speaker = await self._request(ctx, text)
-        codes, frames, reason = [], 0, None
-        async for chunk in self.state.stream(request, arrival):
-            if len(chunk.codes):
-                codes.append(chunk.codes)
-                await self._send_audio(ctx, chunk.audio, chunk.frame_start, len(chunk.codes))
-                frames += len(chunk.codes)
-            if chunk.final:
-                reason = chunk.finish_reason
-        if codes:  # this turn becomes context for the next one
-            ctx.history.append(Segment(speaker, text, codes=np.concatenate(codes)))
-            del ctx.history[:-self.state.config.max_context_turns]
-        await self.send({"type": "flush_done", "context_id": ctx.context_id, "request_id": request.request_id,
-                         "num_frames": frames, "finish_reason": reason})
+        session, csm = turn.session, self.state.require_ready()
+        first = await turn.pending.get()  # there is one: a turn is queued once it has a segment
+        feeders: list[asyncio.Task] = []
+        session.busy += 1
+        try:
+            request, speaker = await self._request(session, first)
+            k = request.tokens.shape[1] - 1
 
-    async def _request(self, ctx: Context, text: str):
-        # the oldest generated turns go first when the prompt would not fit the model's context
+            def frames_of(text: str):
+                return text_frames(segment_ids(csm.tokenizer, speaker, text), k)
+
+            # one long-form request: what has arrived goes in now; the rest is appended as it completes
+            request.context_len = request.prompt_len - len(frames_of(first)[0])
+            request.open = True
+            while request.open and not turn.pending.empty():
+                text = turn.pending.get_nowait()
+                if text is None:
+                    request.open = False
+                else:
+                    request.segments.append(frames_of(text))
+
+            async def feed() -> None:
+                while (text := await turn.pending.get()) is not None:
+                    csm.client.append(request.request_id, *frames_of(text))
+                csm.client.close(request.request_id)
+
+            def start_feeding() -> None:
+                feeders.append(asyncio.get_running_loop().create_task(feed()))
+
+            codes: dict[int, list[np.ndarray]] = {}
+            frames, reason, shown = 0, None, -1
+            async for chunk in self.state.stream(request, arrival, start_feeding if request.open else None):
+                if len(chunk.codes):
+                    codes.setdefault(chunk.segment, []).append(chunk.codes)
+                    await self._send_audio(turn, chunk, new_segment=chunk.segment != shown)
+                    shown = chunk.segment
+                    frames += len(chunk.codes)
+                if chunk.final:
+                    reason = chunk.finish_reason
+        finally:
+            for t in feeders:
+                t.cancel()
+            session.busy -= 1
+        if codes:  # this turn (each segment as it was spoken: its text and codes) is context for the next
+            self.state.sessions.add_turn(session, SessionTurn("assistant", [
+                Segment(speaker, turn.texts[i], codes=np.concatenate(c)) for i, c in sorted(codes.items())]))
+        else:
+            self.state.sessions.touch(session)
+        await self.send({"type": "flush_done", "context_id": turn.context_id, "request_id": request.request_id,
+                         "num_frames": frames, "finish_reason": reason, "num_segments": len(turn.texts),
+                         "text_end": turn.spans[-1][1] if turn.spans else 0})
+
+    async def _request(self, session: Session, text: str):
+        # the oldest turns of the conversation go first when the prompt would not fit the model's context
         while True:
             try:
-                return await self.state.build_request(text, ctx.voice, ctx.fields, ctx.context, ctx.history)
+                return await self.state.build_request(text, session.voice, session.fields, (),
+                                                      session.context + session.history())
             except APIError as e:
-                if e.code != "context_too_long" or not ctx.history:
+                if e.code != "context_too_long" or not session.drop_oldest_segment():
                     raise
-                ctx.history.pop(0)
 
-    async def _send_audio(self, ctx: Context, audio: np.ndarray, frame_start: int, num_frames: int) -> None:
-        data = audio.astype("<f4").tobytes() if ctx.output_format == "pcm_f32le" else to_s16le(audio)
+    async def _send_audio(self, turn: Turn, chunk: AudioChunk, new_segment: bool) -> None:
+        audio = chunk.audio
+        data = audio.astype("<f4").tobytes() if turn.session.output_format == "pcm_f32le" else to_s16le(audio)
+        i = chunk.segment
+        where = {"segment": i, "text": turn.texts[i], "text_start": turn.spans[i][0], "text_end": turn.spans[i][1]}
         if self.binary:
+            if self.progress and new_segment:
+                await self.send({"type": "segment", "context_id": turn.context_id, "frame_start": chunk.frame_start,
+                                 **where})
             await self.send(data)
         else:
-            await self.send({"type": "audio", "context_id": ctx.context_id, "audio": base64.b64encode(data).decode(),
-                             "frame_start": frame_start, "num_frames": num_frames})
+            await self.send({"type": "audio", "context_id": turn.context_id, "audio": base64.b64encode(data).decode(),
+                             "frame_start": chunk.frame_start, "num_frames": len(chunk.codes), **where})
 
 
 def _context_id(raw: str) -> str | None:
@@ -198,6 +288,10 @@ def _context_id(raw: str) -> str | None:
         return value if isinstance(value, str) else None
     except (ValueError, AttributeError):
         return None
+
+
+def _flag(ws: WebSocket, name: str) -> bool:
+    return ws.query_params.get(name, "").lower() in ("1", "true", "yes")
 
 
 @router.websocket("/v1/audio/speech/stream")
@@ -216,7 +310,7 @@ async def speech_stream(ws: WebSocket) -> None:
             503, "the model is still loading", "model_not_ready").body()}))
         await ws.close(code=1013)
         return
-    conn = Connection(ws, state, ws.query_params.get("binary", "").lower() in ("1", "true", "yes"))
+    conn = Connection(ws, state, _flag(ws, "binary"), _flag(ws, "progress"))
     worker = asyncio.create_task(conn.work_loop())
     try:
         await conn.receive_loop()

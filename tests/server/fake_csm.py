@@ -28,8 +28,14 @@ class ToneClient:
     def __init__(self, client: EngineClient) -> None:
         self.inner, self.engine = client, client.engine
 
-    async def astream(self, request):
-        agen = self.inner.astream(request)
+    def append(self, request_id, tokens, mask):
+        self.inner.append(request_id, tokens, mask)
+
+    def close(self, request_id):
+        self.inner.close(request_id)
+
+    async def astream(self, request, on_submit=None):
+        agen = self.inner.astream(request, on_submit=on_submit)
         try:
             async for chunk in agen:
                 chunk.audio = tone(chunk.codes)
