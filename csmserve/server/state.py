@@ -290,7 +290,10 @@ class ServerState:
         tokens, mask = self.prompt(text, speaker, segments, max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                                 seed=fields.seed, max_audio_length_ms=max_ms)
-        return Request(tokens, mask, params=params), speaker
+        csm = self.require_ready()
+        target = len(segment_ids(csm.tokenizer, speaker, text))  # the target turn's text frames
+        # voice clip + context turns form the reusable prefix: the engine's prefix cache keys on it
+        return Request(tokens, mask, params=params, prefix_len=max(0, len(tokens) - target)), speaker
 
     # ---- generation
     async def stream(self, request: Request, arrival: float,

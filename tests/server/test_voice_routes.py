@@ -43,6 +43,8 @@ def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, tmp_path):
     second = serve(voices_db=db)  # a new app over the same SQLite file
     assert v["id"] in {x["id"] for x in httpx.get(f"{second.url}/v1/audio/voices").json()["voices"]}
     c = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
+    cache = csm.client.engine.prefix_cache
+    hits = cache.stats["hits"]
     for voice in (v["id"], {"id": v["id"]}, "keeper"):  # by id, as an object, by name
         second.state.last_prompt = None
         with c.audio.speech.with_streaming_response.create(
@@ -56,6 +58,7 @@ def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, tmp_path):
         want = csm.prompt("Now say this.", speaker=0, context=[_segment(v, stored)], max_audio_length_ms=SHORT_MS)
         np.testing.assert_array_equal(tokens, want[0])
         np.testing.assert_array_equal(mask, want[1])
+    assert cache.stats["hits"] >= hits + 2  # the voice's reference turn is prefilled once, then copied
 
     # an alias carries no clip: no audio frames in the prompt
     with c.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="Plain.",
