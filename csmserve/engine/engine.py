@@ -213,21 +213,17 @@ class EngineClient:
         self.engine.close(request_id)
 
     def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine.submit(request, q.put)
+        q = self._submit(request)
         if on_submit is not None:
             on_submit()
         done = False
         try:
-            while True:
-                item = q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
+            for item in _until_final(q):
                 done = item.final
                 yield item
-                if done:
-                    return
+        except Exception:  # an engine error ended it (GeneratorExit, an early close, is not one)
+            done = True
+            raise
         finally:
             if not done:  # the caller stopped iterating: free the slot
                 self.engine.abort(request.request_id)
@@ -256,20 +252,21 @@ class EngineClient:
 
     def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
         """Submit all, wait for all; chunks per request in order."""
-        queues = []
-        for r in requests:
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            self.engine.submit(r, q.put)
-            queues.append(q)
-        results = []
-        for q in queues:
-            chunks = []
-            while True:
-                item = q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                chunks.append(item)
-                if item.final:
-                    break
-            results.append(chunks)
-        return results
+        queues = [self._submit(r) for r in requests]
+        return [list(_until_final(q)) for q in queues]
+
+    def _submit(self, request: Request) -> queue.SimpleQueue:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine.submit(request, q.put)
+        return q
+
+
+def _until_final(q: queue.SimpleQueue) -> Iterator[AudioChunk]:
+    """A request's chunks from its queue, through the final one; an engine error is raised here."""
+    while True:
+        item = q.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.final:
+            return
