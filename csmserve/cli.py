@@ -1,4 +1,4 @@
-"""`csmserve` command line (also `python -m csmserve`): `speak`, `serve`, `bench`.
+"""`csmserve` command line (also `python -m csmserve`): `speak`, `serve`, `bench`, `talk` (csmserve/talk.py).
 
     csmserve speak "Hello there." -o hello.wav --model dummy-tiny
     csmserve speak -i chapter.txt -o chapter.mp3 --voice narrator --seed 1
@@ -6,6 +6,7 @@
     csmserve speak -i chapter.txt -o chapter.opus --url http://localhost:8000
     csmserve serve --model sesame/csm-1b
     csmserve bench
+    csmserve talk --input-wav q.wav --asr-url http://localhost:9000/v1 --llm-url http://localhost:8080/v1 --out-dir out
 
 Errors (bad flags, unreadable files, a server's refusal) are one line on stderr and exit code 2.
 """
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     _bench_parser(sub)
+    from .talk import add_talk_parser
+
+    add_talk_parser(sub)
     return parser
 
 
