@@ -400,13 +400,12 @@ def _long_form(csm, text: str, kw: dict) -> Iterator:
 
 
 def _decode_ref(data: bytes, path: str) -> np.ndarray:
-    from .audio import AudioDecodeError, decode_audio, resample
+    from .audio import AudioDecodeError, decode_audio_24k
 
     try:
-        pcm, rate = decode_audio(data, max_seconds=120)
+        return decode_audio_24k(data, max_seconds=120)
     except AudioDecodeError as e:
         raise CLIError(f"--ref-audio {path!r}: {e}") from None
-    return resample(pcm, rate, SAMPLE_RATE)
 
 
 def _speak_url(args, text: str, ref: bytes | None, out: Output, progress: Progress) -> str:

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 import wave
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,13 +171,12 @@ def wav_bytes(pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
 
 def read_wav(data: bytes, name: str) -> np.ndarray:
     """Any common audio file's bytes -> [n] float32 at 24 kHz."""
-    from .audio import AudioDecodeError, decode_audio, resample
+    from .audio import AudioDecodeError, decode_audio_24k
 
     try:
-        pcm, rate = decode_audio(data, max_seconds=120)
+        return decode_audio_24k(data, max_seconds=120)
     except AudioDecodeError as e:
         raise TalkError(f"{name}: {e}") from None
-    return resample(pcm, rate, SAMPLE_RATE)
 
 
 # ---------------------------------------------------------------- the session

@@ -59,3 +59,11 @@ def check_duration(pcm: np.ndarray, sample_rate: int, max_seconds: float, min_se
     if seconds < min_seconds:
         raise AudioDecodeError(f"audio is {seconds:.2f} s; at least {min_seconds:g} s is needed")
     return seconds
+
+
+def decode_audio_24k(data: bytes, max_seconds: float | None = None) -> np.ndarray:
+    """Any common audio file's bytes -> [n] float32 mono at 24 kHz (the rate Mimi encodes)."""
+    from csmserve.audio.resample import resample
+
+    pcm, rate = decode_audio(data, max_seconds)
+    return pcm if rate == 24000 else resample(pcm, rate, 24000)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..audio import AudioDecodeError, AudioTooLongError, decode_audio, resample
+from ..audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from ..config import ServerConfig
 from ..engine.request import AudioChunk, Request, SamplingParams
 from ..engine.scheduler import SchedulerBusy
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from ..api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
-SAMPLE_RATE = 24_000
 FRAME_SECONDS = 0.08
 _SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format")
 
@@ -218,13 +217,11 @@ class ServerState:
                            "file_too_large", param)
         csm = self.require_ready()
         try:
-            pcm, sr = await asyncio.to_thread(decode_audio, data, self.config.max_clip_seconds)
+            pcm = await asyncio.to_thread(decode_audio_24k, data, self.config.max_clip_seconds)
         except AudioTooLongError as e:
             raise bad_request(f"'{param}': {e}", param, "audio_too_long") from None
         except AudioDecodeError as e:
             raise bad_request(f"'{param}' is not audio we can read: {e}", param, "invalid_audio") from None
-        if sr != SAMPLE_RATE:
-            pcm = await asyncio.to_thread(resample, pcm, sr, SAMPLE_RATE)
         if pcm.size < 1920:
             raise bad_request(f"'{param}' is shorter than one 80 ms frame", param, "audio_too_short")
         return await asyncio.to_thread(csm.encode_audio, pcm)
