@@ -20,6 +20,12 @@ fi
 if [[ $what == all || $what == engine ]]; then
   python bench/engine_bench.py ${ENGINE_ARGS:-} --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt"
 fi
+if [[ $what == all || $what == prefix ]]; then
+  python bench/prefix_ttfa.py ${PREFIX_ARGS:-} --out "$OUT/prefix_ttfa.md" 2>&1 | tee "$OUT/prefix_ttfa.txt"
+fi
+if [[ $what == ttfa ]]; then
+  python bench/ttfa_breakdown.py ${TTFA_ARGS:-} 2>&1 | tee "$OUT/ttfa_breakdown.txt"
+fi
 if [[ $what == profile ]]; then
   python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"
 fi

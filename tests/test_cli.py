@@ -205,3 +205,18 @@ def test_api_prompt_and_generate():
     with pytest.raises(ValueError, match="prompt too long"):
         csm.generate("x" * 2100, max_audio_length_ms=800)
     csm.close()
+
+
+def test_prefix_ttfa_bench_tiny_cpu():
+    """bench/prefix_ttfa.py on dummy-tiny: every cached probe is a prefix-cache hit, every uncached one not."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "prefix_ttfa.py"), "--model", "dummy-tiny", "--device",
+                        "cpu", "--probes", "2", "--context-s", "20", "--max-seq-len", "1024"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| 0 |")]
+    assert len(rows) == 4
+    for row in rows:
+        cached = row[4].strip() == "cached"
+        assert row[6].strip() == ("2/2" if cached else "0/2")
+        assert int(row[5]) == (15 if cached else int(row[3]) + 15)
