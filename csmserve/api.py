@@ -107,7 +107,8 @@ class CSM:
 
             cfg = self.engine_config or EngineConfig(max_slots=size_slots(
                 self.model, self.mimi, 2048, reserve_bytes=default_prefix_cache_bytes(self.device.type)))
-            runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi)
+            runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi,
+                                 max_prefill_chunk=cfg.max_prefill_chunk)
             self._engine = Engine(runner, cfg)
             self._client = EngineClient(self._engine)
         return self._client

@@ -116,7 +116,8 @@ def hf_reference(hf_model, batches: list[int], frames: int, compiled: bool) -> l
         ids[:, 0] = 128000
         kw = dict(max_new_tokens=frames, do_sample=True, top_k=50, temperature=0.9, depth_decoder_do_sample=True,
                   depth_decoder_top_k=50, depth_decoder_temperature=0.9)
-        hf_model.generate(input_ids=ids, **{**kw, "max_new_tokens": 3})  # warm (compiles when static)
+        # warm: the static cache is sized by max_new_tokens, so the compiled run warms with the same shape
+        hf_model.generate(input_ids=ids, **(kw if compiled else {**kw, "max_new_tokens": 3}))
         torch.cuda.synchronize()
         t = time.perf_counter()
         seq = hf_model.generate(input_ids=ids, **kw)
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec)
+    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_chunk=cfg.max_prefill_chunk)
     capture_s = time.perf_counter() - t
     engine = Engine(runner, cfg)
     name = torch.cuda.get_device_name() if cuda else "cpu"

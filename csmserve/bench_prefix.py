@@ -110,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
     codec = load_codec(args.model, model_dir, None, torch.device(device), dtype)
     loads = [int(x) for x in args.load.split(",")]
     n_slots = max(loads) + 2
-    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec)
-    engine = Engine(runner, EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len,
-                                         prefill_token_budget=args.prefill_budget,
-                                         max_prefill_chunk=args.prefill_budget))
+    cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, prefill_token_budget=args.prefill_budget,
+                       max_prefill_chunk=args.prefill_budget)
+    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_chunk=cfg.max_prefill_chunk)
+    engine = Engine(runner, cfg)
     rng = np.random.default_rng(0)
     vocab = TEXT_VOCAB[0] = model.cfg.text_vocab_size
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"

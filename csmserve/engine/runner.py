@@ -46,7 +46,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
-                 buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True) -> None:
+                 buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
+                 max_prefill_chunk: int = 512) -> None:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         # one codec row per slot, plus the scratch row that padding points at
@@ -69,10 +70,13 @@ class ModelRunner:
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if use_graphs if use_graphs is not None else self.device.type == "cuda":
             from .graphs import FrameGraphs
+            from .prefill_graphs import PrefillGraphs
+
             self.graphs = FrameGraphs(self)
+            self.prefill_graphs = PrefillGraphs(self, max_prefill_chunk)
 
     # ---- admissions and prefill (eager) ----
     def admit(self, admissions: list[Admission]) -> None:
@@ -129,6 +133,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> None:
         if not chunks:
+            return
+        key = None if self.prefill_graphs is None else self.prefill_graphs.bucket(chunks)
+        if key is not None:  # a few short chunks: one graph replay instead of hundreds of launches
+            self.prefill_graphs.run(chunks, key)
             return
         C, S = len(chunks), max(len(c.tokens) for c in chunks)
         W = self.cfg.frame_width

@@ -12,6 +12,12 @@ from ..kernels.decode_attention import decode_attention_torch, decode_attention_
 from ..models.csm import CSMConfig
 
 
+def store_kv_triton(k_cache: Tensor, v_cache: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    from ..kernels.elementwise import store_kv_triton as store  # lazy: triton comes with CUDA builds only
+
+    store(k_cache, v_cache, rows, pos, k, v)
+
+
 class SlotKV:
     """Backbone KV k, v [L, N+1, Hkv, T, hd]; a KVView for prefill chunks and for frame steps."""
 
@@ -54,11 +60,12 @@ class SlotKV:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.k[layer], self.v[layer]
         if self.decoding:  # q [B, 1, Hq, hd]
-            kc[self.slot_tok, :, self.pos[:, 0]] = k[:, 0]
-            vc[self.slot_tok, :, self.pos[:, 0]] = v[:, 0]
             if self.use_triton:
+                store_kv_triton(kc, vc, self.slot_tok, self.pos[:, 0], k[:, 0], v[:, 0])
                 out = decode_attention_triton(q[:, 0], kc, vc, self.slot_tok, self.lengths)
             else:
+                kc[self.slot_tok, :, self.pos[:, 0]] = k[:, 0]
+                vc[self.slot_tok, :, self.pos[:, 0]] = v[:, 0]
                 out = decode_attention_torch(q[:, 0], kc, vc, self.slot_tok, self.lengths, self.kv_bound)
             return out[:, None]
         kc[self.slot_tok, :, self.pos] = k  # [C, S, Hkv, hd]
@@ -95,10 +102,11 @@ class DepthKV:
         B, S = q.shape[:2]
         rows = self.rows[:B]
         kc, vc = self.k[layer], self.v[layer]
+        if S == 1 and self.use_triton:
+            store_kv_triton(kc, vc, rows, self.pos[:, 0], k[:, 0], v[:, 0])
+            return decode_attention_triton(q[:, 0], kc, vc, rows, self.lengths, splits=1)[:, None]
         kc[rows[:, None], :, self.pos] = k
         vc[rows[:, None], :, self.pos] = v
-        if S == 1 and self.use_triton:
-            return decode_attention_triton(q[:, 0], kc, vc, rows, self.lengths, splits=1)[:, None]
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), kc[:B], vc[:B], attn_mask=self.mask, enable_gqa=True)
         return out.transpose(1, 2)

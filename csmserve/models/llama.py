@@ -76,23 +76,37 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+def _add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    # the residual stream h = x + delta (delta None: h = x) and its norm
+    h = x if delta is None else x + delta
+    return h, _rms_norm(h, weight, eps)
+
+
+def _rope_qk(qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, n_q: int, n_kv: int) -> tuple[Tensor, Tensor]:
+    # qkv [B, S, (n_q + 2 n_kv) hd], pos [B, S], tables [T, hd] fp32 -> q [B, S, n_q, hd], k [B, S, n_kv, hd]
+    B, S, _ = qkv.shape
+    hd = cos_t.shape[-1]
+    q, k, _ = qkv.split([n_q * hd, n_kv * hd, n_kv * hd], -1)
+    cos, sin = cos_t[pos].to(qkv.dtype), sin_t[pos].to(qkv.dtype)
+    return _apply_rope(q.view(B, S, n_q, hd), cos, sin), _apply_rope(k.view(B, S, n_kv, hd), cos, sin)
+
+
 def _silu_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-# The elementwise pieces, swappable for fused (compiled) versions by `fuse_elementwise()`.
-apply_rope, rms_norm, silu_mul = _apply_rope, _rms_norm, _silu_mul
+# The elementwise pieces, swappable for fused Triton kernels by `fuse_elementwise()` (same math,
+# one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up).
+add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
 
 
 def fuse_elementwise() -> None:
-    """Replace the elementwise pieces with torch.compile'd fusions (CUDA): far fewer kernels per frame."""
-    global apply_rope, rms_norm, silu_mul
-    from ..kernels.elementwise import silu_mul_triton
+    """Replace the elementwise pieces with fused Triton kernels (CUDA): far fewer kernels per frame."""
+    global add_rms_norm, rope_qk, silu_mul
+    from ..kernels.elementwise import add_rms_norm_triton, rope_qk_triton, silu_mul_triton
 
-    apply_rope = torch.compile(_apply_rope, dynamic=True, fullgraph=True)
-    rms_norm = torch.compile(_rms_norm, dynamic=True, fullgraph=True)
-    silu_mul = silu_mul_triton
+    add_rms_norm, rope_qk, silu_mul = add_rms_norm_triton, rope_qk_triton, silu_mul_triton
 
 
 class KVView(Protocol):
@@ -148,7 +162,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
 
 
 class Attention(nn.Module):
@@ -159,12 +173,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVView, layer: int) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         B, S, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-        q = apply_rope(q.view(B, S, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(k.view(B, S, self.n_kv, self.hd), cos, sin)
-        out = kv.attend(layer, q, k, v.view(B, S, self.n_kv, self.hd))
+        qkv = self.qkv_proj(x)  # [B, S, (Hq + 2 Hkv) hd]
+        q, k = rope_qk(qkv, pos, cos_t, sin_t, self.n_heads, self.n_kv)
+        v = qkv[..., (self.n_heads + self.n_kv) * self.hd:].view(B, S, self.n_kv, self.hd)
+        out = kv.attend(layer, q, k, v)
         return self.o_proj(out.reshape(B, S, self.n_heads * self.hd))
 
 
@@ -186,9 +200,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVView, layer: int) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, delta: Tensor | None, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView,
+                layer: int) -> tuple[Tensor, Tensor]:
+        """The residual stream arrives as x + delta (the previous block's MLP output, not yet added: the
+        add is fused into this block's first norm). Returns (residual, this block's MLP output)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        x, y = add_rms_norm(x, delta, n1.weight, n1.eps)
+        x, y = add_rms_norm(x, self.self_attn(y, pos, cos_t, sin_t, kv, layer), n2.weight, n2.eps)
+        return x, self.mlp(y)
 
 
 class Llama(nn.Module):
@@ -205,11 +224,11 @@ class Llama(nn.Module):
 
     def forward(self, x: Tensor, pos: Tensor, kv: KVView) -> Tensor:
         # x [B, S, D]; pos [B, S] absolute positions
-        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         kv.begin(pos)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv, i)
-        return self.norm(x)
+            x, delta = layer(x, delta, pos, self.rope_cos, self.rope_sin, kv, i)
+        return add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def new_kv(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DenseKV:
         c = self.cfg

@@ -109,3 +109,33 @@ def test_silu_mul_kernel():
     torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=2e-2, rtol=2e-2)
     x = torch.randn(5, 1, 2 * 64, device="cuda")
     torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=1e-5, rtol=1e-5)
+
+
+@cuda
+def test_prefill_graphs_equal_eager_prefill():
+    """Batched chunks through the prefill graphs (fresh prompts, and a continuation that reads keys up to
+    max_seq_len) write the same KV as the eager prefill; more chunks than a bucket fall back to eager."""
+    model = tiny_model(torch.float32)
+    graphed = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=True, max_prefill_chunk=64)
+    eager = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=False)
+    rng = np.random.default_rng(3)
+    ps = []
+    for P in (30, 25, 12):
+        tok, mask = np.zeros((P, 9), np.int64), np.zeros((P, 9), bool)
+        tok[:, 8], mask[:, 8] = rng.integers(0, 300, P), True
+        ps.append((tok, mask))
+    first = [PrefillChunk(i, 0, t[:20], m[:20]) for i, (t, m) in enumerate(ps)]
+    rest = [PrefillChunk(i, 20, t[20:], m[20:]) for i, (t, m) in enumerate(ps) if len(t) > 20]
+    assert graphed.prefill_graphs.bucket(first) == (4, 32, 32)
+    assert graphed.prefill_graphs.bucket(rest) == (2, 16, 128)
+    for r in (graphed, eager):
+        r.prefill(first)
+        r.prefill(rest)
+    torch.cuda.synchronize()
+    for i, (t, _) in enumerate(ps):
+        n = len(t)
+        torch.testing.assert_close(graphed.kv.k[:, i, :, :n], eager.kv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graphed.kv.v[:, i, :, :n], eager.kv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
+    assert graphed.prefill_graphs.bucket([PrefillChunk(0, 0, ps[0][0][:2], ps[0][1][:2])] * 5) is None
+    assert graphed.prefill_graphs.bucket([PrefillChunk(0, 0, np.zeros((65, 9), np.int64), np.zeros((65, 9), bool))]
+                                         ) is None
