@@ -28,7 +28,7 @@ from .engine.request import AudioChunk, Request, SamplingParams
 from .models.codec import load_codec
 from .models.loader import load_csm
 from .text import SentenceSplitter, split_sentences
-from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames, segment_ids, text_frames
+from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames_and_boundaries, segment_ids, text_frames
 
 if TYPE_CHECKING:
     from .engine.engine import EngineClient
@@ -155,21 +155,32 @@ class CSM:
     def prompt(self, text: str, speaker: int = 0, context: Sequence[Segment] = (),
                max_audio_length_ms: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prompt frames: tokens [T, 33] int64, mask [T, 33] bool (checked to leave room for the audio if given)."""
+        return self.prompt_and_boundaries(text, speaker, context, max_audio_length_ms)[:2]
+
+    def prompt_and_boundaries(self, text: str, speaker: int = 0, context: Sequence[Segment] = (),
+                              max_audio_length_ms: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """prompt(), and the frame count after each context turn (shorter prefixes for the prefix cache)."""
         max_frames = None if max_audio_length_ms is None else max_audio_length_ms // FRAME_MS
-        return prompt_frames(self.tokenizer, self._segments(context), text, int(speaker), self.config.num_codebooks,
-                             max_frames, self.config.max_seq_len)
+        return prompt_frames_and_boundaries(self.tokenizer, self._segments(context), text, int(speaker),
+                                            self.config.num_codebooks, max_frames, self.max_seq_len)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions a request may use: the model's, or fewer when the engine's slots hold fewer."""
+        engine = self.engine_config.max_seq_len if self.engine_config is not None else self.config.max_seq_len
+        return min(self.config.max_seq_len, engine)
 
     def request(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
                 max_audio_length_ms: int = 10_000) -> Request:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms)
-        tokens, mask = self.prompt(text, speaker, context, max_audio_length_ms)
+        tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context, max_audio_length_ms)
         # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
         # the engine's prefix cache keeps their KV, so the next request with the same context prefills
-        # only its own text
+        # only its own text, and one whose context grew by a turn only that turn and its text
         prefix = len(tokens) - len(self.segment_frames(text, speaker)[0])
-        return Request(tokens, mask, params=params, prefix_len=prefix)
+        return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]))
 
     # ---- generation
     def generate(self, text: str | Sequence[str] | Sequence[Request], speaker: int = 0,

@@ -144,6 +144,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--no-codec", action="store_true", help="codes only: leave Mimi decode out")
     ap.add_argument("--codec-dtype", default=None, choices=["bfloat16", "float32"],
                     help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
     ap.add_argument("--hf", action="store_true", help="also run transformers on the same weights (cuda)")
     ap.add_argument("--hf-compile", action="store_true", help="and its static-cache compile recipe")
     ap.add_argument("--out", help="also write the tables to this file")
@@ -194,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     TEXT_VOCAB[0] = model.cfg.text_vocab_size
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
-                       prefill_token_budget=2048)
+                       prefill_token_budget=2048, overlap_steps=not args.no_overlap)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     emit(f"device: {name}, torch {torch.__version__}, model {args.model}, dtype {args.dtype}, "
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
+         f"overlap_steps {cfg.overlap_steps}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
     try:
         one = one_stream(engine, args.one_stream_frames)

@@ -16,6 +16,10 @@ class EngineConfig:
     max_prefill_chunk: int = 512  # prompt positions prefilled per step for one slot
     first_chunk_frames: int = 1  # frames in a request's first AudioChunk (time to first audio)
     chunk_frames: int = 4  # frames in each later AudioChunk
+    # True: launch frame step N+1 before reading step N's results (the GPU never waits for the host);
+    # False: launch it once step N is done, so a request arriving during step N starts in N+1, one
+    # frame step sooner under load, at the cost of the host's scheduling time between steps
+    overlap_steps: bool = True
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None

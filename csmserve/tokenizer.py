@@ -128,11 +128,23 @@ def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_
 
     With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions.
     """
-    parts = []
+    tokens, mask, _ = prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks,
+                                                   max_frames, max_seq_len)
+    return tokens, mask
+
+
+def prompt_frames_and_boundaries(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str,
+                                 target_speaker: int, num_codebooks: int = 32, max_frames: int | None = None,
+                                 max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """prompt_frames, and the frame count after each context turn (the turn boundaries: the prefixes a
+    growing conversation shares with its earlier requests)."""
+    parts, boundaries, n = [], [], 0
     for seg in segments:
         parts.append(text_frames(segment_ids(tok, seg.speaker, seg.text), num_codebooks))
         if seg.codes is not None:
             parts.append(audio_frames(seg.codes, num_codebooks))
+        n += len(parts[-1][0]) + (len(parts[-2][0]) if seg.codes is not None else 0)
+        boundaries.append(n)
     parts.append(text_frames(segment_ids(tok, target_speaker, target_text), num_codebooks))
     tokens = np.concatenate([p[0] for p in parts])
     mask = np.concatenate([p[1] for p in parts])
@@ -142,4 +154,4 @@ def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_
             f"({max_frames * FRAME_MS} ms) exceed the model's {max_seq_len} positions; "
             f"shorten the context or lower max_audio_length_ms"
         )
-    return tokens, mask
+    return tokens, mask, boundaries

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from csmserve.tokenizer import (ByteTokenizer, HFTokenizer, PromptSegment, load_tokenizer, prompt_frames,
-                                segment_ids)
+                                prompt_frames_and_boundaries, segment_ids)
 
 K = 32
 
@@ -67,6 +67,19 @@ def test_frame_layout_context_then_target():
     assert not tokens[n2].any() and mask[n2, :K].all() and not mask[n2, K]
     # the target turn: text only, no audio, no EOS frame
     assert tokens[n2 + 1:, K].tolist() == tgt_text and not mask[n2 + 1:, :K].any() and mask[n2 + 1:, K].all()
+
+
+def test_boundaries_are_the_frame_counts_after_each_context_turn():
+    tok = ByteTokenizer()
+    codes = np.ones((3, K), np.int64)
+    segs = [PromptSegment(1, "ab", codes), PromptSegment(0, "xyz"), PromptSegment(1, "c", codes[:2])]
+    tokens, mask, bounds = prompt_frames_and_boundaries(tok, segs, "d", 0, K)
+    t1 = len(segment_ids(tok, 1, "ab")) + 3 + 1  # text, audio, EOS frame
+    t2 = t1 + len(segment_ids(tok, 0, "xyz"))
+    t3 = t2 + len(segment_ids(tok, 1, "c")) + 2 + 1
+    assert bounds == [t1, t2, t3] and len(tokens) == t3 + len(segment_ids(tok, 0, "d"))
+    np.testing.assert_array_equal(tokens, prompt_frames(tok, segs, "d", 0, K)[0])
+    assert prompt_frames_and_boundaries(tok, [], "d", 0, K)[2] == []
 
 
 def test_text_only_context_has_no_audio_frames():

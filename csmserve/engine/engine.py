@@ -3,6 +3,11 @@
 One iteration: drain the inbox (submit / abort) -> Scheduler.schedule() -> runner.admit/prefill/step
 (launched, not waited) -> read the PREVIOUS step's results (pinned host copies) -> Scheduler.update
 -> per-request AudioChunks to each request's sink.
+
+A failed step fails the requests it held and the engine goes on, except after an error that leaves
+the device unusable (a CUDA device-side assert, an illegal address: `device_lost`): then `fatal`
+names it, every later request is refused at once with that reason, and the server's /ready and
+/health answer 503, so an orchestrator restarts the process.
 """
 from __future__ import annotations
 
@@ -24,6 +29,14 @@ from .runner import ModelRunner, StepOutput
 from .scheduler import RequestOutput, Scheduler, SchedulerBusy
 
 log = logging.getLogger("csmserve.engine")
+DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
+               "CUDA-capable device", "cudaErrorLaunchFailure")
+
+
+def device_lost(error: BaseException) -> bool:
+    """An error after which the CUDA context cannot run anything again (only a new process can)."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(error, accel)) or any(s in str(error) for s in DEVICE_LOST)
 
 Sink = Callable[[AudioChunk | BaseException], None]
 
@@ -66,6 +79,7 @@ class Engine:
         self.streams: dict[str, _Stream] = {}
         self.stats = {"frames": 0, "steps": 0}
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
+        self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="csmserve-engine", daemon=True)
         if start:  # start=False: tests drive step() by hand, frame by frame
@@ -106,14 +120,37 @@ class Engine:
     def _run(self) -> None:
         with torch.inference_mode():
             while not self._stop.is_set():
-                try:
-                    self.step(block=self.waiting_for_input)
-                except Exception as e:  # a failed step fails its requests; the engine goes on
-                    log.exception("engine step failed")
-                    self._prev = None
-                    self._fail_all(e)
+                self.run_once()
+
+    def run_once(self) -> None:
+        """One loop iteration: a step (a failed one fails its requests, the engine goes on), or after a
+        lost device one refusal."""
+        if self.fatal is not None:
+            self._refuse(block=True)
+            return
+        try:
+            self.step(block=self.waiting_for_input)
+        except Exception as e:
+            log.exception("engine step failed")
+            self._prev = None
+            self._fail_all(e)
+            if device_lost(e):
+                self.fatal = f"{type(e).__name__}: {e}".splitlines()[0]
+                log.critical("the device is lost (%s); restart the process", self.fatal)
+
+    def _refuse(self, block: bool) -> None:
+        """After a lost device: answer every new request with the reason at once (never a hang)."""
+        try:
+            kind, a, b = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        if kind == "add":
+            b(RuntimeError(f"the engine is down after a device error ({self.fatal}); the process must be "
+                           f"restarted"))
 
     def step(self, block: bool = False) -> None:
+        if not self.config.overlap_steps and self._prev is not None:
+            self._prev[1].wait()  # admit what arrived during the step in flight into the next one
         self._drain(block)
         batch = self.scheduler.schedule()
         self.runner.admit(batch.admissions)

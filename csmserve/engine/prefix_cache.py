@@ -1,7 +1,9 @@
 """The prompt-prefix cache's index: which prompt prefixes have their backbone KV kept on the device.
 
 A prefix is the first n positions of a prompt (a stored voice's reference turn, a conversation's
-earlier turns: Request.prefix_len). Its key is a hash of those frames (tokens and mask); its value
+earlier turns: Request.prefix_len). A request also names shorter candidates (Request.prefix_boundaries,
+its context's turn boundaries): the longest cached one is used, so a conversation that grows by a turn
+per request reuses the previous request's prefix and prefills only the turns added since. Its key is a hash of those frames (tokens and mask); its value
 is the backbone KV of positions [0, n) (k and v [L, Hkv, n, hd]), held by the runner
 (`ModelRunner.prefix_kv`, keyed the same). This index lives on the host and knows no torch: the
 scheduler looks prefixes up at admission and decides stores and evictions; the runner only copies.
@@ -23,14 +25,25 @@ def default_prefix_cache_bytes(device_type: str) -> int:
     return DEFAULT_BYTES.get(device_type, DEFAULT_BYTES["cpu"])
 
 
-def prefix_key(tokens: np.ndarray, mask: np.ndarray, n: int) -> bytes:
-    """The key of the prefix tokens[:n] / mask[:n] (frames [n, K+1])."""
+def prefix_keys(tokens: np.ndarray, mask: np.ndarray, lengths: list[int]) -> dict[int, bytes]:
+    """The keys of the prefixes tokens[:n] / mask[:n] (frames [P, K+1]) for each n in `lengths`, hashed
+    in one pass (a conversation's turn boundaries: the prompt is hashed once, not once per boundary)."""
+    rows = np.concatenate([tokens.astype(np.int64, copy=False), mask.astype(np.int64)], axis=1)  # [P, 2(K+1)]
     h = hashlib.blake2b(digest_size=16)
-    h.update(int(n).to_bytes(8, "little"))
     h.update(int(tokens.shape[1]).to_bytes(8, "little"))
-    h.update(np.ascontiguousarray(tokens[:n], dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(mask[:n], dtype=bool).tobytes())
-    return h.digest()
+    out, done = {}, 0
+    for n in sorted(set(lengths)):
+        h.update(np.ascontiguousarray(rows[done:n]).tobytes())
+        done = n
+        end = h.copy()
+        end.update(int(n).to_bytes(8, "little"))
+        out[n] = end.digest()
+    return out
+
+
+def prefix_key(tokens: np.ndarray, mask: np.ndarray, n: int) -> bytes:
+    """The key of the prefix tokens[:n] / mask[:n]."""
+    return prefix_keys(tokens, mask, [n])[n]
 
 
 class PrefixCache:
@@ -69,6 +82,14 @@ class PrefixCache:
         self.stats["hits"] += 1
         self.stats["hit_positions"] += n
         return n
+
+    def longest(self, candidates: list[tuple[bytes, int]]) -> tuple[bytes, int] | None:
+        """The first cached (key, n) of `candidates` (longest first): one hit or one miss in the stats."""
+        for key, _ in candidates:
+            if key in self._entries:
+                return key, self.lookup(key)
+        self.stats["misses"] += 1
+        return None
 
     def reserve(self, key: bytes, n: int) -> bool:
         """Make room for a new entry of n positions (evicting LRU entries) and index it. False when it

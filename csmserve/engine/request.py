@@ -70,6 +70,9 @@ class Request:
     # prompt-prefix cache: the leading positions that form a reusable prefix (a voice's reference turn,
     # a conversation's earlier turns; CSM.request sets it to the context's length). < prompt_len; 0 = none
     prefix_len: int = 0
+    # shorter cacheable prefixes (the context's turn boundaries, each in [1, prefix_len)): on a miss of
+    # prefix_len the longest cached one is used and the rest of the prefix prefilled
+    prefix_boundaries: tuple[int, ...] = ()
     # engine-owned state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -77,6 +80,7 @@ class Request:
     num_frames: int = 0  # frames generated so far (EOS frame excluded)
     num_scheduled_frames: int = 0  # frame steps scheduled; their results reach the host one step later
     arrival_time: float = 0.0
+    admit_time: float | None = None  # perf_counter when it got a slot (queue time = admit - arrival)
     prompt_start: int = 0  # slot position of tokens[0] (> 0 for a long-form continuation)
     segment: int = 0  # index of the target turn being generated
     seg_start_pos: int = 0  # position of the segment's first frame step (its prompt's last frame)

@@ -28,8 +28,9 @@ A segment ending with no next segment yet on an open request leaves it IDLE: it 
 is not stepped until append() brings text or close() ends it.
 
 Prefix cache (Request.prefix_len, engine/prefix_cache.py): at admission, a prompt whose first
-prefix_len positions are cached gets `Admission.prefix_hit` (the runner copies that KV into the slot)
-and its prefill starts at prefix_len. On a miss, once the prefill has written positions [0, prefix_len),
+prefix_len positions, or failing that the longest of its Request.prefix_boundaries, are cached gets
+`Admission.prefix_hit` (the runner copies that KV into the slot) and its prefill starts there. Unless
+all of prefix_len was cached, once the prefill has written positions [0, prefix_len),
 the same batch carries a `PrefixStore` (the runner copies the slot's KV[:, :prefix_len] out, after the
 evictions that made room). A prefix never covers the prompt's last position.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -45,7 +47,7 @@ from typing import NamedTuple
 import numpy as np
 
 from csmserve.config import EngineConfig
-from csmserve.engine.prefix_cache import PrefixCache, prefix_key
+from csmserve.engine.prefix_cache import PrefixCache, prefix_keys
 from csmserve.engine.request import Admission, Batch, PrefillChunk, PrefixStore, Request, RequestStatus
 
 
@@ -149,7 +151,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request. Raises SchedulerBusy past max_waiting, ValueError for a bad request."""
         self._validate(req)
-        if len(self.waiting) >= self.max_waiting:
+        if len(self.waiting) - len(self._free) >= self.max_waiting:  # those with a free slot are not queued
             raise SchedulerBusy(f"server busy: {len(self.waiting)} requests already waiting (max_waiting)")
         self.waiting.append(req)
         self._requests[req.request_id] = req
@@ -251,6 +253,7 @@ class Scheduler:
         self.slots[slot] = req
         self._limits[slot] = self.frame_limit(req)
         req.slot = slot
+        req.admit_time = time.perf_counter()
         req.seg_start_pos = req.prompt_start + req.prompt_len - 1
         if req.open or req.segments:
             c = req.context_len
@@ -269,16 +272,20 @@ class Scheduler:
                          p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=hit)
 
     def _lookup_prefix(self, req: Request) -> bytes | None:
-        """A cached prefix: skip its prefill (the admission copies it). A miss: store it once prefilled."""
+        """The longest cached prefix (prefix_len, else a turn boundary): skip its prefill (the admission
+        copies it). Unless all of prefix_len was cached: store it once prefilled."""
         n = req.prefix_len
         if self.prefix_cache is None or n < 1 or req.prompt_start != 0 or req.num_prefilled != 0:
             return None
-        key = prefix_key(req.tokens, req.mask, n)
-        if self.prefix_cache.lookup(key) is None:
-            self._pending_stores[req.request_id] = (key, n)
+        lengths = sorted({b for b in req.prefix_boundaries if 0 < b < n} | {n}, reverse=True)
+        keys = prefix_keys(req.tokens, req.mask, lengths)
+        hit = self.prefix_cache.longest([(keys[m], m) for m in lengths])
+        if hit is None or hit[1] < n:  # store the whole prefix once prefilled
+            self._pending_stores[req.request_id] = (keys[n], n)
+        if hit is None:
             return None
-        req.num_prefilled = n
-        return key
+        req.num_prefilled = hit[1]
+        return hit[0]
 
     def _store_prefix(self, req: Request) -> None:
         pending = self._pending_stores.get(req.request_id)

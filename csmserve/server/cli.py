@@ -32,7 +32,18 @@ _HELP = {
 }
 
 
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{s!r} is not a boolean (true/false)")
+
+
 def _parser_for(type_name: str) -> Callable[[str], Any]:
+    if type_name.startswith("bool"):
+        return _bool
     if type_name.startswith("int"):
         return int
     if type_name.startswith("float"):

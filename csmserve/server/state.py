@@ -169,7 +169,17 @@ class ServerState:
     def require_ready(self) -> CSM:
         if not self.ready:
             raise APIError(503, "the model is still loading; retry when GET /ready answers 200", "model_not_ready")
+        fatal = self.engine_fatal()
+        if fatal is not None:
+            raise APIError(503, f"the engine is down after a device error ({fatal}); the process must be restarted",
+                           "engine_failed")
         return self.csm
+
+    def engine_fatal(self) -> str | None:
+        """The device error that stopped the engine, if any (never starts the engine)."""
+        if not self.ready:  # CSM.client would start the engine
+            return None
+        return getattr(getattr(self.csm.client, "engine", None), "fatal", None)
 
     def _scheduler(self):
         if not self.ready:  # CSM.client would start the engine
@@ -248,14 +258,15 @@ class ServerState:
         return out
 
     def prompt(self, text: str, speaker: int, segments: Sequence[Segment], max_audio_length_ms: int,
-               param: str = "context") -> tuple[np.ndarray, np.ndarray]:
+               param: str = "context") -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Prompt frames and the context's turn boundaries (the prefix cache's shorter candidates)."""
         try:
-            tokens, mask = self.require_ready().prompt(text, speaker=speaker, context=list(segments),
-                                                       max_audio_length_ms=max_audio_length_ms)
+            tokens, mask, bounds = self.require_ready().prompt_and_boundaries(
+                text, speaker=speaker, context=list(segments), max_audio_length_ms=max_audio_length_ms)
         except ValueError as e:
             raise bad_request(str(e), param, "context_too_long" if "too long" in str(e) else "invalid_value") from None
         self.last_prompt = (tokens, mask)
-        return tokens, mask
+        return tokens, mask, bounds
 
     async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
@@ -284,13 +295,14 @@ class ServerState:
         segments += await self.context_segments(turns)
         segments += list(extra)
         speaker = fields.speaker if fields.speaker is not None else resolved.speaker
-        tokens, mask = self.prompt(text, speaker, segments, max_ms)
+        tokens, mask, bounds = self.prompt(text, speaker, segments, max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                                 seed=fields.seed, max_audio_length_ms=max_ms)
         csm = self.require_ready()
         target = len(segment_ids(csm.tokenizer, speaker, text))  # the target turn's text frames
         # voice clip + context turns form the reusable prefix: the engine's prefix cache keys on it
-        return Request(tokens, mask, params=params, prefix_len=max(0, len(tokens) - target)), speaker
+        return Request(tokens, mask, params=params, prefix_len=max(0, len(tokens) - target),
+                       prefix_boundaries=tuple(bounds)), speaker
 
     # ---- generation
     async def stream(self, request: Request, arrival: float,

@@ -67,13 +67,14 @@ def drive(engine, col, arrivals, aborts=(), max_steps=400):
     raise AssertionError("engine did not finish")
 
 
-def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model, overlap):
     greedy = SamplingParams(temperature=0.0, max_audio_length_ms=14 * 80)
     reqs = [Request(*prompt(n, i), params=greedy) for i, n in enumerate([3, 20, 9, 1, 40])]
     victims = [Request(*prompt(15, 99), params=greedy), Request(*prompt(30, 98), params=greedy)]
     arrivals = {0: reqs[:2], 3: [reqs[2], victims[0]], 5: [reqs[3]], 9: [reqs[4], victims[1]]}
     aborts = {6: [victims[0].request_id], 11: [victims[1].request_id]}
-    engine, col = make_engine(model), Collector()
+    engine, col = make_engine(model, overlap_steps=overlap), Collector()
     drive(engine, col, arrivals, aborts)
     for r in reqs:
         ref = reference.generate(model, r.tokens, r.mask, greedy)
@@ -136,3 +137,41 @@ def test_unused_ids_never_sampled(model):
     finally:
         with torch.no_grad():
             model.codebook0_head.weight[2048:] = saved
+
+
+def test_a_lost_device_fails_its_requests_and_refuses_later_ones_at_once(model):
+    """A step error that leaves the device unusable (CUDA device-side assert): the running requests get
+    the error, the engine sets `fatal`, and every later request is refused at once (never a hang); any
+    other step error fails only that step's requests."""
+    engine = make_engine(model)
+    got = {}
+
+    def sink(rid):
+        return lambda item: got.setdefault(rid, []).append(item)
+
+    step = engine.runner.step
+    calls = {"n": 0}
+
+    def failing(slots):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")  # an ordinary error: this step's requests fail, the engine goes on
+        if calls["n"] == 6:
+            raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
+        return step(slots)
+
+    engine.runner.step = failing
+    a = Request(*prompt(6, 1), params=SamplingParams(temperature=0.0, max_audio_length_ms=80 * 50))
+    engine.submit(a, sink("a"))
+    for _ in range(4):
+        engine.run_once()
+    assert isinstance(got["a"][-1], RuntimeError) and engine.fatal is None
+    b = Request(*prompt(6, 2), params=SamplingParams(temperature=0.0, max_audio_length_ms=80 * 50))
+    engine.submit(b, sink("b"))
+    for _ in range(4):
+        engine.run_once()
+    assert isinstance(got["b"][-1], RuntimeError) and "device-side assert" in engine.fatal
+    c = Request(*prompt(6, 3), params=SamplingParams(temperature=0.0))
+    engine.submit(c, sink("c"))
+    engine.run_once()
+    assert len(got["c"]) == 1 and "restarted" in str(got["c"][0]) and "device-side assert" in str(got["c"][0])

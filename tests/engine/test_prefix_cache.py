@@ -6,7 +6,7 @@ import pytest
 from csmserve import reference
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
-from csmserve.engine.prefix_cache import PrefixCache, prefix_key
+from csmserve.engine.prefix_cache import PrefixCache, prefix_key, prefix_keys
 from csmserve.engine.request import Request, RequestStatus, SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.engine.scheduler import Scheduler
@@ -223,3 +223,44 @@ def test_eviction_under_memory_pressure_lru_and_evicted_prefixes_miss_with_corre
     assert cache.keys() == [key[2], key[1]] and cache.stats["evictions"] == 2
     check(2, 2, True)
     check(1, 4, True)
+
+
+# ---- growing conversations: the longest cached turn boundary
+def test_prefix_keys_in_one_pass_equal_one_key_each():
+    t, m = cat(context(1), context(2))
+    keys = prefix_keys(t, m, [3, 11, 22])
+    assert keys == {n: prefix_key(t, m, n) for n in (3, 11, 22)}
+    assert len(set(keys.values())) == 3
+
+
+def test_longest_cached_boundary_is_used_and_the_whole_prefix_stored():
+    s = sched(budget=64)
+    a, b = context(1), context(2)  # 12 positions each
+    r1 = request(a, 1)
+    s.add(r1)
+    key_a = s.schedule().prefix_stores[0].key
+    s.abort(r1.request_id)
+    r2 = request(cat(a, b), 2, prefix_boundaries=(12,))  # the conversation grew by a turn
+    s.add(r2)
+    batch = s.schedule()
+    assert batch.admissions[0].prefix_hit == key_a
+    assert [(c.start, len(c.tokens)) for c in batch.prefills] == [(12, 24 + 4 - 1 - 12)]
+    assert batch.prefix_stores[0].n == 24 and s.prefix_cache.stats["hits"] == 1
+    assert s.prefix_cache.stats["misses"] == 1  # r1's; r2 counts one hit, not a miss and a hit
+
+
+def test_growing_conversation_hits_the_previous_turns_and_equals_the_reference(model):
+    engine = make_engine(model)
+    cache = engine.prefix_cache
+    turns = [context(30 + i, 4, 5) for i in range(3)]  # 10 positions each
+    for k in range(1, 4):  # request k: k turns of context, then its text
+        ctx = cat(*turns[:k])
+        req = request(ctx, k, prefix_boundaries=tuple(10 * j for j in range(1, k)))
+        engine.prefilled, hits = 0, cache.stats["hits"]
+        [codes] = run(engine, [req])
+        np.testing.assert_array_equal(codes, expected(model, req))
+        if k == 1:
+            assert engine.prefilled == req.prompt_len - 1 and hits == cache.stats["hits"]
+        else:  # the previous request's context (k-1 turns) was cached: only the newest turn and the text
+            assert cache.stats["hits"] == hits + 1 and engine.prefilled == req.prompt_len - 1 - 10 * (k - 1)
+    assert len(cache) == 3  # each request stored its whole context

@@ -79,12 +79,12 @@ def test_graph_replay_equals_eager_every_bucket(n):
 
 @cuda
 @pytest.mark.parametrize("V", [64, 2051])
-def test_triton_sampler_matches_torch(V):
+@pytest.mark.parametrize("B", [64, 200])  # the small-batch (16 thresholds per pass) and bisection paths
+def test_triton_sampler_matches_torch(V, B):
     from csmserve.engine.sampler import sample_torch
     from csmserve.kernels.sampler import sample_triton
 
     torch.manual_seed(0)
-    B = 64
     logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
     temperature = torch.rand(B, device="cuda") + 0.3
     temperature[:8] = 0

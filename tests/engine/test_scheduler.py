@@ -284,13 +284,25 @@ def test_output_codes_are_copies() -> None:
 
 def test_busy_past_max_waiting_never_blocks() -> None:
     sched = make_sched(max_slots=1, max_waiting=2)
-    sched.add(make_req())
-    sched.add(make_req())
+    for _ in range(3):  # one for the free slot, two queued
+        sched.add(make_req())
     with pytest.raises(SchedulerBusy, match="busy"):
         sched.add(make_req())
     sched.schedule()  # one moves into the slot
-    sched.add(make_req())
     assert (sched.num_waiting, sched.num_running) == (2, 1)
+    with pytest.raises(SchedulerBusy, match="busy"):
+        sched.add(make_req())
+
+
+def test_max_waiting_zero_admits_into_free_slots_and_queues_none() -> None:
+    sched = make_sched(max_slots=2, max_waiting=0)
+    a, b = make_req(), make_req()
+    sched.add(a)
+    sched.add(b)
+    with pytest.raises(SchedulerBusy):
+        sched.add(make_req())
+    sched.schedule()
+    assert a.admit_time is not None and b.admit_time >= a.arrival_time and sched.num_running == 2
 
 
 def test_rejects_bad_or_duplicate_requests() -> None:

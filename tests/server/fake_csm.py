@@ -10,7 +10,7 @@ from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine, EngineClient
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
-from csmserve.tokenizer import PromptSegment, load_tokenizer, prompt_frames
+from csmserve.tokenizer import PromptSegment, load_tokenizer, prompt_frames_and_boundaries
 
 FRAME = 1920
 
@@ -58,9 +58,13 @@ class FakeCSM:
         self.ready = True
 
     def prompt(self, text: str, speaker: int = 0, context: list[Segment] = (), max_audio_length_ms=None):
+        return self.prompt_and_boundaries(text, speaker, context, max_audio_length_ms)[:2]
+
+    def prompt_and_boundaries(self, text: str, speaker: int = 0, context: list[Segment] = (),
+                              max_audio_length_ms=None):
         segs = [PromptSegment(s.speaker, s.text, s.codes) for s in context]
         max_frames = None if max_audio_length_ms is None else max_audio_length_ms // 80
-        return prompt_frames(self.tokenizer, segs, text, speaker, 32, max_frames, self.max_seq_len)
+        return prompt_frames_and_boundaries(self.tokenizer, segs, text, speaker, 32, max_frames, self.max_seq_len)
 
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:
         n = max(1, len(wav) // FRAME)

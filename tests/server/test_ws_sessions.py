@@ -110,3 +110,25 @@ def test_sessions_bounds_and_expiry():
     a.busy = 0
     clock.t = 40
     assert len(sessions) == 0
+
+
+def test_a_growing_conversation_reuses_the_previous_turns_prefix(server, csm):
+    """Each turn of a context_id session prefills only what was added since the previous turn: the
+    previous request's context is the longest cached prefix of this one's."""
+    cache = csm.client.engine.prefix_cache
+    user = {"speaker": 1, "text": "Tell me a story.", "audio": base64.b64encode(wav_bytes(0.3)).decode()}
+    hit_positions = []
+    with connect(ws_url(server)) as ws:
+        for i, text in enumerate(["Once upon a time.", "There was a fox.", "The end."]):
+            msg = {"context_id": "grow", "text": text, "flush": True, "temperature": 0, "max_audio_length_ms": 160}
+            if i == 0:
+                msg |= {"voice": "alloy", "add_context": [user]}
+            hits, pos = cache.stats["hits"], cache.stats["hit_positions"]
+            ws.send(json.dumps(msg))
+            _, msgs = turn(ws)
+            assert msgs[-1]["type"] == "flush_done"
+            if i:
+                assert cache.stats["hits"] == hits + 1
+            hit_positions.append(cache.stats["hit_positions"] - pos)
+    # turn 2 reuses turn 1's context (voice + user turn), turn 3 also turn 1's answer and turn 2's text
+    assert 0 < hit_positions[1] < hit_positions[2]
