@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--fuse", action="store_true", help="torch.compile the elementwise pieces")
+    ap.add_argument("--fuse", action="store_true",
+                    help="the fused Triton elementwise kernels (ModelRunner uses them on CUDA anyway)")
     ap.add_argument("--codec", action="store_true", help="include the Mimi streaming decode (bf16)")
     args = ap.parse_args()
     if args.fuse:
