@@ -78,7 +78,7 @@ class ModelRunner:
             self.graphs = FrameGraphs(self)
             self.prefill_graphs = PrefillGraphs(self, max_prefill_chunk)
 
-    # ---- admissions and prefill (eager) ----
+    # ---- admissions and prefill (graphed for a few short chunks, else eager) ----
     def admit(self, admissions: list[Admission]) -> None:
         """New requests: load each slot's first input, position and sampling params; reset its codec row;
         copy a cached prompt prefix's KV into the slot's first positions (device to device)."""
