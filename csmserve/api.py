@@ -11,6 +11,7 @@ Generation runs on the engine (continuous batching; CUDA graphs on a GPU) starte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -105,8 +106,12 @@ class CSM:
             from .engine.prefix_cache import default_prefix_cache_bytes
             from .engine.slots import size_slots
 
-            cfg = self.engine_config or EngineConfig(max_slots=size_slots(
-                self.model, self.mimi, 2048, reserve_bytes=default_prefix_cache_bytes(self.device.type)))
+            cfg = self.engine_config or EngineConfig()
+            if cfg.max_slots is None:  # as many slots as fit beside the prefix cache
+                cache = cfg.prefix_cache_bytes
+                cache = default_prefix_cache_bytes(self.device.type) if cache is None else cache
+                cfg = dataclasses.replace(cfg, max_slots=size_slots(self.model, self.mimi, cfg.max_seq_len,
+                                                                    reserve_bytes=cache))
             runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi,
                                  max_prefill_chunk=cfg.max_prefill_chunk)
             self._engine = Engine(runner, cfg)

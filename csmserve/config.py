@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    max_slots: int = 64  # concurrent requests; a slot owns backbone KV, depth KV, sampler and codec rows
+    # concurrent requests; a slot owns backbone KV, depth KV, sampler and codec rows. None: as many as
+    # fit in free GPU memory (CSM sizes it when it starts the engine; 8 on the CPU)
+    max_slots: int | None = None
     max_waiting: int = 1024  # queued requests beyond the slots; past it add() raises SchedulerBusy
     max_seq_len: int = 2048  # backbone positions per slot: prompt frames + generated frames
     prefill_token_budget: int = 512  # prompt positions prefilled per engine step, over all slots
@@ -27,7 +29,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
                      "first_chunk_frames", "chunk_frames"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
@@ -53,7 +55,9 @@ class ServerConfig:
     max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
     max_audio_length_ms: int = 90_000  # the largest max_audio_length_ms a request may ask for
     default_audio_length_ms: int = 30_000  # when the request does not say
-    max_concurrent_requests: int = 256  # generations in flight (HTTP + WebSocket); past it: 429
+    # generations in flight (HTTP + WebSocket); past it: 429. None: bounded by the engine alone (its
+    # slots plus max_waiting queued; past that 503 server_busy)
+    max_concurrent_requests: int | None = None
     cors_origins: tuple[str, ...] = ()
     # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
     session_idle_s: float = 600.0  # a session unused this long is forgotten
@@ -64,7 +68,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns",
                      "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_clip_seconds <= 0:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")

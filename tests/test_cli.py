@@ -220,3 +220,21 @@ def test_prefix_ttfa_bench_tiny_cpu():
         cached = row[4].strip() == "cached"
         assert row[6].strip() == ("2/2" if cached else "0/2")
         assert int(row[5]) == (15 if cached else int(row[3]) + 15)
+
+
+def test_engine_slots_sized_from_memory_unless_given():
+    """EngineConfig.max_slots None (the `csmserve serve` default): CSM sizes the pool when it starts the
+    engine (free GPU memory; 8 on the CPU) keeping the other settings; the scheduler refuses an unsized one."""
+    from csmserve import CSM
+    from csmserve.config import EngineConfig
+    from csmserve.engine.scheduler import Scheduler
+
+    c = CSM("dummy-tiny", engine_config=EngineConfig(max_seq_len=256, chunk_frames=3))
+    try:
+        cfg = c.engine.config
+        assert (cfg.max_slots, cfg.max_seq_len, cfg.chunk_frames) == (8, 256, 3)
+        assert c.engine.runner.num_slots == 8 and c.engine.runner.max_seq_len == 256
+    finally:
+        c.close()
+    with pytest.raises(ValueError, match="max_slots"):
+        Scheduler(EngineConfig())

@@ -102,6 +102,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache  # None: no prefix caching
         self._pending_stores: dict[str, tuple[bytes, int]] = {}  # request id -> prefix to store once prefilled
         self._stores: list[PrefixStore] = []  # this step's
+        if config.max_slots is None:
+            raise ValueError("EngineConfig.max_slots is None: size it first (CSM does, from free GPU memory)")
         self.max_slots = config.max_slots
         self.max_waiting = config.max_waiting
         self.max_seq_len = config.max_seq_len

@@ -311,7 +311,8 @@ class ServerState:
         generator early (client gone, cancel) aborts the request and frees its slot. on_submit: called
         once the engine has the request (an open long-form request may then be appended to)."""
         csm = self.require_ready()
-        if self.active >= self.config.max_concurrent_requests:
+        limit = self.config.max_concurrent_requests
+        if limit is not None and self.active >= limit:
             raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
                            "too_many_requests")
         self.active += 1
