@@ -22,6 +22,9 @@ class EngineConfig:
     # False: launch it once step N is done, so a request arriving during step N starts in N+1, one
     # frame step sooner under load, at the cost of the host's scheduling time between steps
     overlap_steps: bool = True
+    # with overlap: launch step N+1 as late as it can still start when N ends (engine/pacing.py), so
+    # requests arriving during N join N+1
+    late_launch: bool = False
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None

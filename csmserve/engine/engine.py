@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
+from .pacing import LaunchPacer
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .request import AudioChunk, Request
 from .runner import ModelRunner, StepOutput
@@ -80,6 +81,7 @@ class Engine:
         self.stats = {"frames": 0, "steps": 0}
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
         self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
+        self.pacer = LaunchPacer()  # EngineConfig.late_launch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="csmserve-engine", daemon=True)
         if start:  # start=False: tests drive step() by hand, frame by frame
@@ -151,15 +153,27 @@ class Engine:
     def step(self, block: bool = False) -> None:
         if not self.config.overlap_steps and self._prev is not None:
             self._prev[1].wait()  # admit what arrived during the step in flight into the next one
+        elif self.config.late_launch and self._prev is not None:
+            at = self.pacer.launch_at()
+            delay = 0.0 if at is None else at - time.perf_counter()
+            if delay > 2e-4:
+                time.sleep(delay)  # requests arriving meanwhile join this step
         self._drain(block)
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         self.runner.admit(batch.admissions)
         self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
         self.runner.store_prefixes(batch.prefix_stores)
         out = self.runner.step(batch.decode_slots)
+        self.pacer.launched(time.perf_counter() - t0)
         if self._prev is not None:
+            waited = not self._prev[1].done()
+            self._prev[1].wait()
+            self.pacer.step_done(time.perf_counter(), waited)
             self._collect(*self._prev)
+        if out is None:
+            self.pacer.idle()
         self._prev = (batch.step, out) if out is not None else None
 
     def _drain(self, block: bool) -> None:

@@ -37,6 +37,10 @@ class StepOutput:
     pcm: Tensor | None  # [B, frame_size] float32
     event: torch.cuda.Event | None
 
+    def done(self) -> bool:
+        """Finished already (reading it will not wait)."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
         if self.event is not None:
             self.event.synchronize()

@@ -67,14 +67,14 @@ def drive(engine, col, arrivals, aborts=(), max_steps=400):
     raise AssertionError("engine did not finish")
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model, overlap):
+@pytest.mark.parametrize("overlap,late", [(True, False), (False, False), (True, True)])
+def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model, overlap, late):
     greedy = SamplingParams(temperature=0.0, max_audio_length_ms=14 * 80)
     reqs = [Request(*prompt(n, i), params=greedy) for i, n in enumerate([3, 20, 9, 1, 40])]
     victims = [Request(*prompt(15, 99), params=greedy), Request(*prompt(30, 98), params=greedy)]
     arrivals = {0: reqs[:2], 3: [reqs[2], victims[0]], 5: [reqs[3]], 9: [reqs[4], victims[1]]}
     aborts = {6: [victims[0].request_id], 11: [victims[1].request_id]}
-    engine, col = make_engine(model, overlap_steps=overlap), Collector()
+    engine, col = make_engine(model, overlap_steps=overlap, late_launch=late), Collector()
     drive(engine, col, arrivals, aborts)
     for r in reqs:
         ref = reference.generate(model, r.tokens, r.mask, greedy)
