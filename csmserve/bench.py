@@ -146,8 +146,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--no-overlap", action="store_true",
                     help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
-    ap.add_argument("--late-launch", action="store_true",
-                    help="EngineConfig(late_launch=True): launch each frame step just before the running one ends")
+    ap.add_argument("--early-launch", action="store_true",
+                    help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
     ap.add_argument("--hf", action="store_true", help="also run transformers on the same weights (cuda)")
     ap.add_argument("--hf-compile", action="store_true", help="and its static-cache compile recipe")
     ap.add_argument("--out", help="also write the tables to this file")
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     TEXT_VOCAB[0] = model.cfg.text_vocab_size
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
-                       prefill_token_budget=2048, overlap_steps=not args.no_overlap, late_launch=args.late_launch)
+                       prefill_token_budget=2048, overlap_steps=not args.no_overlap,
+                       late_launch=not args.early_launch)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()

@@ -23,8 +23,9 @@ class EngineConfig:
     # frame step sooner under load, at the cost of the host's scheduling time between steps
     overlap_steps: bool = True
     # with overlap: launch step N+1 as late as it can still start when N ends (engine/pacing.py), so
-    # requests arriving during N join N+1
-    late_launch: bool = False
+    # requests arriving during N join N+1 (measured: ~9 ms less time to first audio at 1-64 streams,
+    # the same frames/s; docs/benchmarks.md)
+    late_launch: bool = True
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None
