@@ -166,7 +166,8 @@ class Engine:
         self.runner.prefill(batch.prefills)
         self.runner.store_prefixes(batch.prefix_stores)
         out = self.runner.step(batch.decode_slots)
-        self.pacer.launched(time.perf_counter() - t0)
+        if out is not None:  # the launch cost of a frame step, not of an empty iteration
+            self.pacer.launched(time.perf_counter() - t0)
         if self._prev is not None:
             waited = not self._prev[1].done()
             self._prev[1].wait()
