@@ -264,14 +264,19 @@ class Scheduler:
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
         hit = self._lookup_prefix(req)
+        return self._enter(req, hit)
+
+    def _enter(self, req: Request, prefix_hit: bytes | None = None) -> Admission:
+        """A slot's prompt is set (admission or next segment): prefill it, or step at once; the runner's
+        load of the slot's first input frame, position and sampling params."""
         if req.num_to_prefill > 0:
             req.status = RequestStatus.PREFILLING
             self.prefilling.append(req)
         else:
             self._start_running(req)
         p = req.params
-        return Admission(slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
-                         p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=hit)
+        return Admission(req.slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
+                         p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=prefix_hit)
 
     def _lookup_prefix(self, req: Request) -> bytes | None:
         """The longest cached prefix (prefix_len, else a turn boundary): skip its prefill (the admission
@@ -400,14 +405,7 @@ class Scheduler:
         req.prompt_start, req.num_prefilled = start, 0
         req.seg_start_pos = start + req.prompt_len - 1
         self._limits[req.slot] = self.frame_limit(req)
-        if req.num_to_prefill > 0:
-            req.status = RequestStatus.PREFILLING
-            self.prefilling.append(req)
-        else:
-            self._start_running(req)
-        p = req.params
-        self._resumes.append(Admission(req.slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
-                                       p.temperature, p.top_k, p.top_p, p.seed))
+        self._resumes.append(self._enter(req))
 
     def _rebuild(self, hist: _History, room: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Context frames for a prefill from position 0 in at most `room` positions: the newest whole

@@ -177,15 +177,15 @@ class ServerState:
 
     def engine_fatal(self) -> str | None:
         """The device error that stopped the engine, if any (never starts the engine)."""
+        return getattr(self._engine(), "fatal", None)
+
+    def _engine(self):
         if not self.ready:  # CSM.client would start the engine
             return None
-        return getattr(getattr(self.csm.client, "engine", None), "fatal", None)
+        return getattr(self.csm.client, "engine", None)
 
     def _scheduler(self):
-        if not self.ready:  # CSM.client would start the engine
-            return None
-        engine = getattr(self.csm.client, "engine", None)
-        return getattr(engine, "scheduler", None)
+        return getattr(self._engine(), "scheduler", None)
 
     def _num_running(self) -> float:
         s = self._scheduler()
