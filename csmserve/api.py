@@ -84,6 +84,7 @@ class CSM:
                  dtype: str | torch.dtype | None = None, codec: str | Path | None = None,
                  codec_dtype: str | torch.dtype | None = None, engine: bool = True,
                  engine_config: EngineConfig | None = None) -> None:
+        self.model_name = model
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config, self.model_dir = load_csm(model, self.device, self.dtype)
@@ -97,24 +98,34 @@ class CSM:
         self._engine = None
         self._client = None
 
+    @classmethod
+    def attach(cls, client) -> "CSM":
+        """A CSM without weights over an engine in another process (an API worker's): prompts are built
+        here with the model's tokenizer; generation and audio encoding run in the engine process.
+        `client` is an engine.remote.RemoteEngineClient (its `info` describes the model)."""
+        from .models.csm import CSMConfig
+
+        info = client.info
+        self = cls.__new__(cls)
+        self.model_name, self.device, self.dtype = info.model, torch.device("cpu"), torch.float32
+        self.model = self.mimi = None
+        self.config = CSMConfig(audio_vocab_size=info.audio_vocab_size, num_codebooks=info.num_codebooks,
+                                max_seq_len=info.model_max_seq_len)
+        self.model_dir = None if info.model_dir is None else Path(info.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.frame_size, self.sample_rate = info.frame_size, SAMPLE_RATE
+        self.use_engine, self.engine_config = True, info.engine
+        self._engine, self._client = None, client
+        self._has_codec = info.has_codec
+        return self
+
     # ---- engine
     @property
     def client(self) -> "EngineClient":
         if self._client is None:
-            from .engine.engine import Engine, EngineClient
-            from .engine.runner import ModelRunner
-            from .engine.prefix_cache import default_prefix_cache_bytes
-            from .engine.slots import size_slots
+            from .engine.engine import EngineClient, build_engine
 
-            cfg = self.engine_config or EngineConfig()
-            if cfg.max_slots is None:  # as many slots as fit beside the prefix cache
-                cache = cfg.prefix_cache_bytes
-                cache = default_prefix_cache_bytes(self.device.type) if cache is None else cache
-                cfg = dataclasses.replace(cfg, max_slots=size_slots(self.model, self.mimi, cfg.max_seq_len,
-                                                                    reserve_bytes=cache))
-            runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi,
-                                 max_prefill_chunk=cfg.max_prefill_chunk)
-            self._engine = Engine(runner, cfg)
+            self._engine = build_engine(self.model, self.mimi, self.engine_config or EngineConfig())
             self._client = EngineClient(self._engine)
         return self._client
 
@@ -131,10 +142,18 @@ class CSM:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = self._client = None
+        elif self._client is not None and hasattr(self._client, "shutdown"):
+            self._client.shutdown()
+            self._client = None
 
     # ---- prompts
     def encode_audio(self, audio: np.ndarray) -> np.ndarray:
         """A 24 kHz mono waveform -> Mimi codes [frames, 32] int64."""
+        if self.mimi is None and getattr(self, "_has_codec", False):  # attached: the engine process encodes
+            audio = np.asarray(audio, dtype=np.float32)
+            if audio.ndim != 1 or audio.size == 0:
+                raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {audio.shape}")
+            return self._client.encode(audio)
         if self.mimi is None:
             raise RuntimeError("no codec loaded: pass codes=, or load CSM with a Mimi codec")
         wav = torch.as_tensor(np.asarray(audio, dtype=np.float32), device=self.device)
@@ -177,10 +196,13 @@ class CSM:
 
     def request(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
-                max_audio_length_ms: int = 10_000) -> Request:
+                max_audio_length_ms: int | None = 10_000, max_segment_length_ms: int | None = None) -> Request:
+        """max_audio_length_ms caps the whole request (None: no cap); max_segment_length_ms one segment
+        of a long-form request. The prompt must leave room for one segment's audio."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                max_audio_length_ms=max_audio_length_ms)
-        tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context, max_audio_length_ms)
+                                max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
+        room = params.segment_frames * FRAME_MS if params.segment_frames < self.max_seq_len else None
+        tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context, room)
         # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
         # the engine's prefix cache keeps their KV, so the next request with the same context prefills
         # only its own text, and one whose context grew by a turn only that turn and its text
@@ -223,12 +245,15 @@ class CSM:
 
     def long_request(self, segments: Sequence[str], speaker: int = 0, context: Sequence[Segment] = (),
                      open: bool = False, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-                     seed: int | None = None, max_audio_length_ms: int = 10_000) -> Request:
-        """One request speaking `segments` in order in one slot (max_audio_length_ms is per segment);
-        open=True: more may be appended (EngineClient.append) until EngineClient.close."""
+                     seed: int | None = None, max_audio_length_ms: int | None = None,
+                     max_segment_length_ms: int | None = 20_000) -> Request:
+        """One request speaking `segments` in order in one slot (max_audio_length_ms caps the whole,
+        max_segment_length_ms each segment); open=True: more may be appended (EngineClient.append)
+        until EngineClient.close."""
         if not segments:
             raise ValueError("no text to speak")
-        req = self.request(segments[0], speaker, context, temperature, top_k, top_p, seed, max_audio_length_ms)
+        req = self.request(segments[0], speaker, context, temperature, top_k, top_p, seed, max_audio_length_ms,
+                           max_segment_length_ms)
         req.context_len = req.prefix_len  # the context turns: everything before the first segment's text
         req.segments = deque(self.segment_frames(t, speaker) for t in segments[1:])
         req.open = open
@@ -236,16 +261,16 @@ class CSM:
 
     def speak(self, text: str | Iterable[str], speaker: int = 0, context: Sequence[Segment] = (),
               temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
-              max_audio_length_ms: int = 20_000, max_words: int = 25, max_chars: int = 250
-              ) -> Iterator[AudioChunk]:
+              max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = 20_000,
+              max_words: int = 25, max_chars: int = 250) -> Iterator[AudioChunk]:
         """Long-form speech as one stream of AudioChunks (chunk.segment / chunk.text: which sentence).
 
         `text`: a string (cut into sentences, clauses when long) or an iterable of pieces (text streamed
         in, e.g. from an LLM): speech starts once the first sentence is complete and the slot waits for
-        the rest. max_audio_length_ms caps each segment. The same text gives the same segments (and,
-        greedy or seeded, the same audio) whole or in pieces."""
+        the rest. max_audio_length_ms caps the whole (None: no cap), max_segment_length_ms each segment.
+        The same text gives the same segments (and, greedy or seeded, the same audio) whole or in pieces."""
         kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed, max_audio_length_ms=max_audio_length_ms)
+                  seed=seed, max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
         if isinstance(text, str):
             texts = split_sentences(text, max_words, max_chars)
             req = self.long_request(texts, **kw)
@@ -282,11 +307,12 @@ class CSM:
 
     async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
                      context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
-                     top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int = 20_000,
-                     max_words: int = 25, max_chars: int = 250) -> AsyncIterator[AudioChunk]:
+                     top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
+                     max_segment_length_ms: int | None = 20_000, max_words: int = 25, max_chars: int = 250
+                     ) -> AsyncIterator[AudioChunk]:
         """`speak` for asyncio; `text` may also be an async iterable of pieces."""
         kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed, max_audio_length_ms=max_audio_length_ms)
+                  seed=seed, max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
         if isinstance(text, str):
             text = [text]
         splitter = SentenceSplitter(max_words, max_chars)

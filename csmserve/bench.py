@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_chunk=cfg.max_prefill_chunk)
+    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_tokens=cfg.prefill_token_budget)
     capture_s = time.perf_counter() - t
     engine = Engine(runner, cfg)
     name = torch.cuda.get_device_name() if cuda else "cpu"

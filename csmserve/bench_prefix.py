@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     n_slots = max(loads) + 2
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, prefill_token_budget=args.prefill_budget,
                        max_prefill_chunk=args.prefill_budget)
-    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_chunk=cfg.max_prefill_chunk)
+    runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_tokens=cfg.prefill_token_budget)
     engine = Engine(runner, cfg)
     rng = np.random.default_rng(0)
     vocab = TEXT_VOCAB[0] = model.cfg.text_vocab_size

@@ -14,7 +14,9 @@ class EngineConfig:
     max_slots: int | None = None
     max_waiting: int = 1024  # queued requests beyond the slots; past it add() raises SchedulerBusy
     max_seq_len: int = 2048  # backbone positions per slot: prompt frames + generated frames
-    prefill_token_budget: int = 512  # prompt positions prefilled per engine step, over all slots
+    # prompt positions prefilled per engine step, over all slots: one graphed pass over the packed tokens
+    # of every prompt admitted (a 12-frame prompt is 12 positions; measured in docs/benchmarks.md)
+    prefill_token_budget: int = 2048
     max_prefill_chunk: int = 512  # prompt positions prefilled per step for one slot
     first_chunk_frames: int = 1  # frames in a request's first AudioChunk (time to first audio)
     chunk_frames: int = 4  # frames in each later AudioChunk
@@ -58,11 +60,20 @@ class ServerConfig:
     max_clip_seconds: float = 60.0  # one decoded reference / context clip
     max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
     max_audio_length_ms: int = 90_000  # the largest max_audio_length_ms a request may ask for
-    default_audio_length_ms: int = 30_000  # when the request does not say
+    default_audio_length_ms: int = 30_000  # when the request does not say (the whole response)
+    # one sentence of a multi-sentence request (or a WebSocket turn) at most, unless the request says
+    # max_segment_length_ms: a sentence that never ends cannot eat the whole response's budget
+    max_segment_ms: int = 20_000
     # generations in flight (HTTP + WebSocket); past it: 429. None: bounded by the engine alone (its
     # slots plus max_waiting queued; past that 503 server_busy)
     max_concurrent_requests: int | None = None
     cors_origins: tuple[str, ...] = ()
+    # a client reading the audio this many seconds behind real time (playback from its first chunk)
+    # has its request stopped and its slot freed; also the longest a response write may stall
+    max_reader_lag_s: float = 30.0
+    # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
+    # on a thread of it; None: from the CPU count
+    api_workers: int | None = None
     # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
     session_idle_s: float = 600.0  # a session unused this long is forgotten
     max_sessions: int = 1024  # past it, the least recently used idle session is forgotten
@@ -70,12 +81,16 @@ class ServerConfig:
     max_session_frames: int = 2048  # audio frames kept per session (the model's whole context); oldest dropped
 
     def __post_init__(self) -> None:
-        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns",
+        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
                      "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_clip_seconds <= 0:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
+        if self.max_reader_lag_s <= 0:
+            raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
+        if self.api_workers is not None and self.api_workers < 0:
+            raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
         if self.session_idle_s <= 0:
             raise ValueError(f"ServerConfig.session_idle_s must be > 0, got {self.session_idle_s}")
         if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:

@@ -49,7 +49,9 @@ def generate(model: CSMModel, tokens: np.ndarray | Tensor, mask: np.ndarray | Te
     tokens = torch.as_tensor(tokens, dtype=torch.long, device=device)
     mask = torch.as_tensor(mask, dtype=torch.bool, device=device)
     T, K, n_max = tokens.shape[0], cfg.num_codebooks, params.max_frames
-    if T + n_max > cfg.max_seq_len:
+    if params.max_audio_length_ms is None:  # no cap: until EOS or the model's context is full
+        n_max = cfg.max_seq_len - T + 1
+    if T + n_max > cfg.max_seq_len + 1:
         raise ValueError(f"prompt of {T} frames + {n_max} generated frames exceeds {cfg.max_seq_len} positions")
     seed = draw_seed() if params.seed is None else params.seed
     kv = model.backbone.new_kv(1, T + n_max, dtype, device)  # backbone positions 0 .. T+n_max-2

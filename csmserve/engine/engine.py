@@ -1,8 +1,14 @@
-"""The engine loop on its own thread. `EngineClient` is its only door.
+"""The engine loop: scheduler + runner, one step at a time; its outputs leave as one record per step.
 
-One iteration: drain the inbox (submit / abort) -> Scheduler.schedule() -> runner.admit/prefill/step
-(launched, not waited) -> read the PREVIOUS step's results (pinned host copies) -> Scheduler.update
--> per-request AudioChunks to each request's sink.
+One iteration: drain the inbox (submit / abort / append / close) -> Scheduler.schedule() ->
+runner.admit/prefill/step (launched, not waited) -> read the PREVIOUS step's results (the output
+buffer of that step) -> Scheduler.update (vectorised StepRows) -> one `EngineStep` per client to
+`emit(client, EngineStep, codes, pcm)`.
+
+Where it runs: on a thread inside the caller's process (`EngineClient`, the `CSM` Python API), or
+alone in the engine-core process (engine/core.py), where the inbox is the API workers' connections
+and `emit` writes one message per worker. A client is named by the high bits of each request's
+handle (`client_of`).
 
 A failed step fails the requests it held and the engine goes on, except after an error that leaves
 the device unusable (a CUDA device-side assert, an illegal address: `device_lost`): then `fatal`
@@ -12,26 +18,30 @@ names it, every later request is refused at once with that reason, and the serve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..config import EngineConfig
+from .outputs import (EV_ADMITTED, EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
+                      error_payload)
 from .pacing import LaunchPacer
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .request import AudioChunk, Request
 from .runner import ModelRunner, StepOutput
-from .scheduler import RequestOutput, Scheduler, SchedulerBusy
+from .scheduler import Scheduler, SchedulerBusy, StepRows
 
 log = logging.getLogger("csmserve.engine")
 DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                "CUDA-capable device", "cudaErrorLaunchFailure")
+CLIENT_SHIFT = 40  # Request.handle = client << CLIENT_SHIFT | n
 
 
 def device_lost(error: BaseException) -> bool:
@@ -39,36 +49,40 @@ def device_lost(error: BaseException) -> bool:
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(error, accel)) or any(s in str(error) for s in DEVICE_LOST)
 
-Sink = Callable[[AudioChunk | BaseException], None]
+
+def client_of(handle: int) -> int:
+    return handle >> CLIENT_SHIFT
 
 
-@dataclass
-class _Stream:
-    """Host-side accumulation of one request's frames into chunks."""
+# inbox messages: (kind, request_id | Request, payload)
+ADD, ABORT, APPEND, CLOSE, WAKE = "add", "abort", "append", "close", "wake"
+Emit = Callable[[int, EngineStep, "StepOutput | None"], None]
 
-    request: Request
-    sink: Sink
-    codes: list[np.ndarray] = field(default_factory=list)  # [1, K] each
-    pcm: list[np.ndarray] = field(default_factory=list)  # [frame_size] each
-    emitted_frames: int = 0
-    first_audio_time: float | None = None
-    segment: int = 0  # long-form: the segment being accumulated
-    segment_chunks: int = 0  # chunks sent for it (its first one is small: time to audio after a seam)
 
-    def flush(self, final: bool, reason: str | None, num_codebooks: int) -> None:
-        codes = np.concatenate(self.codes) if self.codes else np.zeros((0, num_codebooks), np.int64)
-        audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
-        if len(codes) and self.first_audio_time is None:
-            self.first_audio_time = time.perf_counter()
-        self.sink(AudioChunk(self.request.request_id, audio, codes, self.emitted_frames, final, reason,
-                             self.segment))
-        self.emitted_frames += len(codes)
-        self.segment_chunks += 1
-        self.codes, self.pcm = [], []
+class Inbox:
+    """Thread-safe queue of messages for the engine loop."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, msg: tuple) -> None:
+        self.q.put(msg)
+
+    def get(self, block: bool) -> list[tuple]:
+        """Everything queued now; with block, wait up to 0.5 s for the first."""
+        out = []
+        try:
+            out.append(self.q.get(timeout=0.5) if block else self.q.get_nowait())
+            while True:
+                out.append(self.q.get_nowait())
+        except queue.Empty:
+            pass
+        return out
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, start: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, start: bool = True,
+                 emit: Emit | None = None, inbox: Inbox | None = None) -> None:
         self.runner, self.config = runner, config
         cache_bytes = config.prefix_cache_bytes
         if cache_bytes is None:
@@ -76,36 +90,42 @@ class Engine:
         self.prefix_cache = PrefixCache(cache_bytes, runner.kv.bytes_per_position) if cache_bytes > 0 else None
         self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache)
         self.num_codebooks = runner.cfg.num_codebooks
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, _Stream] = {}
+        self.inbox = inbox or Inbox()
+        self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
+        self.router = Router(self.num_codebooks, config.first_chunk_frames, config.chunk_frames, self.abort)
         self.stats = {"frames": 0, "steps": 0}
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
+        self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
+        self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
         self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
         self.pacer = LaunchPacer()  # EngineConfig.late_launch
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="csmserve-engine", daemon=True)
-        if start:  # start=False: tests drive step() by hand, frame by frame
+        if start:  # start=False: tests (and the engine-core process) drive step() by hand
             self._thread.start()
 
     # ---- thread-safe entry points
-    def submit(self, request: Request, sink: Sink) -> None:
-        request.arrival_time = time.perf_counter()
-        self.inbox.put(("add", request, sink))
+    def submit(self, request: Request, sink: Callable | None = None, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        """Queue a request. sink: where its AudioChunks (or an exception) go, from the engine's thread
+        (in-process; without `emit`); max_lag_s/progress: see Router."""
+        request.arrival_time = request.arrival_time or time.perf_counter()
+        self.inbox.put((ADD, request, None if sink is None else (sink, max_lag_s, progress)))
 
     def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id, None))
+        self.inbox.put((ABORT, request_id, None))
 
     def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
         """One more segment (text frames) for an open long-form request (Request.open)."""
-        self.inbox.put(("append", request_id, (tokens, mask)))
+        self.inbox.put((APPEND, request_id, (tokens, mask)))
 
     def close(self, request_id: str) -> None:
         """No more segments for an open request: it ends after the ones it has."""
-        self.inbox.put(("close", request_id, None))
+        self.inbox.put((CLOSE, request_id, None))
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.inbox.put(("wake", None, None))
+        self.inbox.put((WAKE, None, None))
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -117,6 +137,13 @@ class Engine:
     def waiting_for_input(self) -> bool:
         """Nothing to compute: only requests idling for their next segment's text, if any."""
         return self._prev is None and not self.scheduler.has_work()
+
+    def engine_stats(self) -> EngineStats:
+        s, pc = self.scheduler, self.prefix_cache
+        st = pc.stats if pc is not None else {}
+        return EngineStats(s.num_running + s.num_prefilling, s.num_waiting, s.num_idle, s.num_free_slots,
+                           s.max_slots, st.get("hits", 0), st.get("misses", 0), st.get("hit_positions", 0),
+                           self.stats["steps"], self.stats["frames"], self.fatal)
 
     # ---- the loop
     def _run(self) -> None:
@@ -139,16 +166,17 @@ class Engine:
             if device_lost(e):
                 self.fatal = f"{type(e).__name__}: {e}".splitlines()[0]
                 log.critical("the device is lost (%s); restart the process", self.fatal)
+            self._emit_events()
 
     def _refuse(self, block: bool) -> None:
         """After a lost device: answer every new request with the reason at once (never a hang)."""
-        try:
-            kind, a, b = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        if kind == "add":
-            b(RuntimeError(f"the engine is down after a device error ({self.fatal}); the process must be "
-                           f"restarted"))
+        for kind, a, b in self.inbox.get(block):
+            if kind == ADD:
+                if b is not None:
+                    self.router.open(a.handle, a.request_id, *b)
+                self._event(a.handle, EV_ERROR, error_payload(RuntimeError(
+                    f"the engine is down after a device error ({self.fatal}); the process must be restarted")))
+        self._emit_events()
 
     def step(self, block: bool = False) -> None:
         if not self.config.overlap_steps and self._prev is not None:
@@ -165,7 +193,7 @@ class Engine:
         self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
         self.runner.store_prefixes(batch.prefix_stores)
-        out = self.runner.step(batch.decode_slots)
+        out = self.runner.step(batch.decode_slots, batch.step)
         if out is not None:  # the launch cost of a frame step, not of an empty iteration
             self.pacer.launched(time.perf_counter() - t0)
         if self._prev is not None:
@@ -173,99 +201,143 @@ class Engine:
             self._prev[1].wait()
             self.pacer.step_done(time.perf_counter(), waited)
             self._collect(*self._prev)
+        else:
+            self._emit_events()
         if out is None:
             self.pacer.idle()
         self._prev = (batch.step, out) if out is not None else None
 
     def _drain(self, block: bool) -> None:
-        while True:
-            try:
-                kind, a, b = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            if kind == "add":
+        for kind, a, b in self.inbox.get(block):
+            if kind == ADD:
                 self._add(a, b)
-            elif kind == "abort":
+            elif kind == ABORT:
                 self._abort(a)
-            elif kind == "append":
+            elif kind == APPEND:
                 self._append(a, *b)
-            elif kind == "close":
+            elif kind == CLOSE:
                 req = self.scheduler.close(a)
-                if req is not None and a in self.streams:
-                    st = self.streams.pop(a)
-                    st.segment = max(0, req.segment - 1)  # the empty final chunk closes the last segment
-                    st.flush(True, req.status.finish_reason, self.num_codebooks)
+                if req is not None:
+                    self._ended(req, EV_FINAL, req.status.finish_reason, segment=max(0, req.segment - 1))
 
-    def _add(self, request: Request, sink: Sink) -> None:
+    def _add(self, request: Request, local: tuple | None) -> None:
+        if local is not None:  # an in-process consumer: the router delivers its chunks
+            self.router.open(request.handle, request.request_id, *local)
         try:
             self.scheduler.add(request)
         except (SchedulerBusy, ValueError) as e:
-            sink(e)
+            self._event(request.handle, EV_ERROR, error_payload(e))
             return
-        self.streams[request.request_id] = _Stream(request, sink)
+        self._live.setdefault(client_of(request.handle), set()).add(request.request_id)
 
     def _abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None and request_id in self.streams:
-            self.streams.pop(request_id).flush(True, "abort", self.num_codebooks)
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._ended(req, EV_FINAL, "abort", segment=req.segment)
+
+    def abort_client(self, client: int) -> None:
+        """A client went away (its process died): abort everything it had in flight."""
+        for rid in list(self._live.pop(client, ())):
+            self.scheduler.abort(rid)
+        self._events.pop(client, None)
 
     def _append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
         try:
-            self.scheduler.append(request_id, tokens, mask)
+            self.scheduler.append_segment(request_id, tokens, mask)
         except ValueError as e:
-            self.scheduler.abort(request_id)
-            st = self.streams.pop(request_id, None)
-            if st is not None:
-                st.sink(e)
+            req = self.scheduler.abort(request_id)
+            if req is not None:
+                self._ended(req, EV_ERROR, error_payload(e))
+
+    def _ended(self, req: Request, kind: int, payload: object, segment: int = 0) -> None:
+        self._live.get(client_of(req.handle), set()).discard(req.request_id)
+        self._event(req.handle, kind, payload, segment)
+
+    def _event(self, handle: int, kind: int, payload: object, segment: int = 0) -> None:
+        self._events.setdefault(client_of(handle), []).append(Event(handle, kind, payload, segment))
 
     def _collect(self, step: int, out: StepOutput) -> None:
         codes, pcm = out.wait()
         self.stats["steps"] += 1
-        for o in self.scheduler.update(step, codes):
-            self._deliver(o, pcm)
+        rows = self.scheduler.update(step, codes)
+        self.stats["frames"] += int(rows.has_frame.sum())
+        for i in np.flatnonzero(rows.final):  # requests that ended: no longer live for their client
+            req = rows.requests[i]
+            self._live.get(client_of(req.handle), set()).discard(req.request_id)
+        self._emit_rows(rows, out)
 
-    def _deliver(self, o: RequestOutput, pcm: np.ndarray | None) -> None:
-        st = self.streams.get(o.request_id)
-        if st is None:
+    def _emit_rows(self, rows: StepRows, out: StepOutput | None) -> None:
+        stats = self.engine_stats()
+        if self.emit is None:  # in-process: every row and event goes to the local router
+            events = [e for evs in self._events.values() for e in evs]
+            self._events.clear()
+            step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows, rows.handles,
+                              rows.frame_start, rows.segment, rows.has_frame, rows.end, rows.final, events, stats)
+            codes = pcm = None
+            if out is not None and len(rows):
+                _, p = out.wait()
+                codes, pcm = rows.codes, (None if p is None else p[rows.rows])  # copies: the buffer is reused
+            self.router.deliver(step, codes, pcm)
             return
-        if len(o.codes):
-            self.stats["frames"] += 1
-            st.codes.append(o.codes)
-            if pcm is not None:
-                st.pcm.append(pcm[o.row].copy())
-        want = self.config.first_chunk_frames if st.segment_chunks == 0 else self.config.chunk_frames
-        if o.finish_reason is not None:
-            del self.streams[o.request_id]
-            st.flush(True, o.finish_reason, self.num_codebooks)
-        elif o.segment_end is not None:  # chunks never span segments
-            if st.codes:
-                st.flush(False, None, self.num_codebooks)
-            st.segment, st.segment_chunks = o.segment + 1, 0
-        elif len(st.codes) >= want:
-            st.flush(False, None, self.num_codebooks)
+        clients = rows.handles >> CLIENT_SHIFT
+        for c in set(np.unique(clients).tolist()) | set(self._events):
+            m = clients == c
+            step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows[m], rows.handles[m],
+                              rows.frame_start[m], rows.segment[m], rows.has_frame[m], rows.end[m], rows.final[m],
+                              self._events.pop(c, []), stats)
+            self.emit(c, step, out)
+
+    def _emit_events(self) -> None:
+        if self._events:
+            from .scheduler import empty_rows
+
+            self._emit_rows(empty_rows(0, self.num_codebooks), None)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.streams):
-            self.scheduler.abort(rid)
-            self.streams.pop(rid).sink(RuntimeError(f"engine step failed: {error}"))
+        payload = error_payload(RuntimeError(f"engine step failed: {error}"))
+        for client, rids in list(self._live.items()):
+            for rid in list(rids):
+                req = self.scheduler.abort(rid)
+                if req is not None:
+                    self._event(req.handle, EV_ERROR, payload)
+            rids.clear()
 
 
-class EngineClient:
-    """Submit requests and read their chunks, from plain threads or from asyncio."""
+class _ClientBase:
+    """What every engine client does: a Router of its own requests, chunks to sinks, sync and async."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, router: Router, client_id: int = 0) -> None:
+        self.router = router
+        self.client_id = client_id
+        self._n = itertools.count()
+
+    # ---- to implement: how messages reach the engine
+    def _submit(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
         """Another segment (text frames [n, 33]) for an open long-form request; ignored once it ended."""
-        self.engine.append(request_id, tokens, mask)
+        raise NotImplementedError
 
     def close(self, request_id: str) -> None:
         """No more segments for an open long-form request."""
-        self.engine.close(request_id)
+        raise NotImplementedError
+
+    # ---- shared
+    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        """Register the request's sink with the router, then send it (a client in another process)."""
+        request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
+        request.arrival_time = request.arrival_time or time.perf_counter()
+        self.router.open(request.handle, request.request_id, sink, max_lag_s, progress)
+        self._submit(request)
 
     def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
-        q = self._submit(request)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self._start(request, q.put)
         if on_submit is not None:
             on_submit()
         done = False
@@ -278,13 +350,15 @@ class EngineClient:
             raise
         finally:
             if not done:  # the caller stopped iterating: free the slot
-                self.engine.abort(request.request_id)
+                self.abort(request.request_id)
 
-    async def astream(self, request: Request, on_submit: Callable[[], None] | None = None
-                      ) -> AsyncIterator[AudioChunk]:
+    async def astream(self, request: Request, on_submit: Callable[[], None] | None = None,
+                      max_lag_s: float | None = None) -> AsyncIterator[AudioChunk]:
+        """max_lag_s: abort the request (SlowReaderError) once this consumer is that far behind real time."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self.engine.submit(request, lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        progress = Progress()
+        self._start(request, self._async_sink(loop, q), max_lag_s, progress)
         if on_submit is not None:
             on_submit()
         done = False
@@ -295,22 +369,58 @@ class EngineClient:
                     done = True
                     raise item
                 done = item.final
+                progress.frames += len(item.codes)
                 yield item
                 if done:
                     return
         finally:
             if not done:  # client went away: free the slot at the next frame boundary
-                self.engine.abort(request.request_id)
+                self.abort(request.request_id)
+
+    def _async_sink(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable:
+        return lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
 
     def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
         """Submit all, wait for all; chunks per request in order."""
-        queues = [self._submit(r) for r in requests]
+        queues = []
+        for r in requests:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self._start(r, q.put)
+            queues.append(q)
         return [list(_until_final(q)) for q in queues]
 
-    def _submit(self, request: Request) -> queue.SimpleQueue:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine.submit(request, q.put)
-        return q
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (running, waiting, prefix-cache hits, fatal)."""
+        return self.router.stats
+
+
+class EngineClient(_ClientBase):
+    """The engine on a thread of this process (the `CSM` Python API, tests): submit, abort, append,
+    close through its inbox; chunks come back through the engine's router, on the engine's thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine.router)
+        self.engine = engine
+
+    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        self.engine.submit(request, sink, max_lag_s, progress)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        self.engine.append(request_id, tokens, mask)
+
+    def close(self, request_id: str) -> None:
+        self.engine.close(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.engine_stats()
+
+    @property
+    def fatal(self) -> str | None:
+        return self.engine.fatal
 
 
 def _until_final(q: queue.SimpleQueue) -> Iterator[AudioChunk]:
@@ -322,3 +432,27 @@ def _until_final(q: queue.SimpleQueue) -> Iterator[AudioChunk]:
         yield item
         if item.final:
             return
+
+
+def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Emit | None = None,
+                 inbox: Inbox | None = None, ring_path: str | None = None, ring_slots: int = 2) -> Engine:
+    """The engine for a loaded model (and codec): slots sized from free memory unless config.max_slots,
+    the runner (graphs on CUDA), the output ring (in a shared-memory file when ring_path is given)."""
+    import dataclasses
+
+    from .output_ring import OutputRing
+    from .prefix_cache import default_prefix_cache_bytes
+    from .slots import size_slots
+
+    device = next(model.parameters()).device
+    cfg = config
+    if cfg.max_slots is None:  # as many slots as fit beside the prefix cache
+        cache = cfg.prefix_cache_bytes
+        cache = default_prefix_cache_bytes(device.type) if cache is None else cache
+        cfg = dataclasses.replace(cfg, max_slots=size_slots(model, mimi, cfg.max_seq_len, reserve_bytes=cache))
+    fs = mimi.cfg.frame_size if mimi is not None else 0
+    ring = OutputRing(ring_slots, cfg.max_slots, model.cfg.num_codebooks, fs, cuda=device.type == "cuda",
+                      path=ring_path)
+    runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
+                         max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring)
+    return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

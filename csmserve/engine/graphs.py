@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -15,15 +16,12 @@ class FrameGraphs:
         self.runner = runner
         self.buckets = runner.buckets
         dev, n = runner.device, runner.buckets[-1]
-        K = runner.cfg.num_codebooks
         self.slot_ids = torch.full((n,), runner.scratch, dtype=torch.long, device=dev)  # static input
-        # two host buffer sets: the host reads step N's results while step N+1 runs
+        # two host id buffers: the one written now was last read by the step before the previous one,
+        # whose results the host has already waited for
         self.host_ids = [torch.full((n,), runner.scratch, dtype=torch.long).pin_memory() for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}
-        self.host_codes = [torch.zeros(n, K, dtype=torch.long).pin_memory() for _ in range(2)]
-        fs = runner.codec.frame_size if runner.codec is not None else 0
-        self.host_pcm = [torch.zeros(n, fs, dtype=torch.float32).pin_memory() if fs else None for _ in range(2)]
         self.flip = 0
         self.capture()
 
@@ -46,22 +44,24 @@ class FrameGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, slots: list[int]) -> "StepOutput":
+    def run(self, slots: np.ndarray, ring: int) -> "StepOutput":
         from .runner import StepOutput
 
-        # buffer set `flip` was last used two steps ago, whose event the caller has already waited on
         n, i = len(slots), self.flip
         self.flip ^= 1
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        ids, host_codes, host_pcm = self.host_ids[i], self.host_codes[i], self.host_pcm[i]
-        ids[:n] = torch.tensor(slots)
+        ids = self.host_ids[i]
+        ids.numpy()[:n] = slots
         ids[n:b] = self.runner.scratch
         self.slot_ids[:b].copy_(ids[:b], non_blocking=True)
         self.graphs[b].replay()
         codes, pcm = self.outputs[b]
+        out = self.runner.ring
+        host_codes = out.codes[ring]
+        host_pcm = out.pcm[ring] if pcm is not None else None
         host_codes[:n].copy_(codes[:n], non_blocking=True)
         if pcm is not None:
             host_pcm[:n].copy_(pcm[:n].float(), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return StepOutput(list(slots), host_codes, host_pcm if pcm is not None else None, event)
+        return StepOutput(slots, host_codes, host_pcm, event, ring)

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+UNLIMITED_FRAMES = 2**40
 
 
 @dataclass(frozen=True)
@@ -15,19 +19,31 @@ class SamplingParams:
     top_k: int = 50  # <= 0 disables
     top_p: float = 1.0
     seed: int | None = None  # None: the engine draws one at admission
-    max_audio_length_ms: int = 10_000
+    # the whole request's audio (every segment of a long-form request together); None: no cap
+    max_audio_length_ms: int | None = 10_000
+    # long-form: one segment's (sentence's) audio at most; None: only the whole cap
+    max_segment_length_ms: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN fails too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_audio_length_ms < 80:
-            raise ValueError(f"max_audio_length_ms must be >= 80 (one frame), got {self.max_audio_length_ms}")
+        for name in ("max_audio_length_ms", "max_segment_length_ms"):
+            v = getattr(self, name)
+            if v is not None and v < 80:
+                raise ValueError(f"{name} must be >= 80 (one frame), got {v}")
 
     @property
     def max_frames(self) -> int:
-        return self.max_audio_length_ms // 80
+        """Frames the whole request may generate."""
+        return UNLIMITED_FRAMES if self.max_audio_length_ms is None else self.max_audio_length_ms // 80
+
+    @property
+    def segment_frames(self) -> int:
+        """Frames one segment may generate (at most max_frames)."""
+        seg = UNLIMITED_FRAMES if self.max_segment_length_ms is None else self.max_segment_length_ms // 80
+        return min(seg, self.max_frames)
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +70,8 @@ _FINISH_REASONS = {RequestStatus.FINISHED_EOS: "eos", RequestStatus.FINISHED_LEN
 
 
 _ids = itertools.count()
+_handles = itertools.count()
+_RUN = secrets.token_hex(4)  # request ids stay unique across the server's processes
 
 
 @dataclass(eq=False)
@@ -61,7 +79,10 @@ class Request:
     tokens: np.ndarray  # [P, 33] int64 prompt frames
     mask: np.ndarray  # [P, 33] bool
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=lambda: f"req-{_RUN}-{next(_ids)}")
+    # the number that names this request in the engine's vectorised outputs (StepRows.handles); an
+    # EngineClient in another process sets its own (client id in the high bits)
+    handle: int = field(default_factory=lambda: next(_handles))
     # long-form: more target turns generated after this one in the same slot, each seeing the earlier
     # ones (their text and generated audio) through the slot's KV; one continuous audio stream
     segments: deque = field(default_factory=deque)  # pending next turns: (tokens, mask) [n, 33] text frames
@@ -78,14 +99,13 @@ class Request:
     slot: int | None = None
     num_prefilled: int = 0  # prompt positions whose KV is written (prefill stops at P-1)
     num_frames: int = 0  # frames generated so far (EOS frame excluded)
-    num_scheduled_frames: int = 0  # frame steps scheduled; their results reach the host one step later
+    num_scheduled_frames: int = 0  # frame steps scheduled in the segments that ended
     arrival_time: float = 0.0
     admit_time: float | None = None  # perf_counter when it got a slot (queue time = admit - arrival)
     prompt_start: int = 0  # slot position of tokens[0] (> 0 for a long-form continuation)
     segment: int = 0  # index of the target turn being generated
     seg_start_pos: int = 0  # position of the segment's first frame step (its prompt's last frame)
-    seg_frames: int = 0  # frames generated in this segment
-    seg_scheduled: int = 0  # frame steps scheduled in this segment
+    seg_first_frame: int = 0  # index of the segment's first frame within the request's frames
 
     @property
     def prompt_len(self) -> int:
@@ -151,11 +171,11 @@ class Batch:
 
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)
+    decode_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [B] sorted
     resumes: list[Admission] = field(default_factory=list)
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
     prefix_stores: list[PrefixStore] = field(default_factory=list)  # run after the prefills, in order
 
     @property
     def empty(self) -> bool:
-        return not (self.admissions or self.prefills or self.decode_slots or self.resumes)
+        return not (self.admissions or self.prefills or len(self.decode_slots) or self.resumes)

@@ -3,6 +3,12 @@
 The frame step reads each slot's next input frame from SlotState, runs one backbone position, the
 codebook-0 sample and the 31-step depth loop, writes the generated frame back as the slot's next
 input, and (with a codec) runs one batched Mimi streaming-decode step. No host sync inside.
+
+Admissions and prefills take their inputs through pinned staging buffers (engine/staging.py): one
+asynchronous copy per kind per step, no host sync, nothing allocated. A prefill is the backbone over
+the packed tokens of every chunk of the step, each token a row with its own slot and position (the
+frame step's attention kernel: each row reads its slot's keys up to its position), graphed by token
+count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 """
 from __future__ import annotations
 
@@ -15,9 +21,14 @@ from torch import Tensor
 
 from ..models.csm import CSMModel
 from ..models.mimi import Mimi, MimiStream
+from .output_ring import OutputRing
 from .request import Admission, PrefillChunk, PrefixStore
 from .sampler import sample
 from .slots import DepthKV, SlotKV, SlotState
+from .staging import Staging
+
+# admission staging columns: tokens [W], mask [W], then these
+_POS, _TOPK, _SEED, _SLOT, _RESET, _TEMP, _TOPP = range(7)
 
 
 class StreamingCodec(Protocol):
@@ -30,12 +41,13 @@ class StreamingCodec(Protocol):
 
 @dataclass
 class StepOutput:
-    """A frame step's results in pinned host memory; valid once `event` has completed."""
+    """A frame step's results in host memory (ring buffer `ring`); valid once `event` has completed."""
 
-    slots: list[int]
-    codes: Tensor  # [B, K] int64 (host, pinned on CUDA)
+    slots: np.ndarray  # [B] the decode slots, in row order
+    codes: Tensor  # [B, K] int64 (host)
     pcm: Tensor | None  # [B, frame_size] float32
     event: torch.cuda.Event | None
+    ring: int = -1
 
     def done(self) -> bool:
         """Finished already (reading it will not wait)."""
@@ -48,16 +60,34 @@ class StepOutput:
         return self.codes[:n].numpy(), None if self.pcm is None else self.pcm[:n].numpy()
 
 
+def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -> np.ndarray:
+    """The chunks' tokens packed as rows [T, 2W + 2] int64: tokens, mask, position, slot; padding rows
+    write the scratch slot at position 0."""
+    a = np.zeros((T, 2 * width + 2), np.int64)
+    a[:, -1] = scratch
+    i = 0
+    for c in chunks:
+        n = len(c.tokens)
+        a[i:i + n, :width] = c.tokens
+        a[i:i + n, width:2 * width] = c.mask
+        a[i:i + n, -2] = np.arange(c.start, c.start + n)
+        a[i:i + n, -1] = c.slot
+        i += n
+    return a
+
+
 class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
-                 max_prefill_chunk: int = 512) -> None:
+                 max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
+                 max_prefill_chunk: int | None = None) -> None:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
+        cuda = self.device.type == "cuda"
         # one codec row per slot, plus the scratch row that padding points at
         self.codec: StreamingCodec | None = None if mimi is None else MimiStream(mimi, num_slots + 1, "decode", 1)
         self.cfg = model.cfg
-        if self.device.type == "cuda":
+        if cuda:
             model.prepare_heads()
             if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
                 from ..models.llama import fuse_elementwise
@@ -74,15 +104,22 @@ class ModelRunner:
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)
+        W = self.cfg.frame_width
+        self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
+        self.admit_ints = Staging(num_slots + 1, 2 * W + 5, self.device)  # tokens, mask, pos, top_k, seed, slot, reset
+        self.admit_floats = Staging(num_slots + 1, 2, self.device, torch.float32)  # temperature, top_p
+        self.prefill_in = Staging(self.max_prefill_tokens, 2 * W + 2, self.device)  # pack_prefill rows
+        fs = self.codec.frame_size if self.codec is not None else 0
+        self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
         self.graphs = self.prefill_graphs = None
-        if use_graphs if use_graphs is not None else self.device.type == "cuda":
+        if use_graphs if use_graphs is not None else cuda:
             from .graphs import FrameGraphs
             from .prefill_graphs import PrefillGraphs
 
             self.graphs = FrameGraphs(self)
-            self.prefill_graphs = PrefillGraphs(self, max_prefill_chunk)
+            self.prefill_graphs = PrefillGraphs(self, self.max_prefill_tokens)
 
-    # ---- admissions and prefill (graphed for a few short chunks, else eager) ----
+    # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission]) -> None:
         """New requests: load each slot's first input, position and sampling params; reset its codec row;
         copy a cached prompt prefix's KV into the slot's first positions (device to device)."""
@@ -114,49 +151,52 @@ class ModelRunner:
     def _load(self, admissions: list[Admission], reset: bool) -> None:
         if not admissions:
             return
-        s = self.state
-        slots = torch.tensor([a.slot for a in admissions], device=self.device)
-        host = {
-            "next_tokens": torch.tensor(np.stack([a.first_tokens for a in admissions]), dtype=torch.long),
-            "next_mask": torch.tensor(np.stack([a.first_mask for a in admissions]), dtype=torch.bool),
-            "pos": torch.tensor([a.first_pos for a in admissions], dtype=torch.long),
-            "temperature": torch.tensor([a.temperature for a in admissions], dtype=torch.float32),
-            "top_k": torch.tensor([a.top_k for a in admissions], dtype=torch.long),
-            "top_p": torch.tensor([a.top_p for a in admissions], dtype=torch.float32),
-            "seed": torch.tensor([a.seed for a in admissions], dtype=torch.long),
-        }
-        if reset:
-            host["frame"] = torch.zeros(len(admissions), dtype=torch.long)
-        for name, value in host.items():
-            getattr(s, name).index_copy_(0, slots, value.to(self.device, non_blocking=True))
-        for a in admissions:
+        W, n = self.cfg.frame_width, len(admissions)
+        ints = np.empty((n, 2 * W + 5), np.int64)
+        floats = np.empty((n, 2), np.float32)
+        for i, a in enumerate(admissions):  # rows that start: the only per-row Python here
+            ints[i, :W], ints[i, W:2 * W] = a.first_tokens, a.first_mask
+            ints[i, 2 * W:] = (a.first_pos, a.top_k, a.seed, a.slot, int(reset))
+            floats[i] = (a.temperature, a.top_p)
             self.host_pos[a.slot] = a.first_pos
-        if reset and self.codec is not None:
-            self.codec.reset(slots)
+        d, f = self.admit_ints.put(ints), self.admit_floats.put(floats)
+        s, c = self.state, 2 * W
+        slots = d[:, c + _SLOT]
+        s.next_tokens.index_copy_(0, slots, d[:, :W])
+        s.next_mask.index_copy_(0, slots, d[:, W:c].bool())
+        s.pos.index_copy_(0, slots, d[:, c + _POS])
+        s.top_k.index_copy_(0, slots, d[:, c + _TOPK])
+        s.seed.index_copy_(0, slots, d[:, c + _SEED])
+        s.temperature.index_copy_(0, slots, f[:, 0])
+        s.top_p.index_copy_(0, slots, f[:, 1])
+        if reset:
+            s.frame.index_fill_(0, slots, 0)
+            if self.codec is not None:
+                self.codec.reset(slots)
 
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Every chunk of the step in one backbone pass over their packed tokens (KV written in the slots)."""
         if not chunks:
             return
-        key = None if self.prefill_graphs is None else self.prefill_graphs.bucket(chunks)
-        if key is not None:  # a few short chunks: one graph replay instead of hundreds of launches
-            self.prefill_graphs.run(chunks, key)
+        n = sum(len(c.tokens) for c in chunks)
+        if n > self.max_prefill_tokens:
+            raise ValueError(f"{n} prefill tokens in one step > max_prefill_tokens={self.max_prefill_tokens}")
+        T = n if self.prefill_graphs is None else self.prefill_graphs.bucket(n)
+        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch))
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.run(packed)
             return
-        C, S = len(chunks), max(len(c.tokens) for c in chunks)
-        W = self.cfg.frame_width
-        tokens = np.zeros((C, S, W), dtype=np.int64)
-        mask = np.zeros((C, S, W), dtype=bool)
-        pos = np.zeros((C, S), dtype=np.int64)
-        slot_tok = np.full((C, S), self.scratch, dtype=np.int64)
-        for i, c in enumerate(chunks):
-            n = len(c.tokens)
-            tokens[i, :n], mask[i, :n] = c.tokens, c.mask
-            pos[i, :n] = np.arange(c.start, c.start + n)
-            slot_tok[i, :n] = c.slot
         bound = max(c.start + len(c.tokens) for c in chunks)
-        dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        self.kv.set_prefill(dev(slot_tok), bound)
-        self.model.forward_backbone(dev(tokens), dev(mask), dev(pos), self.kv)
+        self.prefill_forward(packed, bound)
+
+    def prefill_forward(self, packed: Tensor, kv_bound: int) -> None:
+        """packed [T, 2W + 2] (pack_prefill) -> KV of each token written at its slot and position."""
+        W = self.cfg.frame_width
+        tokens, mask = packed[:, None, :W], packed[:, None, W:2 * W].bool()  # [T, 1, W]
+        pos, slot_tok = packed[:, -2:-1], packed[:, -1]  # [T, 1], [T]
+        self.kv.set_decode(slot_tok, kv_bound)
+        self.model.forward_backbone(tokens, mask, pos, self.kv)
 
     # ---- the frame step ----
     def frame_step(self, slot_ids: Tensor, kv_bound: int) -> tuple[Tensor, Tensor | None]:
@@ -183,15 +223,24 @@ class ModelRunner:
         return codes, pcm
 
     @torch.inference_mode()
-    def step(self, slots: list[int]) -> StepOutput | None:
-        if not slots:
+    def step(self, slots: np.ndarray, step_id: int = -1) -> StepOutput | None:
+        """One frame for each of `slots` [B] (sorted, unique): launched; results in the next ring buffer,
+        whose header then names `step_id`."""
+        if not len(slots):
             return None
+        slots = np.asarray(slots, np.int64)
         bound = int(self.host_pos[slots].max()) + 1
         self.host_pos[slots] += 1
+        ring = self.ring.next()
+        self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
         if self.graphs is not None:
-            return self.graphs.run(slots)
-        codes, pcm = self.frame_step(torch.tensor(slots, device=self.device), bound)
-        return StepOutput(slots, codes.cpu(), None if pcm is None else pcm.float().cpu(), None)
+            return self.graphs.run(slots, ring)
+        codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound)
+        n, r = len(slots), self.ring
+        r.codes[ring, :n].copy_(codes)
+        if pcm is not None:
+            r.pcm[ring, :n].copy_(pcm.float())
+        return StepOutput(slots, r.codes[ring], None if pcm is None else r.pcm[ring], None, ring)
 
 
 def default_buckets(num_slots: int) -> list[int]:

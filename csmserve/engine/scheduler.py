@@ -4,13 +4,18 @@ Plain Python and numpy; no torch. One engine step:
 
     batch = scheduler.schedule()          # admissions, prefill chunks, frame-step slots
     runner.run(batch)                     # launched; no host sync inside the frame
-    scheduler.update(prev.step, codes)    # the PREVIOUS step's codes [len(prev.decode_slots), 32]
+    rows = scheduler.update(prev.step, codes)   # the PREVIOUS step's codes [len(prev.decode_slots), 32]
 
-Results arrive one step late, so a slot may have one more frame in flight after its request
-ended (EOS, length, abort) and may already belong to a new request when that frame comes
-back. Every scheduled step records which request owned each of its decode slots, and
-update() drops rows whose owner has finished. The length limit is enforced when scheduling
-(num_scheduled_frames), so no frame past it is ever computed.
+Per-step work is vectorised over slots: the frame-step set, the frame counters, the end checks and
+the rows handed back (`StepRows`) are numpy arrays indexed by slot; only requests that start, end or
+change segment touch Python objects. Each slot carries a generation number bumped whenever its
+owner or segment changes, so results arriving one step late for a request that ended (EOS, length,
+abort, a segment end) are dropped by comparing generations, whoever owns the slot by then. The
+length limit is enforced when scheduling (frames scheduled per segment), so no frame past it is
+ever computed.
+
+Limits per request (SamplingParams): `max_frames` caps the whole request, all segments together;
+`segment_frames` caps one segment (long-form); both also stop where max_seq_len would be passed.
 
 Long-form (Request.segments / Request.open): a request may carry several target turns, generated one
 after another in its slot; each sees the earlier ones through the KV already there. When a segment
@@ -18,26 +23,27 @@ ends, the next prompt is prefilled from the slot's next free position and a resu
 that keeps the codec row and the frame counter) restarts the frame steps:
 - ended on EOS: when the host reads the EOS frame, the next frame step (already launched) has
   consumed it as input and written its KV (the EOS frame of the context turn) and produced a junk
-  frame, dropped by update() (rows carry their segment index). If no such step ran (the EOS was the
-  segment's last allowed frame), the EOS frame is prefilled first.
+  frame, dropped by update(). If no such step ran (the EOS was the segment's last allowed frame),
+  the EOS frame is prefilled first.
 - ended on length: no step consumed the last frame, so [last frame, EOS frame] are prefilled first.
 When the next segment would not fit in max_seq_len, the slot is prefilled again from position 0
 with the newest segments that fit as context turns (text + generated codes + EOS), after the
 request's own context if it fits; the oldest segments are dropped. The codec state is untouched.
 A segment ending with no next segment yet on an open request leaves it IDLE: it holds its slot and
-is not stepped until append() brings text or close() ends it.
+is not stepped until append_segment() brings text or close() ends it.
 
 Prefix cache (Request.prefix_len, engine/prefix_cache.py): at admission, a prompt whose first
 prefix_len positions, or failing that the longest of its Request.prefix_boundaries, are cached gets
 `Admission.prefix_hit` (the runner copies that KV into the slot) and its prefill starts there. Unless
-all of prefix_len was cached, once the prefill has written positions [0, prefix_len),
-the same batch carries a `PrefixStore` (the runner copies the slot's KV[:, :prefix_len] out, after the
-evictions that made room). A prefix never covers the prompt's last position.
+all of prefix_len was cached, once the prefill has written positions [0, prefix_len), the same batch
+carries a `PrefixStore` (the runner copies the slot's KV[:, :prefix_len] out, after the evictions that
+made room). A prefix never covers the prompt's last position.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import secrets
 import time
 from collections import deque
@@ -50,13 +56,17 @@ from csmserve.config import EngineConfig
 from csmserve.engine.prefix_cache import PrefixCache, prefix_keys
 from csmserve.engine.request import Admission, Batch, PrefillChunk, PrefixStore, Request, RequestStatus
 
+# StepRows.end: how a row's request or segment ended with this row
+END_NONE, END_EOS, END_LENGTH = 0, 1, 2
+END_REASONS = (None, "eos", "length")
+
 
 class SchedulerBusy(RuntimeError):
     """The waiting queue is full; the caller should answer 'busy' (HTTP 503/429) and not retry at once."""
 
 
-class RequestOutput(NamedTuple):  # a NamedTuple: one per running slot per step, cheap to build
-    """What one step produced for one request."""
+class RequestOutput(NamedTuple):
+    """One row of a step, as a Python record (StepRows.outputs(): tests and per-row consumers)."""
 
     request: Request
     row: int  # row of this request in its step's codes (and PCM): index into batch.decode_slots
@@ -71,17 +81,52 @@ class RequestOutput(NamedTuple):  # a NamedTuple: one per running slot per step,
         return self.request.request_id
 
 
+@dataclass
+class StepRows:
+    """What one frame step produced, one entry per live row, all arrays [M] (M <= decode slots)."""
+
+    step: int
+    rows: np.ndarray  # int64: row in the step's codes / PCM
+    handles: np.ndarray  # int64: Request.handle of each row's request
+    codes: np.ndarray  # [M, K] int64 (our copy)
+    frame_start: np.ndarray  # int64: index of the row's frame within its request (EOS rows: the next index)
+    segment: np.ndarray  # int64
+    has_frame: np.ndarray  # bool: False for the all-zero EOS frame (not emitted)
+    end: np.ndarray  # uint8: END_NONE / END_EOS / END_LENGTH: this row ends its segment
+    final: np.ndarray  # bool: this row ends its request
+    requests: np.ndarray | None = None  # [M] object: the rows' Request (scheduler side only; never sent)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def outputs(self) -> list[RequestOutput]:
+        out = []
+        for i, req in enumerate(() if self.requests is None else self.requests):
+            reason = END_REASONS[self.end[i]]
+            out.append(RequestOutput(req, int(self.rows[i]), self.codes[i:i + int(self.has_frame[i])],
+                                     int(self.frame_start[i]), reason if self.final[i] else None,
+                                     int(self.segment[i]), reason))
+        return out
+
+
+def empty_rows(step: int, num_codebooks: int) -> StepRows:
+    z = np.zeros(0, np.int64)
+    return StepRows(step, z, z, np.zeros((0, num_codebooks), np.int64), z, z, np.zeros(0, bool),
+                    np.zeros(0, np.uint8), np.zeros(0, bool))
+
+
 @dataclass(frozen=True, slots=True)
 class _Step:
     step: int
-    owners: list[tuple[int, Request, int]]  # (slot, request, segment) for each decode row, at scheduling time
+    slots: np.ndarray  # [B] int64 decode slots in row order
+    gen: np.ndarray  # [B] int64 their generations at scheduling time
 
 
 @dataclass
 class _Turn:
     tokens: np.ndarray  # [n, K+1] the turn's text frames
     mask: np.ndarray
-    codes: list[np.ndarray] = field(default_factory=list)  # generated frames, [1, K] each
+    codes: np.ndarray | None = None  # [frames, K] generated, set when the turn's segment ends
 
 
 @dataclass
@@ -98,28 +143,38 @@ class _History:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_codebooks: int = 32, prefix_cache: PrefixCache | None = None
                  ) -> None:
-        self.num_codebooks = num_codebooks
+        self.num_codebooks = K = num_codebooks
         self.prefix_cache = prefix_cache  # None: no prefix caching
         self._pending_stores: dict[str, tuple[bytes, int]] = {}  # request id -> prefix to store once prefilled
         self._stores: list[PrefixStore] = []  # this step's
         if config.max_slots is None:
             raise ValueError("EngineConfig.max_slots is None: size it first (CSM does, from free GPU memory)")
-        self.max_slots = config.max_slots
+        self.max_slots = N = config.max_slots
         self.max_waiting = config.max_waiting
         self.max_seq_len = config.max_seq_len
         self.prefill_token_budget = config.prefill_token_budget
         self.max_prefill_chunk = config.max_prefill_chunk
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()  # admitted, prompt KV not complete; FIFO
-        self.slots: list[Request | None] = [None] * config.max_slots  # owner of each slot
-        self.running: dict[int, Request] = {}  # slot -> request whose prefill is complete
-        self._limits: list[int] = [0] * config.max_slots  # frame_limit of each slot's request
-        self._free: list[int] = list(range(config.max_slots))  # heap: lowest free slot first
+        self.slots: list[Request | None] = [None] * N  # owner of each slot
+        self._free: list[int] = list(range(N))  # heap: lowest free slot first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._inflight: deque[_Step] = deque()  # scheduled frame steps whose codes are not back
         self._history: dict[str, _History] = {}  # long-form requests
         self._resumes: list[Admission] = []  # continuations to load at the next schedule()
         self._step = 0
+        # ---- per-slot arrays (the vectorised state of every running slot)
+        self._stepping = np.zeros(N, bool)  # RUNNING and below its segment's limit: steps a frame
+        self._running = np.zeros(N, bool)  # RUNNING (its prefill is complete)
+        self._gen = np.zeros(N, np.int64)  # bumped when the slot's owner or segment changes
+        self._handle = np.full(N, -1, np.int64)
+        self._limit = np.zeros(N, np.int64)  # frames allowed in the current segment
+        self._seg_scheduled = np.zeros(N, np.int64)  # frame steps scheduled in this segment
+        self._seg_frames = np.zeros(N, np.int64)  # frames back in this segment (EOS excluded)
+        self._num_frames = np.zeros(N, np.int64)  # frames back in the request (EOS excluded)
+        self._segment = np.zeros(N, np.int64)
+        self._owner = np.full(N, None, object)  # the Request of each slot (gathered per step without a loop)
+        self._seg_codes = np.zeros((N, config.max_seq_len, K), np.int16)  # this segment's frames (long-form)
 
     # ---- counts (metrics, idle checks)
     @property
@@ -132,7 +187,12 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return int(self._running.sum())
+
+    @property
+    def num_idle(self) -> int:
+        """Long-form requests holding a slot while they wait for their next segment's text."""
+        return self.max_slots - len(self._free) - self.num_running - len(self.prefilling)
 
     @property
     def num_free_slots(self) -> int:
@@ -147,7 +207,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Something to schedule (idle long-form requests waiting for text are not work)."""
-        return bool(self.waiting or self.prefilling or self.running or self._resumes)
+        return bool(self.waiting or self.prefilling or self._stepping.any() or self._resumes)
+
+    def frames_generated(self, req: Request) -> int:
+        """Frames req has generated so far (Request.num_frames is only kept up to date when it ends)."""
+        return int(self._num_frames[req.slot]) if req.slot is not None else req.num_frames
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
 
     # ---- inbox
     def add(self, req: Request) -> None:
@@ -168,7 +235,7 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> Request | None:
+    def append_segment(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> Request | None:
         """Add a segment (text frames [n, K+1]) to an open long-form request; None if it is not live."""
         req = self._requests.get(request_id)
         if req is None:
@@ -200,32 +267,45 @@ class Scheduler:
         resumes, self._resumes = self._resumes, []
         prefills = self._schedule_prefills()
         stores, self._stores = self._stores, []
-        owners = [(slot, req, req.segment) for slot, req in sorted(self.running.items())
-                  if req.seg_scheduled < self._limits[slot]]
-        for _, req, _ in owners:
-            req.num_scheduled_frames += 1
-            req.seg_scheduled += 1
-        if owners:
-            self._inflight.append(_Step(self._step, owners))
-        return Batch(admissions, prefills, [slot for slot, _, _ in owners], resumes, step=self._step,
-                     prefix_stores=stores)
+        slots = np.flatnonzero(self._stepping)  # [B] sorted
+        if len(slots):
+            sched = self._seg_scheduled[slots] + 1
+            self._seg_scheduled[slots] = sched
+            self._stepping[slots[sched >= self._limit[slots]]] = False  # the segment's last frame step
+            self._inflight.append(_Step(self._step, slots, self._gen[slots]))
+        return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores)
 
-    def update(self, step: int, codes: np.ndarray) -> list[RequestOutput]:
-        """Take step `step`'s codes [len(decode_slots), 32], rows in batch.decode_slots order."""
-        owners = self._inflight_owners(step)
-        if codes.shape[0] != len(owners):
-            raise ValueError(f"step {step}: {codes.shape[0]} rows of codes for {len(owners)} decode slots")
-        if owners:
-            self._inflight.popleft()
-        codes = np.array(codes, dtype=np.int64)  # our own copy: the runner reuses its host buffer
-        is_eos = (~codes.any(axis=1)).tolist()  # the all-zero frame ends the utterance
-        return [self._append(row, req, codes[row:row + 1], is_eos[row])
-                for row, (_, req, seg) in enumerate(owners)
-                if req.status is RequestStatus.RUNNING and seg == req.segment]
+    def update(self, step: int, codes: np.ndarray) -> StepRows:
+        """Take step `step`'s codes [len(decode_slots), K], rows in batch.decode_slots order."""
+        rec = self._inflight_record(step)
+        n = 0 if rec is None else len(rec.slots)
+        if codes.shape[0] != n:
+            raise ValueError(f"step {step}: {codes.shape[0]} rows of codes for {n} decode slots")
+        if rec is None:
+            return empty_rows(step, self.num_codebooks)
+        self._inflight.popleft()
+        rows = np.flatnonzero(self._gen[rec.slots] == rec.gen)  # [M]  # rows whose request and segment still run
+        s = rec.slots[rows]
+        codes = np.array(codes[rows], dtype=np.int64)  # our own copy: the runner reuses its host buffer
+        has = codes.any(axis=1)  # the all-zero frame ends the utterance (not counted, not emitted)
+        start = self._num_frames[s]
+        fs = self._seg_frames[s]
+        f = s[has]
+        self._seg_codes[f, fs[has]] = codes[has]
+        self._num_frames[f] += 1
+        self._seg_frames[f] += 1
+        end = np.where(has, np.where(fs + 1 >= self._limit[s], END_LENGTH, END_NONE), END_EOS).astype(np.uint8)
+        out = StepRows(step, rows, self._handle[s], codes, start, self._segment[s], has, end,
+                       np.zeros(len(s), bool), self._owner[s])
+        for i in np.flatnonzero(end):  # only rows that end their segment or request touch Python objects
+            out.final[i] = self._end(out.requests[i], END_REASONS[end[i]])
+        return out
 
     def frame_limit(self, req: Request) -> int:
-        # the frame step for frame k of a segment runs at position seg_start_pos + k, inside max_seq_len
-        return min(req.params.max_frames, self.max_seq_len - (req.prompt_start + req.prompt_len) + 1)
+        # the frame step for frame k of a segment runs at position seg_start_pos + k, inside max_seq_len;
+        # the whole request's cap counts the frames of its earlier segments
+        return min(req.params.segment_frames, req.params.max_frames - req.seg_first_frame,
+                   self.max_seq_len - (req.prompt_start + req.prompt_len) + 1)
 
     # ---- helpers
     def _validate(self, req: Request) -> None:
@@ -240,6 +320,9 @@ class Scheduler:
             raise ValueError(f"context_len {req.context_len} must be in [0, prompt_len)")
         if not 0 <= req.prefix_len < req.prompt_len:
             raise ValueError(f"prefix_len {req.prefix_len} must be in [0, prompt_len)")
+        p = req.params
+        if not (math.isfinite(p.temperature) and math.isfinite(p.top_p)):
+            raise ValueError("temperature and top_p must be finite")
         for tokens, mask in req.segments:
             self._check_segment(tokens, mask)
 
@@ -252,8 +335,10 @@ class Scheduler:
 
     def _admit(self, req: Request) -> Admission:
         slot = heapq.heappop(self._free)
-        self.slots[slot] = req
-        self._limits[slot] = self.frame_limit(req)
+        self.slots[slot] = self._owner[slot] = req
+        self._handle[slot] = req.handle
+        self._num_frames[slot] = 0
+        self._segment[slot] = 0
         req.slot = slot
         req.admit_time = time.perf_counter()
         req.seg_start_pos = req.prompt_start + req.prompt_len - 1
@@ -269,13 +354,17 @@ class Scheduler:
     def _enter(self, req: Request, prefix_hit: bytes | None = None) -> Admission:
         """A slot's prompt is set (admission or next segment): prefill it, or step at once; the runner's
         load of the slot's first input frame, position and sampling params."""
+        s = req.slot
+        self._gen[s] += 1
+        self._limit[s] = self.frame_limit(req)
+        self._seg_scheduled[s] = self._seg_frames[s] = 0
         if req.num_to_prefill > 0:
             req.status = RequestStatus.PREFILLING
             self.prefilling.append(req)
         else:
             self._start_running(req)
         p = req.params
-        return Admission(req.slot, req.tokens[-1], req.mask[-1], req.seg_start_pos,
+        return Admission(s, req.tokens[-1], req.mask[-1], req.seg_start_pos,
                          p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=prefix_hit)
 
     def _lookup_prefix(self, req: Request) -> bytes | None:
@@ -305,8 +394,8 @@ class Scheduler:
 
     def _schedule_prefills(self) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []
-        budget = self.prefill_token_budget
-        for req in list(self.prefilling):  # FIFO; a long prompt takes several steps
+        budget, done = self.prefill_token_budget, []
+        for req in self.prefilling:  # FIFO; a long prompt takes several steps
             if budget == 0:
                 break
             n = min(req.num_to_prefill, budget, self.max_prefill_chunk)
@@ -318,42 +407,44 @@ class Scheduler:
             if self._pending_stores:
                 self._store_prefix(req)
             if req.num_to_prefill == 0:
-                self.prefilling.remove(req)
+                done.append(req)
+        if done:
+            self.prefilling = deque(r for r in self.prefilling if r.num_to_prefill > 0)
+            for req in done:
                 self._start_running(req)  # its first frame step runs in this same batch
         return chunks
 
     def _start_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
-        self.running[req.slot] = req
+        s = req.slot
+        self._running[s] = True
+        self._stepping[s] = self._limit[s] > 0
 
-    def _inflight_owners(self, step: int) -> list[tuple[int, Request, int]]:
+    def _stop_running(self, slot: int) -> None:
+        self._running[slot] = self._stepping[slot] = False
+        self._gen[slot] += 1  # rows still in flight for this slot are dropped
+
+    def _inflight_record(self, step: int) -> _Step | None:
         while self._inflight and self._inflight[0].step < step:  # a step whose codes were never read
-            if any(req.status is RequestStatus.RUNNING and seg == req.segment
-                   for _, req, seg in self._inflight[0].owners):
-                raise RuntimeError(f"update({step}) but step {self._inflight[0].step}'s codes never came back")
+            rec = self._inflight[0]
+            if (self._gen[rec.slots] == rec.gen).any():
+                raise RuntimeError(f"update({step}) but step {rec.step}'s codes never came back")
             self._inflight.popleft()  # nobody waits for them (e.g. all aborted after a failed step)
         if not self._inflight or self._inflight[0].step > step:
-            return []  # that step scheduled no frame
-        return self._inflight[0].owners
+            return None  # that step scheduled no frame
+        return self._inflight[0]
 
-    def _append(self, row: int, req: Request, frame: np.ndarray, is_eos: bool) -> RequestOutput:
-        start, seg = req.num_frames, req.segment  # frame: [1, 32]
+    def _end(self, req: Request, reason: str) -> bool:
+        """A row ended req's segment; -> True when that ends the request."""
+        s = req.slot
+        req.num_scheduled_frames += int(self._seg_scheduled[s])
         hist = self._history.get(req.request_id)
-        if is_eos:  # not counted, not emitted
-            frame, reason = frame[:0], "eos"
-        else:
-            req.num_frames += 1
-            req.seg_frames += 1
-            if hist is not None:
-                hist.turns[-1].codes.append(frame)
-            reason = "length" if req.seg_frames >= self._limits[req.slot] else None
-        if reason is None:
-            return RequestOutput(req, row, frame, start, None, seg)
-        if hist is not None and (req.segments or req.open):
+        budget_left = req.params.max_frames - int(self._num_frames[s])
+        if hist is not None and (req.segments or req.open) and budget_left > 0:
             self._end_segment(req, hist, reason)
-            return RequestOutput(req, row, frame, start, None, seg, reason)
+            return False
         self._finish(req, RequestStatus.FINISHED_EOS if reason == "eos" else RequestStatus.FINISHED_LENGTH)
-        return RequestOutput(req, row, frame, start, reason, seg, reason)
+        return True
 
     # ---- long-form
     def _eos_frame(self) -> tuple[np.ndarray, np.ndarray]:
@@ -362,28 +453,31 @@ class Scheduler:
         mask[:, :k] = True
         return np.zeros((1, k + 1), dtype=np.int64), mask
 
-    def _audio(self, codes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _audio(self, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Generated frames [n, K] as context frames followed by the EOS frame."""
         eos_t, eos_m = self._eos_frame()
-        if not codes:
+        if codes is None or not len(codes):
             return eos_t, eos_m
-        c = np.concatenate(codes)
+        c = codes.astype(np.int64)
         tokens = np.concatenate([np.concatenate([c, np.zeros((len(c), 1), np.int64)], 1), eos_t])
         return tokens, np.repeat(eos_m, len(c) + 1, axis=0)
 
     def _end_segment(self, req: Request, hist: _History, reason: str) -> None:
+        s = req.slot
+        frames, scheduled = int(self._seg_frames[s]), int(self._seg_scheduled[s])
+        hist.turns[-1].codes = self._seg_codes[s, :frames].copy()
         if reason == "eos":
             # the EOS frame is in KV iff a step after the one that produced it was scheduled
-            in_kv = req.seg_scheduled >= req.seg_frames + 2
+            in_kv = scheduled >= frames + 2
             hist.tail = None if in_kv else self._eos_frame()
-            hist.next_pos = req.seg_start_pos + req.seg_frames + 1 + int(in_kv)
+            hist.next_pos = req.seg_start_pos + frames + 1 + int(in_kv)
         else:  # length: nothing consumed the last frame
             hist.tail = self._audio(hist.turns[-1].codes[-1:])
-            hist.next_pos = req.seg_start_pos + req.seg_frames
+            hist.next_pos = req.seg_start_pos + frames
         hist.last_reason = reason
         req.segment += 1
-        req.seg_frames = req.seg_scheduled = 0
-        self.running.pop(req.slot, None)
+        self._segment[s] = req.segment
+        self._stop_running(s)
         if req.segments:
             self._continue(req, hist)
         else:
@@ -395,7 +489,8 @@ class Scheduler:
         parts = ([hist.tail] if hist.tail is not None else []) + [(text_t, text_m)]
         size = sum(len(t) for t, _ in parts)
         start = hist.next_pos
-        need = len(text_t) - 1 + req.params.max_frames  # positions from the text's first frame to the last step
+        frames = min(req.params.segment_frames, req.params.max_frames - int(self._num_frames[req.slot]))
+        need = len(text_t) - 1 + frames  # positions from the text's first frame to the last step
         if start + size - len(text_t) + need > self.max_seq_len:
             start, parts = 0, self._rebuild(hist, self.max_seq_len - need) + [(text_t, text_m)]
         hist.tail = None
@@ -404,7 +499,7 @@ class Scheduler:
         req.mask = np.concatenate([m for _, m in parts])
         req.prompt_start, req.num_prefilled = start, 0
         req.seg_start_pos = start + req.prompt_len - 1
-        self._limits[req.slot] = self.frame_limit(req)
+        req.num_frames = req.seg_first_frame = int(self._num_frames[req.slot])
         self._resumes.append(self._enter(req))
 
     def _rebuild(self, hist: _History, room: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -440,11 +535,13 @@ class Scheduler:
         self._history.pop(req.request_id, None)
         self._pending_stores.pop(req.request_id, None)
         if req.slot is not None:
-            self._resumes = [r for r in self._resumes if r.slot != req.slot]
-        if req.slot is not None:
-            self.slots[req.slot] = None
-            self.running.pop(req.slot, None)
-            heapq.heappush(self._free, req.slot)
+            s = req.slot
+            req.num_frames = int(self._num_frames[s])
+            self._resumes = [r for r in self._resumes if r.slot != s]
+            self._stop_running(s)
+            self._handle[s] = -1
+            self.slots[s] = self._owner[s] = None
+            heapq.heappush(self._free, s)
             req.slot = None
         req.status = status
         del self._requests[req.request_id]

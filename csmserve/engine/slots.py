@@ -19,7 +19,9 @@ def store_kv_triton(k_cache: Tensor, v_cache: Tensor, rows: Tensor, pos: Tensor,
 
 
 class SlotKV:
-    """Backbone KV k, v [L, N+1, Hkv, T, hd]; a KVView for prefill chunks and for frame steps."""
+    """Backbone KV k, v [L, N+1, Hkv, T, hd]; the KVView of frame steps and of packed prefills: each row
+    (a slot's next frame, or one prompt token) writes its K/V at (slot, position), then attends to its
+    slot's keys up to that position (so a prompt's tokens see each other, written in the same layer)."""
 
     def __init__(self, cfg: CSMConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -28,8 +30,7 @@ class SlotKV:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.use_triton = device.type == "cuda"
-        self.decoding = True
-        self.slot_tok = self.pos = self.lengths = self.mask = None
+        self.slot_tok = self.pos = self.lengths = None
         self.kv_bound = max_seq_len  # torch path: keys read per row (host-known upper bound)
 
     @property
@@ -42,39 +43,23 @@ class SlotKV:
         return 2 * self.k[:, 0, :, 0].numel() * self.k.element_size()
 
     def set_decode(self, slot_ids: Tensor, kv_bound: int) -> None:
-        # slot_ids [B]; the frame step's positions come through begin()
-        self.decoding, self.slot_tok, self.kv_bound = True, slot_ids, kv_bound
-
-    def set_prefill(self, slot_tok: Tensor, kv_bound: int) -> None:
-        # slot_tok [C, S]: each token's slot (padding tokens -> scratch slot)
-        self.decoding, self.slot_tok, self.kv_bound = False, slot_tok, kv_bound
+        # slot_ids [B]: each row's slot; the rows' positions come through begin()
+        self.slot_tok, self.kv_bound = slot_ids, kv_bound
 
     def begin(self, pos: Tensor) -> None:
-        self.pos = pos  # [B, 1] decode / [C, S] prefill
-        if self.decoding:
-            self.lengths = (pos[:, 0] + 1).to(torch.int32)
-        else:
-            keys = torch.arange(self.kv_bound, device=pos.device)
-            self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [C, 1, S, kv_bound]
+        self.pos = pos  # [B, 1]
+        self.lengths = (pos[:, 0] + 1).to(torch.int32)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kc, vc = self.k[layer], self.v[layer]
-        if self.decoding:  # q [B, 1, Hq, hd]
-            if self.use_triton:
-                store_kv_triton(kc, vc, self.slot_tok, self.pos[:, 0], k[:, 0], v[:, 0])
-                out = decode_attention_triton(q[:, 0], kc, vc, self.slot_tok, self.lengths)
-            else:
-                kc[self.slot_tok, :, self.pos[:, 0]] = k[:, 0]
-                vc[self.slot_tok, :, self.pos[:, 0]] = v[:, 0]
-                out = decode_attention_torch(q[:, 0], kc, vc, self.slot_tok, self.lengths, self.kv_bound)
-            return out[:, None]
-        kc[self.slot_tok, :, self.pos] = k  # [C, S, Hkv, hd]
-        vc[self.slot_tok, :, self.pos] = v
-        rows = self.slot_tok[:, 0]  # a chunk's first token is never padding
-        keys, values = kc[rows, :, : self.kv_bound], vc[rows, :, : self.kv_bound]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=self.mask, enable_gqa=True)
-        return out.transpose(1, 2)
+        kc, vc = self.k[layer], self.v[layer]  # q [B, 1, Hq, hd]
+        if self.use_triton:
+            store_kv_triton(kc, vc, self.slot_tok, self.pos[:, 0], k[:, 0], v[:, 0])
+            out = decode_attention_triton(q[:, 0], kc, vc, self.slot_tok, self.lengths)
+        else:
+            kc[self.slot_tok, :, self.pos[:, 0]] = k[:, 0]
+            vc[self.slot_tok, :, self.pos[:, 0]] = v[:, 0]
+            out = decode_attention_torch(q[:, 0], kc, vc, self.slot_tok, self.lengths, self.kv_bound)
+        return out[:, None]
 
 
 class DepthKV:

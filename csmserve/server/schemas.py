@@ -41,7 +41,8 @@ class SamplingFields(BaseModel):
     top_k: StrictInt = Field(50, ge=0, le=2051)  # 0 disables
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    max_audio_length_ms: StrictInt | None = Field(None, ge=80)
+    max_audio_length_ms: StrictInt | None = Field(None, ge=80)  # the whole response (all sentences)
+    max_segment_length_ms: StrictInt | None = Field(None, ge=80)  # one sentence of a long input / WebSocket turn
 
 
 class SpeechRequest(SamplingFields):

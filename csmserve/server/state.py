@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("csmserve.server")
 FRAME_SECONDS = 0.08
-_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format")
+_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms",
+             "max_segment_length_ms", "output_format")
 
 
 @dataclass
@@ -176,24 +177,21 @@ class ServerState:
         return self.csm
 
     def engine_fatal(self) -> str | None:
-        """The device error that stopped the engine, if any (never starts the engine)."""
-        return getattr(self._engine(), "fatal", None)
+        """The error that stopped the engine (a lost device, an engine process gone), if any; never
+        starts the engine."""
+        return getattr(self.csm.client, "fatal", None) if self.ready else None
 
-    def _engine(self):
-        if not self.ready:  # CSM.client would start the engine
-            return None
-        return getattr(self.csm.client, "engine", None)
-
-    def _scheduler(self):
-        return getattr(self._engine(), "scheduler", None)
+    def engine_stats(self):
+        """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
+        return self.csm.client.stats() if self.ready else None
 
     def _num_running(self) -> float:
-        s = self._scheduler()
-        return float(s.num_running + s.num_prefilling) if s is not None else 0.0
+        s = self.engine_stats()
+        return float(s.running + s.idle) if s is not None else 0.0  # every request holding a slot
 
     def _num_waiting(self) -> float:
-        s = self._scheduler()
-        return float(s.num_waiting) if s is not None else 0.0
+        s = self.engine_stats()
+        return float(s.waiting) if s is not None else 0.0
 
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
@@ -270,17 +268,19 @@ class ServerState:
 
     async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
-                            long_form: bool = False) -> tuple[Request, int]:
+                            long_form: bool = False, split: bool = True) -> tuple[Request, int]:
         """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
         the context turns, then `extra`, then `text`. long_form: text of several sentences is spoken
-        sentence by sentence in one slot (each seeing the earlier ones; max_audio_length_ms per sentence)."""
+        sentence by sentence in one slot (each seeing the earlier ones), max_audio_length_ms capping the
+        whole and max_segment_length_ms (or --max-segment-ms) each sentence; split=False: `text` is
+        the first segment of an open request (the WebSocket's turns), not cut here."""
         from ..api import Segment
         from ..text import split_sentences
         from ..tokenizer import segment_ids, text_frames
 
-        texts = split_sentences(text) if long_form else []
+        texts = split_sentences(text) if long_form and split else []
         if len(texts) > 1:
-            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra)
+            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False)
             csm, k = self.require_ready(), request.tokens.shape[1] - 1
             first = text_frames(segment_ids(csm.tokenizer, speaker, texts[0]), k)[0]
             request.context_len = request.prompt_len - len(first)
@@ -289,15 +289,18 @@ class ServerState:
 
         self.require_ready()
         max_ms = self.audio_length_ms(fields.max_audio_length_ms)
+        seg_ms = None
+        if long_form:
+            seg_ms = min(max_ms, getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms)
         resolved = await self.resolve_voice(voice)
         segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
             if resolved.voice is not None else []
         segments += await self.context_segments(turns)
         segments += list(extra)
         speaker = fields.speaker if fields.speaker is not None else resolved.speaker
-        tokens, mask, bounds = self.prompt(text, speaker, segments, max_ms)
+        tokens, mask, bounds = self.prompt(text, speaker, segments, seg_ms or max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
-                                seed=fields.seed, max_audio_length_ms=max_ms)
+                                seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms)
         csm = self.require_ready()
         target = len(segment_ids(csm.tokenizer, speaker, text))  # the target turn's text frames
         # voice clip + context turns form the reusable prefix: the engine's prefix cache keys on it
@@ -316,8 +319,7 @@ class ServerState:
             raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
                            "too_many_requests")
         self.active += 1
-        agen = csm.client.astream(request, on_submit=on_submit) if on_submit is not None \
-            else csm.client.astream(request)
+        agen = csm.client.astream(request, on_submit=on_submit, max_lag_s=self.config.max_reader_lag_s)
         frames, reason, first = 0, "abort", None
         try:
             async for chunk in agen:

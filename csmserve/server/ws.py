@@ -262,7 +262,8 @@ class Connection:
         while True:
             try:
                 return await self.state.build_request(text, session.voice, session.fields, (),
-                                                      session.context + session.history())
+                                                      session.context + session.history(), long_form=True,
+                                                      split=False)
             except APIError as e:
                 if e.code != "context_too_long" or not session.drop_oldest_segment():
                     raise

@@ -152,13 +152,13 @@ def test_a_lost_device_fails_its_requests_and_refuses_later_ones_at_once(model):
     step = engine.runner.step
     calls = {"n": 0}
 
-    def failing(slots):
+    def failing(slots, *a):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")  # an ordinary error: this step's requests fail, the engine goes on
         if calls["n"] == 6:
             raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
-        return step(slots)
+        return step(slots, *a)
 
     engine.runner.step = failing
     a = Request(*prompt(6, 1), params=SamplingParams(temperature=0.0, max_audio_length_ms=80 * 50))

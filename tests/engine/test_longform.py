@@ -1,4 +1,5 @@
 """Long-form in one slot: segments carried over through the KV, one continuous stream (CPU, dummy-tiny)."""
+import dataclasses
 from collections import deque
 
 import numpy as np
@@ -13,6 +14,11 @@ from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
 
 K = 32
+
+
+def upd(sched, step, codes):
+    """Scheduler.update as per-row records."""
+    return sched.update(step, codes).outputs()
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +87,14 @@ def expected_segments(model, texts, params, max_seq_len):
     context turns (text + generated codes + EOS), the oldest dropped when the next would not fit."""
     kept, used, out, rebuilds = [], 0, [], 0
     for t in texts:
-        need = len(t[0]) - 1 + params.max_frames
+        need = len(t[0]) - 1 + params.segment_frames
         if kept and used + need > max_seq_len:
             while kept and sum(len(k[0][0]) + len(k[1][0]) for k in kept) + need > max_seq_len:
                 kept.pop(0)
             rebuilds += 1
         parts = [p for k in kept for p in k] + [t]
-        codes = reference.generate(model, *cat(parts), params).codes
+        one = dataclasses.replace(params, max_audio_length_ms=params.max_segment_length_ms)
+        codes = reference.generate(model, *cat(parts), one).codes
         out.append(codes)
         kept.append((t, audio(codes)))
         used = sum(len(k[0][0]) + len(k[1][0]) for k in kept)
@@ -100,7 +107,7 @@ def make_engine(model, max_seq_len=256, **kw):
 
 
 def test_segments_carry_over_equals_reference_on_the_concatenated_prompt(model):
-    params = SamplingParams(temperature=0.0, max_audio_length_ms=8 * 80)
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=8 * 80)
     texts = [text(n, i) for i, n in enumerate([7, 5, 9, 4, 6, 8])]
     want, _ = expected_segments(model, texts, params, 256)
     lens = [len(w) for w in want]
@@ -116,7 +123,7 @@ def test_segments_carry_over_equals_reference_on_the_concatenated_prompt(model):
 
 
 def test_context_limit_drops_oldest_segments_and_prefills_again(model):
-    params = SamplingParams(temperature=0.0, max_audio_length_ms=8 * 80)
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=8 * 80)
     texts = [text(n, 10 + i) for i, n in enumerate([6, 5, 7, 6, 5, 6, 7, 5])]
     want, rebuilds = expected_segments(model, texts, params, 48)
     assert rebuilds >= 2
@@ -127,7 +134,7 @@ def test_context_limit_drops_oldest_segments_and_prefills_again(model):
 
 
 def test_text_appended_later_gives_the_same_codes_and_the_slot_idles_meanwhile(model):
-    params = SamplingParams(temperature=0.0, max_audio_length_ms=6 * 80)
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=6 * 80)
     texts = [text(n, 20 + i) for i, n in enumerate([5, 6, 4])]
     whole = per_segment(run(make_engine(model), Request(*texts[0], params=params, segments=deque(texts[1:]))), 3)
     engine = make_engine(model)
@@ -139,7 +146,7 @@ def test_text_appended_later_gives_the_same_codes_and_the_slot_idles_meanwhile(m
 
 
 def test_idle_request_is_not_stepped_and_close_ends_it(model):
-    params = SamplingParams(temperature=0.0, max_audio_length_ms=3 * 80)
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=3 * 80)
     engine = make_engine(model)
     req = Request(*text(5, 1), params=params, open=True)
     chunks = []
@@ -158,7 +165,7 @@ def test_idle_request_is_not_stepped_and_close_ends_it(model):
 
 def test_abort_while_idle_frees_the_slot(model):
     engine = make_engine(model)
-    req = Request(*text(5, 2), params=SamplingParams(temperature=0.0, max_audio_length_ms=160), open=True)
+    req = Request(*text(5, 2), params=SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=160), open=True)
     chunks = []
     engine.submit(req, chunks.append)
     for _ in range(8):
@@ -171,7 +178,7 @@ def test_abort_while_idle_frees_the_slot(model):
 def _sched(max_frames):
     from csmserve.engine.scheduler import Scheduler
     s = Scheduler(EngineConfig(max_slots=1, max_seq_len=64, prefill_token_budget=64))
-    req = Request(*text(4, 0), params=SamplingParams(temperature=0.0, max_audio_length_ms=max_frames * 80),
+    req = Request(*text(4, 0), params=SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=max_frames * 80),
                   segments=deque([text(4, 1)]))
     s.add(req)
     return s, req
@@ -185,29 +192,29 @@ def test_eos_consumed_by_the_step_in_flight_is_context_and_its_junk_frame_is_dro
     s, req = _sched(8)
     b1 = s.schedule()  # admission + prefill of positions 0..2; frame 0 at position 3
     b2 = s.schedule()  # frame 1 at position 4: consumes frame 0
-    assert s.update(b1.step, np.zeros((1, K)))[0].segment_end == "eos"  # frame 0 is EOS: in KV at 4
+    assert upd(s, b1.step, np.zeros((1, K)))[0].segment_end == "eos"  # frame 0 is EOS: in KV at 4
     b3 = s.schedule()
     assert [(c.start, len(c.tokens)) for c in b3.prefills] == [(5, 3)]  # the text right after it
-    assert b3.resumes[0].first_pos == 8 and b3.decode_slots == [0]
-    assert s.update(b2.step, frame(7)) == []  # the junk frame of the step that consumed EOS
-    out = s.update(b3.step, frame(9))
+    assert b3.resumes[0].first_pos == 8 and b3.decode_slots.tolist() == [0]
+    assert upd(s, b2.step, frame(7)) == []  # the junk frame of the step that consumed EOS
+    out = upd(s, b3.step, frame(9))
     assert out[0].segment == 1 and out[0].frame_start == 0
 
 
 def test_eos_as_last_allowed_frame_and_length_end_prefill_their_tail():
     s, req = _sched(2)
     b1, b2 = s.schedule(), s.schedule()  # frames 0, 1 (the limit): no third step
-    s.update(b1.step, frame(5))
-    assert s.schedule().decode_slots == []
-    s.update(b2.step, np.zeros((1, K)))  # EOS as the last allowed frame: nobody consumed it
+    upd(s, b1.step, frame(5))
+    assert s.schedule().decode_slots.tolist() == []
+    upd(s, b2.step, np.zeros((1, K)))  # EOS as the last allowed frame: nobody consumed it
     b = s.schedule()
     assert b.prefills[0].start == 3 + 2 and b.prefills[0].tokens[0].tolist() == [0] * (K + 1)
     assert b.prefills[0].mask[0, :K].all() and not b.prefills[0].mask[0, K]  # the EOS frame
     s2, _ = _sched(2)
     c1, c2 = s2.schedule(), s2.schedule()
-    s2.update(c1.step, frame(5))
+    upd(s2, c1.step, frame(5))
     s2.schedule()
-    s2.update(c2.step, frame(6))  # ends on length: [last frame, EOS] then the text
+    upd(s2, c2.step, frame(6))  # ends on length: [last frame, EOS] then the text
     b = s2.schedule()
     assert b.prefills[0].start == 5 and b.prefills[0].tokens[0, :K].tolist() == [6] * K
     assert b.prefills[0].tokens[1].tolist() == [0] * (K + 1) and b.resumes[0].first_pos == 5 + 2 + 4 - 1

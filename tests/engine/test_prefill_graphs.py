@@ -1,28 +1,54 @@
-"""CPU: the prefill graphs' packed input layout and length buckets (the graphs themselves: test_runner_gpu.py)."""
+"""CPU: the packed prefill layout and token buckets (the graphs themselves: test_runner_gpu.py), and a
+packed prefill of several prompts at once == each prompt prefilled alone."""
 import numpy as np
+import torch
 
-from csmserve.engine.prefill_graphs import length_buckets, pack
+from csmserve.engine.prefill_graphs import token_buckets
 from csmserve.engine.request import PrefillChunk
+from csmserve.engine.runner import ModelRunner, pack_prefill
+from csmserve.models.loader import load_csm
 
 
-def test_length_buckets():
-    assert length_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert length_buckets(100) == [16, 32, 64, 100]
-    assert length_buckets(8) == [8]
+def test_token_buckets():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
 
 
 def test_pack_layout_and_padding():
     W, scratch = 5, 9
     t1, m1 = np.arange(3 * W).reshape(3, W), np.ones((3, W), bool)
     t2, m2 = np.full((1, W), 7), np.eye(1, W, 4, dtype=bool)
-    a = pack([PrefillChunk(2, 10, t1, m1), PrefillChunk(4, 0, t2, m2)], C=4, S=4, width=W, scratch=scratch)
-    assert a.shape == (4, 4, 2 * W + 2)
-    np.testing.assert_array_equal(a[0, :3, :W], t1)
-    np.testing.assert_array_equal(a[0, :3, W:2 * W], m1)
-    np.testing.assert_array_equal(a[0, :3, -2], [10, 11, 12])
-    np.testing.assert_array_equal(a[0, :3, -1], 2)
-    np.testing.assert_array_equal(a[1, 0, W:2 * W], m2[0])
-    assert a[1, 0, -1] == 4 and a[1, 0, -2] == 0
-    # padding: the rest of each chunk and the empty chunk rows write to the scratch slot at position 0
-    assert (a[0, 3, -1] == scratch) and (a[1, 1:, -1] == scratch).all() and (a[2:, :, -1] == scratch).all()
-    assert (a[0, 3, :-1] == 0).all() and (a[2:, :, :-1] == 0).all()
+    a = pack_prefill([PrefillChunk(2, 10, t1, m1), PrefillChunk(4, 0, t2, m2)], T=6, width=W, scratch=scratch)
+    assert a.shape == (6, 2 * W + 2)
+    np.testing.assert_array_equal(a[:3, :W], t1)
+    np.testing.assert_array_equal(a[:3, W:2 * W], m1)
+    np.testing.assert_array_equal(a[:3, -2], [10, 11, 12])
+    np.testing.assert_array_equal(a[:3, -1], 2)
+    np.testing.assert_array_equal(a[3, W:2 * W], m2[0])
+    assert a[3, -1] == 4 and a[3, -2] == 0
+    # padding rows write the scratch slot at position 0
+    assert (a[4:, -1] == scratch).all() and (a[4:, :-1] == 0).all()
+
+
+def test_packed_prefill_of_many_prompts_equals_each_alone():
+    model = load_csm("dummy-tiny")[0]
+    rng = np.random.default_rng(0)
+    prompts = []
+    for P in (9, 4, 13):
+        tok, mask = np.zeros((P, 33), np.int64), np.zeros((P, 33), bool)
+        tok[:, 32], mask[:, 32] = rng.integers(1, 258, P), True
+        tok[1:3, :32], mask[1:3, :32] = rng.integers(0, 2048, (2, 32)), True
+        prompts.append((tok, mask))
+    together = ModelRunner(model, num_slots=4, max_seq_len=64, max_prefill_tokens=64)
+    alone = ModelRunner(model, num_slots=4, max_seq_len=64, max_prefill_tokens=64)
+    # in two steps, the second continuing each prompt after its first 3 positions
+    together.prefill([PrefillChunk(i, 0, t[:3], m[:3]) for i, (t, m) in enumerate(prompts)])
+    together.prefill([PrefillChunk(i, 3, t[3:], m[3:]) for i, (t, m) in enumerate(prompts)])
+    for i, (t, m) in enumerate(prompts):
+        alone.prefill([PrefillChunk(i, 0, t, m)])
+    for i, (t, _) in enumerate(prompts):
+        n = len(t)
+        torch.testing.assert_close(together.kv.k[:, i, :, :n], alone.kv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(together.kv.v[:, i, :, :n], alone.kv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
+        assert together.kv.k[:, i, :, n:].abs().sum() == 0  # nothing past the prompt

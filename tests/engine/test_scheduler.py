@@ -6,6 +6,11 @@ import random
 import numpy as np
 import pytest
 
+
+def upd(sched, step, codes):
+    """Scheduler.update as per-row records."""
+    return sched.update(step, codes).outputs()
+
 from csmserve.config import EngineConfig
 from csmserve.engine.request import Batch, Request, RequestStatus, SamplingParams
 from csmserve.engine.scheduler import RequestOutput, Scheduler, SchedulerBusy
@@ -47,19 +52,19 @@ def test_admission_fifo_lowest_slot_and_reuse() -> None:
     b1 = sched.schedule()
     assert [adm.slot for adm in b1.admissions] == [0, 1]
     assert (a.slot, b.slot, c.status) == (0, 1, S.WAITING)
-    assert b1.decode_slots == [0, 1] and b1.prefills == []
+    assert b1.decode_slots.tolist() == [0, 1] and b1.prefills == []
     assert (sched.num_waiting, sched.num_running, sched.num_free_slots) == (1, 2, 0)
 
     b2 = sched.schedule()  # c still waits: no slot free until results come back
-    assert b2.admissions == [] and b2.decode_slots == [0, 1]
-    outs = sched.update(b1.step, eos_rows(b1, {0}))  # a ends with EOS at its first frame
+    assert b2.admissions == [] and b2.decode_slots.tolist() == [0, 1]
+    outs = upd(sched, b1.step, eos_rows(b1, {0}))  # a ends with EOS at its first frame
     assert [(o.request_id, o.finish_reason, o.codes.shape) for o in outs] == [
         ("a", "eos", (0, 32)), ("b", None, (1, 32))]
     assert a.status == S.FINISHED_EOS and a.slot is None and a.num_frames == 0
 
     b3 = sched.schedule()
     assert [(adm.slot, c.slot) for adm in b3.admissions] == [(0, 0)]
-    assert b3.decode_slots == [0, 1]
+    assert b3.decode_slots.tolist() == [0, 1]
     assert (sched.num_waiting, sched.num_running, sched.num_free_slots) == (0, 2, 0)
 
 
@@ -69,7 +74,7 @@ def test_one_position_prompt_needs_no_prefill() -> None:
     sched.add(r)
     b = sched.schedule()
     (adm,) = b.admissions
-    assert b.prefills == [] and b.decode_slots == [adm.slot] and r.status == S.RUNNING
+    assert b.prefills == [] and b.decode_slots.tolist() == [adm.slot] and r.status == S.RUNNING
     assert adm.first_pos == 0
     np.testing.assert_array_equal(adm.first_tokens, r.tokens[0])
     np.testing.assert_array_equal(adm.first_mask, r.mask[0])
@@ -104,7 +109,7 @@ def test_prefill_chunks_under_budget_while_running_slots_step() -> None:
     sched = make_sched(prefill_token_budget=8, max_prefill_chunk=8)
     runner = make_req(prompt_len=1, rid="run")
     sched.add(runner)
-    assert sched.schedule().decode_slots == [0]
+    assert sched.schedule().decode_slots.tolist() == [0]
     long, short1, short2 = make_req(21, rid="long"), make_req(3, rid="s1"), make_req(4, rid="s2")
     for r in (long, short1, short2):
         sched.add(r)
@@ -118,7 +123,7 @@ def test_prefill_chunks_under_budget_while_running_slots_step() -> None:
             req = sched.slots[c.slot]
             np.testing.assert_array_equal(c.tokens, req.tokens[c.start:c.start + len(c.tokens)])
             np.testing.assert_array_equal(c.mask, req.mask[c.start:c.start + len(c.tokens)])
-        plan.append(([(c.slot, c.start, len(c.tokens)) for c in b.prefills], b.decode_slots))
+        plan.append(([(c.slot, c.start, len(c.tokens)) for c in b.prefills], b.decode_slots.tolist()))
     assert (long.slot, short1.slot, short2.slot) == (1, 2, 3)
     assert plan == [
         ([(1, 0, 8)], [0]),
@@ -137,7 +142,7 @@ def test_max_prefill_chunk_caps_one_slot_and_leaves_budget_to_the_next() -> None
     sched.add(b)
     batch = sched.schedule()
     assert [(c.slot, c.start, len(c.tokens)) for c in batch.prefills] == [(0, 0, 4), (1, 0, 2)]
-    assert batch.decode_slots == [1] and a.status == S.PREFILLING and b.status == S.RUNNING
+    assert batch.decode_slots.tolist() == [1] and a.status == S.PREFILLING and b.status == S.RUNNING
 
 
 # ---- finishing
@@ -147,12 +152,12 @@ def test_finish_on_eos_does_not_count_the_zero_frame() -> None:
     r = make_req()
     sched.add(r)
     steps = [sched.schedule() for _ in range(3)]
-    o1 = sched.update(steps[0].step, frames(1, 5))
-    o2 = sched.update(steps[1].step, frames(1, 0))
+    o1 = upd(sched, steps[0].step, frames(1, 5))
+    o2 = upd(sched, steps[1].step, frames(1, 0))
     assert [(o.frame_start, o.codes.tolist(), o.finish_reason) for o in o1 + o2] == [
         (0, [[5] * 32], None), (1, [], "eos")]
     assert r.status == S.FINISHED_EOS and r.num_frames == 1 and sched.num_free_slots == 4
-    assert sched.update(steps[2].step, frames(1, 9)) == []  # the frame in flight after EOS is dropped
+    assert upd(sched, steps[2].step, frames(1, 9)) == []  # the frame in flight after EOS is dropped
     assert not sched.has_unfinished()
 
 
@@ -161,9 +166,9 @@ def test_finish_on_length_schedules_no_frame_past_the_limit() -> None:
     r = make_req(max_frames=3)
     sched.add(r)
     batches = [sched.schedule() for _ in range(5)]
-    assert [b.decode_slots for b in batches] == [[0], [0], [0], [], []]
+    assert [b.decode_slots.tolist() for b in batches] == [[0], [0], [0], [], []]
     assert r.status == S.RUNNING and r.slot == 0  # holds the slot until the last frame is back
-    outs = [o for b in batches for o in sched.update(b.step, frames(len(b.decode_slots)))]
+    outs = [o for b in batches for o in upd(sched, b.step, frames(len(b.decode_slots)))]
     assert [(o.frame_start, o.finish_reason) for o in outs] == [(0, None), (1, None), (2, "length")]
     assert r.status == S.FINISHED_LENGTH and r.num_frames == 3 and sched.num_free_slots == 4
 
@@ -197,7 +202,7 @@ def test_abort_prefilling_stops_its_chunks_and_frees_the_slot() -> None:
     assert sched.num_prefilling == 0 and sched.num_free_slots == 1
     b = sched.schedule()
     assert [adm.slot for adm in b.admissions] == [0]
-    assert [(c.slot, c.start, len(c.tokens)) for c in b.prefills] == [(0, 0, 1)] and b.decode_slots == [0]
+    assert [(c.slot, c.start, len(c.tokens)) for c in b.prefills] == [(0, 0, 1)] and b.decode_slots.tolist() == [0]
 
 
 def test_abort_running_drops_frames_in_flight() -> None:
@@ -206,15 +211,15 @@ def test_abort_running_drops_frames_in_flight() -> None:
     sched.add(a)
     sched.add(b)
     s1 = sched.schedule()
-    assert [o.request_id for o in sched.update(s1.step, frames(1))] == ["a"]
+    assert [o.request_id for o in upd(sched, s1.step, frames(1))] == ["a"]
     s2 = sched.schedule()  # a's second frame is now in flight
     assert sched.abort("a") is a and a.status == S.FINISHED_ABORTED and a.num_frames == 1
     s3 = sched.schedule()  # b takes the slot at once
-    assert [adm.slot for adm in s3.admissions] == [0] and s3.decode_slots == [0]
-    assert sched.update(s2.step, frames(1, 3)) == []  # a's in-flight frame: dropped, not given to b
-    (o,) = sched.update(s3.step, frames(1, 4))
+    assert [adm.slot for adm in s3.admissions] == [0] and s3.decode_slots.tolist() == [0]
+    assert upd(sched, s2.step, frames(1, 3)) == []  # a's in-flight frame: dropped, not given to b
+    (o,) = upd(sched, s3.step, frames(1, 4))
     assert (o.request_id, o.frame_start, int(o.codes[0, 0])) == ("b", 0, 4)
-    assert a.num_frames == 1 and b.num_frames == 1
+    assert a.num_frames == 1 and sched.frames_generated(b) == 1
 
 
 # ---- one step late
@@ -226,14 +231,14 @@ def test_late_results_with_the_finished_slot_already_reused() -> None:
     sched.add(keep)
     s1 = sched.schedule()
     s2 = sched.schedule()  # in flight while the host reads s1
-    assert sched.update(s1.step, eos_rows(s1, {0}))[0].finish_reason == "eos"  # a ended in s1
+    assert upd(sched, s1.step, eos_rows(s1, {0}))[0].finish_reason == "eos"  # a ended in s1
     b = make_req(rid="b")
     sched.add(b)
     s3 = sched.schedule()  # b gets a's slot while a's extra frame from s2 is still in flight
-    assert b.slot == 0 and s3.decode_slots == [0, 1]
-    outs = sched.update(s2.step, np.stack([frames(1, 11)[0], frames(1, 12)[0]]))
+    assert b.slot == 0 and s3.decode_slots.tolist() == [0, 1]
+    outs = upd(sched, s2.step, np.stack([frames(1, 11)[0], frames(1, 12)[0]]))
     assert [(o.request_id, o.row, o.frame_start) for o in outs] == [("keep", 1, 1)]  # row 0 was a's: dropped
-    outs = sched.update(s3.step, np.stack([frames(1, 21)[0], frames(1, 22)[0]]))
+    outs = upd(sched, s3.step, np.stack([frames(1, 21)[0], frames(1, 22)[0]]))
     assert [(o.request_id, o.row, o.frame_start, int(o.codes[0, 0])) for o in outs] == [
         ("b", 0, 0, 21), ("keep", 1, 2, 22)]
 
@@ -243,10 +248,10 @@ def test_update_checks_step_order_and_row_count() -> None:
     sched.add(make_req())
     s1, s2 = sched.schedule(), sched.schedule()
     with pytest.raises(ValueError, match="rows"):
-        sched.update(s1.step, frames(2))  # rejected without consuming step s1
+        upd(sched, s1.step, frames(2))  # rejected without consuming step s1
     with pytest.raises(RuntimeError, match="never came back"):
-        sched.update(s2.step, frames(1))
-    assert len(sched.update(s1.step, frames(1))) == 1 and len(sched.update(s2.step, frames(1))) == 1
+        upd(sched, s2.step, frames(1))
+    assert len(upd(sched, s1.step, frames(1))) == 1 and len(upd(sched, s2.step, frames(1))) == 1
 
 
 def test_lost_steps_are_skipped_once_their_requests_are_aborted() -> None:
@@ -257,17 +262,17 @@ def test_lost_steps_are_skipped_once_their_requests_are_aborted() -> None:
     sched.abort("r")
     sched.add(make_req(rid="new"))
     b = sched.schedule()
-    (o,) = sched.update(b.step, frames(1))
+    (o,) = upd(sched, b.step, frames(1))
     assert o.request_id == "new" and sched.num_inflight_steps == 0
 
 
 def test_steps_without_frames_need_no_codes() -> None:
     sched = make_sched()
     b = sched.schedule()
-    assert b.empty and sched.update(b.step, frames(0)) == []
+    assert b.empty and upd(sched, b.step, frames(0)) == []
     sched.add(make_req(20))
     b = sched.schedule()  # prefill only
-    assert b.decode_slots == [] and sched.update(b.step, frames(0)) == []
+    assert b.decode_slots.tolist() == [] and upd(sched, b.step, frames(0)) == []
 
 
 def test_output_codes_are_copies() -> None:
@@ -275,7 +280,7 @@ def test_output_codes_are_copies() -> None:
     sched.add(make_req())
     b = sched.schedule()
     host = frames(1, 5)
-    (o,) = sched.update(b.step, host)
+    (o,) = upd(sched, b.step, host)
     host[:] = 9  # the runner reuses its pinned buffer for the next step
     assert int(o.codes[0, 0]) == 5
 
@@ -386,12 +391,12 @@ def test_random_run_against_fake_runner(seed: int) -> None:
         batch = sched.schedule()
         assert sum(len(c.tokens) for c in batch.prefills) <= cfg.prefill_token_budget
         assert sched.num_running + sched.num_prefilling + sched.num_free_slots == cfg.max_slots
-        assert batch.decode_slots == sorted(batch.decode_slots)
+        assert batch.decode_slots.tolist() == sorted(batch.decode_slots.tolist())
         codes = runner.run(batch)
         if prev is not None:
-            collect(sched.update(prev.step, prev_codes))
+            collect(upd(sched, prev.step, prev_codes))
         prev, prev_codes = batch, codes
-    collect(sched.update(prev.step, prev_codes))
+    collect(upd(sched, prev.step, prev_codes))
 
     assert not sched.has_unfinished() and sched.num_free_slots == cfg.max_slots and sched.num_inflight_steps == 0
     finished = {S.FINISHED_EOS: 0, S.FINISHED_LENGTH: 0, S.FINISHED_ABORTED: 0}

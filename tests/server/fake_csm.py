@@ -34,8 +34,15 @@ class ToneClient:
     def close(self, request_id):
         self.inner.close(request_id)
 
-    async def astream(self, request, on_submit=None):
-        agen = self.inner.astream(request, on_submit=on_submit)
+    def stats(self):
+        return self.inner.stats()
+
+    @property
+    def fatal(self):
+        return self.inner.fatal
+
+    async def astream(self, request, on_submit=None, max_lag_s=None):
+        agen = self.inner.astream(request, on_submit=on_submit, max_lag_s=max_lag_s)
         try:
             async for chunk in agen:
                 chunk.audio = tone(chunk.codes)

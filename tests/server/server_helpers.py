@@ -48,11 +48,14 @@ class Server:
 
 
 def wait_slots_free(csm, timeout: float = 10.0) -> int:
-    sched = csm.client.engine.scheduler
+    """Wait until every engine slot is free and nothing waits (the engine's own counters)."""
     deadline = time.time() + timeout
-    while time.time() < deadline and (sched.num_free_slots < sched.max_slots or sched.has_unfinished()):
+    while time.time() < deadline:
+        s = csm.client.stats()
+        if s.free_slots == s.max_slots and not s.waiting:
+            break
         time.sleep(0.02)
-    return sched.num_free_slots
+    return csm.client.stats().free_slots
 
 
 def decode_24k(data: bytes, fmt: str) -> np.ndarray:

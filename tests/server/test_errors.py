@@ -186,10 +186,13 @@ class FailingClient:
     """Yields the first chunk, then fails the way an engine step failure reaches astream."""
 
     def __init__(self, inner):
-        self.inner, self.engine = inner, inner.engine
+        self.inner = inner
 
-    async def astream(self, request):
-        agen = self.inner.astream(request)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def astream(self, request, **kw):
+        agen = self.inner.astream(request, **kw)
         try:
             async for chunk in agen:
                 yield chunk
@@ -226,6 +229,6 @@ def test_error_after_streaming_began(serve, csm, caplog):
             for _ in r.iter_raw():
                 pass
     assert any("failed after streaming began" in rec.message for rec in caplog.records)
-    assert wait_slots_free(csm) == csm.client.engine.scheduler.max_slots
+    assert wait_slots_free(csm) == csm.client.stats().max_slots
     normal = serve()
     still_serving(normal)

@@ -8,7 +8,7 @@ from server_helpers import wait_slots_free
 def test_multi_sentence_input_is_one_long_form_stream(server):
     text = " ".join(f"Sentence {i} is short." for i in range(6))
     body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm",
-            "max_audio_length_ms": 160, "temperature": 0}
+            "max_segment_length_ms": 160, "max_audio_length_ms": 5000, "temperature": 0}
     r = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
     assert r.status_code == 200
     pcm = np.frombuffer(r.content, "<i2")

@@ -103,4 +103,4 @@ def test_greedy_is_deterministic_and_seed_matters(server):
     b = speak_sse(c, seed=1)[1]
     d = speak_sse(c, seed=2)[1]
     assert a == b and a != d
-    assert wait_slots_free(server.state.csm) == server.state.csm.client.engine.scheduler.max_slots
+    assert wait_slots_free(server.state.csm) == server.state.csm.client.stats().max_slots

@@ -116,7 +116,7 @@ def test_disconnect_mid_generation_frees_the_slot(server, csm):
                             "max_audio_length_ms": 30000}))
         assert recv_json(ws)["type"] == "audio"
     t = time.time()
-    assert wait_slots_free(csm) == csm.client.engine.scheduler.max_slots
+    assert wait_slots_free(csm) == csm.client.stats().max_slots
     assert time.time() - t < 5
 
 

@@ -12,7 +12,7 @@ from server_helpers import wait_slots_free
 from test_ws import FRAME_BYTES, recv_json, turn, ws_url
 
 TEXT = "Hello there,  my friend. This is a test\nof streaming! Does it work? Yes."
-SETTINGS = {"voice": "alloy", "temperature": 0, "max_audio_length_ms": 3 * 80}
+SETTINGS = {"voice": "alloy", "temperature": 0, "max_segment_length_ms": 3 * 80, "max_audio_length_ms": 20_000}
 
 
 def turn_codes(server, context_id: str) -> np.ndarray:
@@ -65,7 +65,7 @@ def test_pieces_give_the_same_codes_as_whole_and_start_before_flush(server, csm)
             [(m["segment"], m["text"]) for m in msgs_whole if m["type"] == "audio"]
         assert len(audio_rest) + FRAME_BYTES * first["num_frames"] == len(audio_whole)
     if hasattr(csm, "speak"):  # and the same as CSM.speak on the same text
-        ref = np.concatenate([c.codes for c in csm.speak(TEXT, temperature=0.0, max_audio_length_ms=3 * 80)])
+        ref = np.concatenate([c.codes for c in csm.speak(TEXT, temperature=0.0, max_segment_length_ms=3 * 80)])
         np.testing.assert_array_equal(whole, ref)
 
 

@@ -1,0 +1,226 @@
+"""The engine-core process: the engine loop alone in its own interpreter, API workers on connections.
+
+    serve_engine(spec, ready)        # process entry: load the model, start listening, loop forever
+
+Typed messages in (engine/messages.py) from every API worker's connection, polled by the loop itself
+(no other Python thread competes for this process's GIL on the frame path: accepting connections
+and encoding uploaded audio run on two helper threads that sleep otherwise). One message out per
+engine step to each worker that has rows or events in it: the `EngineStep` (small arrays); its codes
+and PCM are read by the workers from the shared-memory output ring (engine/output_ring.py) the
+step's device-to-host copy wrote into. When no step runs, every worker still gets the engine's
+counters a few times a second (and so notices a lost device at once).
+
+A worker that disconnects (its process died) has its requests aborted; the engine goes on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+
+import numpy as np
+import torch
+
+from ..config import EngineConfig
+from . import messages as m
+from .engine import ABORT, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
+from .outputs import EngineStats, EngineStep
+from .runner import StepOutput
+
+log = logging.getLogger("csmserve.engine")
+RING_SLOTS = 12  # steps a worker may lag before its rows are overwritten (~1 s at 2,048 streams)
+HEARTBEAT_S = 0.25
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the engine-core process needs, built at the edge (csmserve serve)."""
+
+    model: str
+    device: str | None
+    dtype: str | None
+    codec: str | None
+    codec_dtype: str | None
+    engine: EngineConfig
+    address: str  # the Unix socket workers connect to
+    authkey: bytes
+    ring_path: str  # the output ring's shared-memory file
+    log_level: str = "info"
+
+
+class Connections(Inbox):
+    """The loop's inbox: every worker connection, polled; accepted on a helper thread."""
+
+    def __init__(self, listener: Listener, welcome: m.Welcome, encoder: "_Encoder") -> None:
+        super().__init__()
+        self.listener, self.welcome, self.encoder = listener, welcome, encoder
+        self.conns: dict[Connection, int] = {}  # connection -> client id
+        self.by_client: dict[int, Connection] = {}
+        self.locks: dict[int, threading.Lock] = {}
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.gone: list[int] = []  # clients whose connection closed, for the engine to abort
+        threading.Thread(target=self._accept, name="csmserve-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+                hello = pickle.loads(conn.recv_bytes())
+                assert isinstance(hello, m.Hello), hello
+                conn.send_bytes(pickle.dumps(self.welcome, protocol=5))
+            except (OSError, EOFError, AssertionError) as e:
+                log.warning("a worker failed to connect: %s", e)
+                continue
+            self._new.put((conn, hello.client_id))
+            self._wake_w.send(b"x")
+
+    def send(self, client: int, msg: object) -> None:
+        conn = self.by_client.get(client)
+        if conn is None:
+            return
+        data = pickle.dumps(msg, protocol=5)
+        try:
+            with self.locks[client]:
+                conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # gone: noticed by the poll
+
+    def clients(self) -> list[int]:
+        return list(self.by_client)
+
+    def get(self, block: bool) -> list[tuple]:
+        out = super().get(False)  # anything the engine queued for itself
+        while not self._new.empty():
+            conn, cid = self._new.get()
+            self.conns[conn], self.by_client[cid], self.locks[cid] = cid, conn, threading.Lock()
+        ready = wait([*self.conns, self._wake_r], timeout=HEARTBEAT_S if block and not out else 0)
+        for conn in ready:
+            if conn is self._wake_r:
+                self._wake_r.recv(4096)
+                continue
+            cid = self.conns[conn]
+            try:
+                while conn.poll():
+                    out += self._message(cid, pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError):
+                del self.conns[conn]
+                self.by_client.pop(cid, None)
+                self.gone.append(cid)
+        return out
+
+    def _message(self, client: int, msg: object) -> list[tuple]:
+        if isinstance(msg, m.Submit):
+            return [(ADD, msg.request, None)]
+        if isinstance(msg, m.Abort):
+            return [(ABORT, msg.request_id, None)]
+        if isinstance(msg, m.Append):
+            return [(APPEND, msg.request_id, (msg.tokens, msg.mask))]
+        if isinstance(msg, m.Close):
+            return [(CLOSE, msg.request_id, None)]
+        if isinstance(msg, m.Encode):
+            self.encoder.put(client, msg)
+            return []
+        log.warning("unknown message from worker %d: %r", client, type(msg).__name__)
+        return []
+
+
+class _Encoder:
+    """Mimi-encodes uploaded clips (voices, context audio) on a helper thread and its own CUDA stream."""
+
+    def __init__(self, csm) -> None:
+        self.csm, self.q = csm, queue.SimpleQueue()
+        self.conns: Connections | None = None
+        threading.Thread(target=self._run, name="csmserve-encode", daemon=True).start()
+
+    def put(self, client: int, msg: m.Encode) -> None:
+        self.q.put((client, msg))
+
+    def _run(self) -> None:
+        stream = torch.cuda.Stream() if self.csm.device.type == "cuda" else None
+        while True:
+            client, msg = self.q.get()
+            try:
+                with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
+                    codes = self.csm.encode_audio(msg.audio)
+                reply = m.Encoded(msg.call_id, codes, None)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                reply = m.Encoded(msg.call_id, None, (type(e).__name__, str(e)))
+            self.conns.send(client, reply)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class CoreLoop:
+    """Drives the Engine: one run_once() per iteration, its outputs to the workers, heartbeats between."""
+
+    def __init__(self, engine: Engine, conns: Connections) -> None:
+        self.engine, self.conns = engine, conns
+        self._sent: dict[int, float] = {}
+        engine.emit = self._emit
+
+    def _emit(self, client: int, step: EngineStep, out: StepOutput | None) -> None:
+        self.conns.send(client, step)
+        self._sent[client] = time.monotonic()
+
+    def run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                self.engine.run_once()
+                for cid in self.conns.gone:
+                    log.warning("worker %d disconnected: its requests are aborted", cid)
+                    self.engine.abort_client(cid)
+                self.conns.gone.clear()
+                self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        stats: EngineStats | None = None
+        for cid in self.conns.clients():
+            if now - self._sent.get(cid, 0.0) >= HEARTBEAT_S:
+                stats = stats or self.engine.engine_stats()
+                z = np.zeros(0, np.int64)
+                self._emit(cid, EngineStep(-1, -1, z, z, z, z, np.zeros(0, bool), np.zeros(0, np.uint8),
+                                           np.zeros(0, bool), [], stats), None)
+
+
+def serve_engine(spec: EngineSpec, ready: Connection | None = None) -> None:
+    """The engine-core process's main: load, listen on spec.address, loop until killed."""
+    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from ..api import CSM
+
+    try:
+        csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec,
+                  codec_dtype=spec.codec_dtype, engine_config=spec.engine)
+        engine = build_engine(csm.model, csm.mimi, spec.engine, start=False, ring_path=spec.ring_path,
+                              ring_slots=RING_SLOTS)
+        welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
+        if os.path.exists(spec.address):
+            os.unlink(spec.address)
+        listener = Listener(spec.address, family="AF_UNIX", authkey=spec.authkey)
+    except Exception as e:
+        log.exception("the engine failed to start")
+        if ready is not None:
+            ready.send(("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from e
+    encoder = _Encoder(csm)
+    conns = Connections(listener, welcome, encoder)
+    encoder.conns = conns
+    engine.inbox = conns
+    log.info("engine ready: %d slots, max_seq_len %d, listening on %s", engine.scheduler.max_slots,
+             spec.engine.max_seq_len, spec.address)
+    if ready is not None:
+        ready.send(("ready", welcome.info))
+    CoreLoop(engine, conns).run()

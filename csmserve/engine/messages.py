@@ -1,0 +1,80 @@
+"""The typed messages between API workers and the engine-core process (pickled, one per send).
+
+Worker -> engine: Hello (once), Submit, Abort, Append, Close, Encode.
+Engine -> worker: Welcome (once), outputs.EngineStep (one per step with rows or events for that
+worker, or a heartbeat), Encoded (the reply to an Encode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import EngineConfig
+from .request import Request
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a worker needs to build prompts for this engine without loading the model."""
+
+    model: str
+    model_dir: str | None  # holds tokenizer.json (None: byte tokenizer of the dummy models)
+    num_codebooks: int
+    audio_vocab_size: int
+    model_max_seq_len: int
+    frame_size: int
+    has_codec: bool
+    engine: EngineConfig  # as running (max_slots sized)
+
+    @staticmethod
+    def of(csm, engine) -> "EngineInfo":
+        c = csm.config
+        return EngineInfo(csm.model_name, None if csm.model_dir is None else str(csm.model_dir), c.num_codebooks,
+                          c.audio_vocab_size, c.max_seq_len, csm.frame_size, csm.mimi is not None, engine.config)
+
+
+@dataclass(frozen=True)
+class Hello:
+    client_id: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    info: EngineInfo
+    ring: dict  # OutputRing.spec()
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request  # its handle names the worker (engine.CLIENT_SHIFT)
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Append:
+    request_id: str
+    tokens: np.ndarray  # [n, K+1]
+    mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class Close:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Encode:
+    call_id: int
+    audio: np.ndarray  # [n] float32 mono 24 kHz
+
+
+@dataclass(frozen=True)
+class Encoded:
+    call_id: int
+    codes: np.ndarray | None  # [frames, K] int64
+    error: tuple[str, str] | None  # (exception class name, message)

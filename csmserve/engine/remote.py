@@ -1,0 +1,194 @@
+"""An API worker's door to the engine-core process: the same EngineClient surface over a connection.
+
+A reader thread receives one EngineStep per engine step, gathers this worker's rows of codes and PCM
+out of the shared-memory output ring at once (checking the ring buffer still holds that step), and
+hands the step to the worker's event loop in one call; there the Router groups frames into chunks
+and wakes each consumer at most once. Submit / abort / append / close are messages; `encode` is a
+call answered by the engine's encoder thread.
+
+If the connection drops (the engine process died), every open stream ends with an error, every later
+request is refused at once, and `fatal` says so: the worker's /health answers 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Client
+
+import numpy as np
+
+from . import messages as m
+from .engine import _ClientBase
+from .output_ring import OutputRing
+from .outputs import EV_ERROR, EngineStats, EngineStep, Event, Router, error_from, error_payload
+from .request import Request
+
+log = logging.getLogger("csmserve.engine")
+
+
+class EngineGone(RuntimeError):
+    """The engine-core process is gone."""
+
+
+class RemoteEngineClient(_ClientBase):
+    def __init__(self, address: str, authkey: bytes, client_id: int, timeout: float = 0.0) -> None:
+        """Connect (retrying up to `timeout` seconds while the engine starts) and read its Welcome."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn = Client(address, family="AF_UNIX", authkey=authkey)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self.conn.send_bytes(pickle.dumps(m.Hello(client_id), protocol=5))
+        welcome: m.Welcome = pickle.loads(self.conn.recv_bytes())
+        self.info = welcome.info
+        cfg = welcome.info.engine
+        super().__init__(Router(welcome.info.num_codebooks, cfg.first_chunk_frames, cfg.chunk_frames, self.abort),
+                         client_id)
+        self.ring = OutputRing.attach(welcome.ring)
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._fatal: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._reader = threading.Thread(target=self._read, name="csmserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver on this event loop (the worker's): every consumer lives there."""
+        self.loop = loop
+
+    # ---- to the engine
+    def _send(self, msg: object) -> None:
+        if self._fatal is not None:
+            raise EngineGone(self._fatal)
+        data = pickle.dumps(msg, protocol=5)
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(data)
+        except (OSError, ValueError) as e:
+            raise EngineGone(f"the engine process is gone ({e})") from None
+
+    def _start(self, request: Request, sink, max_lag_s=None, progress=None) -> None:
+        from .engine import CLIENT_SHIFT
+
+        request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
+        request.arrival_time = request.arrival_time or time.perf_counter()
+        self._on_loop(self.router.open, request.handle, request.request_id, sink, max_lag_s, progress)
+        if self._fatal is not None:
+            self._on_loop(self.router.event, Event(request.handle, EV_ERROR, error_payload(EngineGone(self._fatal))))
+            return
+        try:
+            self._send(m.Submit(request))
+        except EngineGone as e:
+            self._on_loop(self.router.event, Event(request.handle, EV_ERROR, error_payload(e)))
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(m.Abort(request_id))
+        except EngineGone:
+            pass
+
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        try:
+            self._send(m.Append(request_id, tokens, mask))
+        except EngineGone:
+            pass
+
+    def close(self, request_id: str) -> None:
+        try:
+            self._send(m.Close(request_id))
+        except EngineGone:
+            pass
+
+    def encode(self, audio: np.ndarray, timeout: float = 120.0) -> np.ndarray:
+        """Mimi codes [frames, K] of a 24 kHz waveform, encoded by the engine process (blocking)."""
+        call = next(self._call_ids)
+        fut: Future = Future()
+        self._calls[call] = fut
+        try:
+            self._send(m.Encode(call, np.ascontiguousarray(audio, dtype=np.float32)))
+            return fut.result(timeout)
+        finally:
+            self._calls.pop(call, None)
+
+    # ---- from the engine
+    def _on_loop(self, fn, *args) -> None:
+        loop = self.loop
+        if loop is None or _running_loop() is loop:
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = pickle.loads(self.conn.recv_bytes())
+                if isinstance(msg, EngineStep):
+                    self._step(msg)
+                elif isinstance(msg, m.Encoded):
+                    fut = self._calls.get(msg.call_id)
+                    if fut is not None:
+                        if msg.error is not None:
+                            fut.set_exception(error_from(msg.error))
+                        else:
+                            fut.set_result(msg.codes)
+        except (EOFError, OSError) as e:
+            self._gone(f"the engine process exited ({type(e).__name__})")
+        except Exception as e:  # noqa: BLE001 - a broken message stream is the same as a lost engine
+            log.exception("reading from the engine failed")
+            self._gone(f"reading from the engine failed: {e}")
+
+    def _step(self, step: EngineStep) -> None:
+        codes = pcm = None
+        if len(step.rows):
+            r = step.ring
+            codes = self.ring["codes"][r][step.rows]  # copies, taken at once: the buffer is reused
+            pcm = self.ring["pcm"][r][step.rows] if "pcm" in self.ring else None
+            if self.ring["header"][r] != step.step:  # overwritten meanwhile: this worker fell too far behind
+                err = error_payload(RuntimeError("this API worker fell behind the engine; the stream was lost"))
+                step.events = step.events + [Event(int(h), EV_ERROR, err) for h in step.handles]
+                step.handles = np.full_like(step.handles, -1)
+        self._on_loop(self.router.deliver, step, codes, pcm)
+
+    def _gone(self, reason: str) -> None:
+        self._fatal = reason
+        log.critical("%s: open streams end with an error; /health answers 503", reason)
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(EngineGone(reason))
+        self._on_loop(self.router.fail_all, EngineGone(reason))
+
+    def _async_sink(self, loop, q):
+        if loop is self.loop:  # deliveries run on this loop already: no extra wake-up per chunk
+            return q.put_nowait
+        return super()._async_sink(loop, q)
+
+    # ---- state
+    def stats(self) -> EngineStats:
+        return self.router.stats
+
+    @property
+    def fatal(self) -> str | None:
+        return self._fatal or self.router.stats.fatal
+
+    def shutdown(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
