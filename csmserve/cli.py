@@ -361,8 +361,8 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         progress.loaded()
         kw = dict(speaker=speaker, context=context, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed)
-        if args.max_audio_length_ms is not None:
-            kw["max_audio_length_ms"] = args.max_audio_length_ms
+        if args.max_audio_length_ms is not None:  # per sentence (the whole text has no cap)
+            kw["max_segment_length_ms"] = args.max_audio_length_ms
         reasons: dict[str, int] = {}
         for chunk in _long_form(csm, text, kw):
             out.write(chunk.audio, chunk.codes)
@@ -386,7 +386,7 @@ def _long_form(csm, text: str, kw: dict) -> Iterator:
     from .api import Segment
 
     base = list(kw.pop("context"))
-    kw.setdefault("max_audio_length_ms", 10_000)
+    kw["max_audio_length_ms"] = kw.pop("max_segment_length_ms", 10_000)
     seed = kw.pop("seed")
     prev = None
     for i, sentence in enumerate(split_sentences(text)):
@@ -417,9 +417,11 @@ def _speak_url(args, text: str, ref: bytes | None, out: Output, progress: Progre
         url = url[:-3]
     body: dict = {"model": "csm-1b", "voice": args.voice or "alloy", "response_format": "pcm",
                   "temperature": args.temperature, "top_k": max(args.top_k, 0), "top_p": args.top_p}
-    for name in ("speaker", "seed", "max_audio_length_ms"):
+    for name in ("speaker", "seed"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.max_audio_length_ms is not None:  # per sentence; the server sizes the whole from the text
+        body["max_segment_length_ms"] = args.max_audio_length_ms
     if ref is not None:
         body["context"] = [{"speaker": args.speaker or 0, "text": args.ref_text,
                             "audio": base64.b64encode(ref).decode()}]

@@ -59,8 +59,13 @@ class ServerConfig:
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
     max_clip_seconds: float = 60.0  # one decoded reference / context clip
     max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
-    max_audio_length_ms: int = 90_000  # the largest max_audio_length_ms a request may ask for
-    default_audio_length_ms: int = 30_000  # when the request does not say (the whole response)
+    # the largest max_audio_length_ms (the whole response) a request may ask for: no request holds a
+    # slot for longer than this much audio
+    max_audio_length_ms: int = 600_000
+    # a request that does not say gets audio_ms_per_char x its characters (speech is ~15 characters/s),
+    # at least default_audio_length_ms, at most max_audio_length_ms
+    default_audio_length_ms: int = 30_000
+    audio_ms_per_char: int = 150
     # one sentence of a multi-sentence request (or a WebSocket turn) at most, unless the request says
     # max_segment_length_ms: a sentence that never ends cannot eat the whole response's budget
     max_segment_ms: int = 20_000
@@ -82,6 +87,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
+                     "audio_ms_per_char",
                      "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -249,7 +249,7 @@ class TalkSession:
         self.llm_url, self.llm_model, self.asr_url, self.asr_model = llm_url, llm_model, asr_url, asr_model
         self.speaker, self.user_speaker = int(speaker), int(user_speaker)
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                             max_audio_length_ms=max_audio_length_ms)
+                             max_segment_length_ms=max_audio_length_ms)  # per sentence
         self.max_context_frames = max_context_frames
         self.llm_temperature, self.api_key, self.timeout = llm_temperature, api_key, timeout
         self.history: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -33,10 +33,15 @@ log = logging.getLogger("csmserve.server")
 
 
 def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceStore | None = None,
-               load: Callable[[], CSM] | None = None) -> FastAPI:
+               load: Callable[[], CSM] | None = None, sessions_path: str | None = None,
+               worker: int | None = None) -> FastAPI:
+    """sessions_path: a SQLite file holding the WebSocket conversation sessions, shared by the API
+    workers of one server (None: in this process's memory); worker: this API worker's index (sent as
+    the `X-Csmserve-Worker` response header)."""
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
-    state = ServerState(csm, config, store if store is not None else VoiceStore(config.voices_db))
+    state = ServerState(csm, config, store if store is not None else VoiceStore(config.voices_db), sessions_path)
+    state.worker = worker
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +67,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
         app.include_router(module.router)
     _add_page(app)
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       on_error=state.metrics.error)
+                       on_error=state.metrics.error, worker=worker)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -93,7 +98,11 @@ def _start_engine(csm: CSM) -> CSM:
 
 async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
     try:
-        state.csm = await asyncio.to_thread(load)
+        csm = await asyncio.to_thread(load)
+        bind = getattr(csm.client, "bind", None)  # an engine in another process delivers on this loop
+        if bind is not None:
+            bind(asyncio.get_running_loop())
+        state.csm = csm
         log.info("model %s loaded; ready", state.config.model_name)
     except Exception:
         log.exception("loading the model failed; /ready stays 503")
@@ -103,8 +112,9 @@ class GuardMiddleware:
     """API key on /v1 (HTTP; the WebSocket route checks its own), request body size, error counts."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 on_error: Callable[[int], None]) -> None:
+                 on_error: Callable[[int], None], worker: int | None = None) -> None:
         self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
+        self.worker_header = None if worker is None else (b"x-csmserve-worker", str(worker).encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,6 +149,8 @@ class GuardMiddleware:
                 started = True
                 if message["status"] >= 400:
                     self.on_error(message["status"])
+                if self.worker_header is not None:
+                    message = {**message, "headers": [*message.get("headers", []), self.worker_header]}
             elif exceeded:
                 return
             await send(message)

@@ -21,6 +21,8 @@ _MODEL_FLAGS = {  # name -> (default, help)
     "device": (None, "cpu or cuda (default: cuda if available)"),
     "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
     "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
+    "codec_dtype": (None, "Mimi's dtype: float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu; "
+                          "docs/benchmarks.md compares them)"),
     "log_level": ("info", "debug, info, warning, error"),
 }
 _HELP = {
@@ -74,6 +76,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         for f in dataclasses.fields(cls):
             parse = _parser_for(str(f.type))
             default = f.default if f.default is not dataclasses.MISSING else None
+            if f.name == "model_name":
+                default = None  # not given: --model
             help_ = _HELP.get(f.name, f.name.replace("_", " "))
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse,
                                default=_env_default(f.name, default, parse),
@@ -85,7 +89,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     pick = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}  # noqa: E731
     server = pick(ServerConfig)
-    if server["model_name"] == _default(ServerConfig, "model_name"):  # not set: report --model
+    if server["model_name"] is None:  # not set: report --model
         server["model_name"] = args.model
     return ServerConfig(**server), EngineConfig(**pick(EngineConfig))
 
@@ -95,18 +99,21 @@ def _default(cls: type, name: str) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config, engine_config = configs(args)
+    if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it
+        from .processes import serve_processes
+
+        return serve_processes(args, server_config, engine_config)
     import uvicorn
 
     from .app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server_config, engine_config = configs(args)
-
     def load():
         from ..api import CSM
 
-        csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec, engine=True,
-                  engine_config=engine_config)
+        csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec, codec_dtype=args.codec_dtype,
+                  engine=True, engine_config=engine_config)
         _ = csm.client  # start the engine (and capture graphs) before /ready says so
         return csm
 

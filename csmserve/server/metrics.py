@@ -1,18 +1,52 @@
-"""Prometheus metrics with vLLM-style names (`csmserve:<name>`), in a registry per app."""
+"""Prometheus metrics with vLLM-style names (`csmserve:<name>`), in a registry per app.
+
+Request metrics (histograms, counters) are kept by whichever API worker served the request; with
+several workers (PROMETHEUS_MULTIPROC_DIR set by `csmserve serve`) prometheus_client's multiprocess
+mode sums them over all workers, so /metrics on any worker answers for the whole server. The engine's
+own numbers (requests running and waiting, prefix-cache hits) come from the engine itself, through
+`stats()` (engine.outputs.EngineStats), whichever worker renders them.
+"""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
+class _EngineCollector:
+    """The engine's gauges and counters, read at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], object | None]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self):
+        s = self.stats()
+        rows = [("num_requests_running", "Requests holding an engine slot (generating, prefilling or waiting for "
+                 "their next text).", None if s is None else s.running + s.idle, GaugeMetricFamily),
+                ("num_requests_waiting", "Requests queued for a slot.", None if s is None else s.waiting,
+                 GaugeMetricFamily),
+                ("prefix_cache_hits", "Requests whose prompt prefix (voice, conversation) was cached.",
+                 None if s is None else s.prefix_hits, CounterMetricFamily),
+                ("prefix_cache_queries", "Requests that looked a prompt prefix up.",
+                 None if s is None else s.prefix_hits + s.prefix_misses, CounterMetricFamily),
+                ("prefix_cache_hit_positions", "Prompt positions whose prefill a cached prefix saved.",
+                 None if s is None else s.prefix_hit_positions, CounterMetricFamily)]
+        for name, doc, value, family in rows:
+            m = family(f"csmserve:{name}", doc, labels=["model_name"])
+            m.add_metric([self.model_name], float(value or 0))
+            yield m
+
+
 class Metrics:
-    def __init__(self, model_name: str, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], object | None]) -> None:
         self.registry = r = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         labels = ["model_name"]
         self.ttfa = Histogram("csmserve:time_to_first_audio_seconds",
                               "Request arrival to its first audio chunk.", labels, registry=r,
@@ -34,10 +68,9 @@ class Metrics:
         self.errors = Counter("csmserve:request_errors", "Requests answered with an error, by status.",
                               labels + ["status"], registry=r)
         self._model_name = model_name
-        Gauge("csmserve:num_requests_running", "Requests holding an engine slot.", labels,
-              registry=r).labels(model_name).set_function(running)
-        Gauge("csmserve:num_requests_waiting", "Requests queued for a slot.", labels,
-              registry=r).labels(model_name).set_function(waiting)
+        self._engine = _EngineCollector(model_name, stats)
+        if not self.multiprocess:
+            r.register(self._engine)
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self._model_name, reason).inc()
@@ -46,4 +79,11 @@ class Metrics:
         self.errors.labels(self._model_name, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        r = CollectorRegistry()
+        multiprocess.MultiProcessCollector(r)
+        r.register(self._engine)
+        return generate_latest(r)

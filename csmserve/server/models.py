@@ -44,8 +44,7 @@ async def health(http: Request) -> JSONResponse:
     """200 while the process can serve (or is loading); 503 once the engine lost its device (restart it)."""
     fatal = http.app.state.server.engine_fatal()
     if fatal is not None:
-        return APIError(503, f"the engine is down after a device error ({fatal}); restart the process",
-                        "engine_failed").response()
+        return APIError(503, f"the engine is down ({fatal}); restart the server", "engine_failed").response()
     return JSONResponse({"status": "ok"})
 
 
@@ -55,8 +54,7 @@ async def ready(http: Request) -> JSONResponse:
     if not state.ready:
         return APIError(503, "model is loading", "model_not_ready").response()
     if state.engine_fatal() is not None:
-        return APIError(503, f"the engine is down after a device error ({state.engine_fatal()})",
-                        "engine_failed").response()
+        return APIError(503, f"the engine is down ({state.engine_fatal()})", "engine_failed").response()
     return JSONResponse({"status": "ready", "model": state.config.model_name})
 
 

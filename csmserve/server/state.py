@@ -1,6 +1,6 @@
 """What every route shares: the model, the voice store, the limits, the metrics, the one path
 from (voice, context, text) to prompt frames to a stream of AudioChunks, and the WebSocket's
-conversation sessions (Sessions: bounded, LRU, idle timeout)."""
+conversation sessions (server/sessions.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +8,8 @@ import base64
 import binascii
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,145 +21,25 @@ from ..engine.scheduler import SchedulerBusy
 from ..voices import ResolvedVoice, VoiceNotFoundError, VoiceStore
 from .errors import APIError, bad_request
 from .metrics import Metrics
-from .schemas import ContextTurn, SamplingFields, VoiceRef, WsRequest
+from .schemas import ContextTurn, SamplingFields, VoiceRef
+from .sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
 
 if TYPE_CHECKING:
     from ..api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
 FRAME_SECONDS = 0.08
-_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms",
-             "max_segment_length_ms", "output_format")
-
-
-@dataclass
-class SessionTurn:
-    """One turn of a conversation: `assistant` (generated here, one Segment per sentence/clause as it was
-    spoken) or `user` (given with `add_context`, its audio encoded with Mimi once, on arrival)."""
-
-    role: str
-    segments: list  # [Segment] with codes (int16: values < 2051) or text only
-
-    @property
-    def frames(self) -> int:
-        return sum(0 if s.codes is None else len(s.codes) for s in self.segments)
-
-
-@dataclass
-class Session:
-    """A WebSocket `context_id`: its voice and settings, its fixed context and its turns, across
-    connections, until `close`, the idle timeout or eviction."""
-
-    context_id: str
-    voice: str | VoiceRef = "alloy"
-    fields: SamplingFields = field(default_factory=SamplingFields)
-    output_format: str = "pcm_s16le"
-    context: list = field(default_factory=list)  # [Segment] given with `context` (encoded once)
-    turns: list[SessionTurn] = field(default_factory=list)
-    last_used: float = field(default_factory=time.monotonic)
-    busy: int = 0  # turns generating now: never expired or evicted meanwhile
-
-    def update(self, msg: WsRequest) -> None:
-        given = msg.model_fields_set
-        for name in _SETTINGS:
-            if name in given and getattr(msg, name) is not None:
-                if name == "voice":
-                    self.voice = msg.voice
-                elif name == "output_format":
-                    self.output_format = msg.output_format
-                else:
-                    self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
-
-    def history(self) -> list:
-        """The turns' Segments, oldest first: the conversation context of the next turn."""
-        return [s for t in self.turns for s in t.segments]
-
-    def drop_oldest_segment(self) -> bool:
-        """Forget the oldest segment of the conversation (the prompt would not fit); False when none is left."""
-        while self.turns and not self.turns[0].segments:
-            self.turns.pop(0)
-        if not self.turns:
-            return False
-        self.turns[0].segments.pop(0)
-        if not self.turns[0].segments:
-            self.turns.pop(0)
-        return True
-
-
-class Sessions:
-    """The conversation sessions by context_id: LRU, bounded in number and per session (turns, frames),
-    forgotten after `session_idle_s` unused (checked on every access)."""
-
-    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config, self.clock = config, clock
-        self._by_id: OrderedDict[str, Session] = OrderedDict()
-
-    def __len__(self) -> int:
-        self.expire()
-        return len(self._by_id)
-
-    def __contains__(self, context_id: str) -> bool:
-        return self.get(context_id) is not None
-
-    def get(self, context_id: str) -> Session | None:
-        self.expire()
-        s = self._by_id.get(context_id)
-        if s is not None:
-            self.touch(s)
-        return s
-
-    def open(self, context_id: str) -> Session:
-        """The session of `context_id`, created (empty) if there is none."""
-        s = self.get(context_id)
-        if s is None:
-            while len(self._by_id) >= self.config.max_sessions and self._evict_one():
-                pass
-            s = self._by_id[context_id] = Session(context_id, last_used=self.clock())
-        return s
-
-    def touch(self, s: Session) -> None:
-        s.last_used = self.clock()
-        if self._by_id.get(s.context_id) is s:
-            self._by_id.move_to_end(s.context_id)
-
-    def drop(self, context_id: str) -> None:
-        self._by_id.pop(context_id, None)
-
-    def expire(self) -> None:
-        cutoff = self.clock() - self.config.session_idle_s
-        for cid, s in list(self._by_id.items()):  # least recently used first
-            if s.last_used > cutoff:
-                break
-            if not s.busy:
-                del self._by_id[cid]
-
-    def _evict_one(self) -> bool:
-        for cid, s in self._by_id.items():
-            if not s.busy:
-                del self._by_id[cid]
-                return True
-        return False
-
-    def add_turn(self, s: Session, turn: SessionTurn) -> None:
-        """Append a turn; then the oldest go while the session holds more turns or frames than allowed."""
-        for seg in turn.segments:
-            if seg.codes is not None:
-                seg.codes = np.asarray(seg.codes, dtype=np.int16)
-        s.turns.append(turn)
-        while len(s.turns) > self.config.max_session_turns:
-            s.turns.pop(0)
-        while len(s.turns) > 1 and sum(t.frames for t in s.turns) > self.config.max_session_frames:
-            s.turns.pop(0)
-        self.touch(s)
 
 
 class ServerState:
-    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceStore) -> None:
+    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceStore,
+                 sessions_path: str | None = None) -> None:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
+        self.worker: int | None = None  # the API worker's index, when the server runs several
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
-        self.sessions = Sessions(config)  # WebSocket conversation sessions by context_id
-        self.metrics = Metrics(config.model_name, self._num_running, self._num_waiting)
+        self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
+        self.metrics = Metrics(config.model_name, self.engine_stats)
 
     # ---- readiness and limits
     @property
@@ -172,8 +51,7 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry when GET /ready answers 200", "model_not_ready")
         fatal = self.engine_fatal()
         if fatal is not None:
-            raise APIError(503, f"the engine is down after a device error ({fatal}); the process must be restarted",
-                           "engine_failed")
+            raise APIError(503, f"the engine is down ({fatal}); the server must be restarted", "engine_failed")
         return self.csm
 
     def engine_fatal(self) -> str | None:
@@ -185,14 +63,6 @@ class ServerState:
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
         return self.csm.client.stats() if self.ready else None
 
-    def _num_running(self) -> float:
-        s = self.engine_stats()
-        return float(s.running + s.idle) if s is not None else 0.0  # every request holding a slot
-
-    def _num_waiting(self) -> float:
-        s = self.engine_stats()
-        return float(s.waiting) if s is not None else 0.0
-
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
             raise APIError(400, f"'{param}' must not be empty", "empty_input", param)
@@ -201,11 +71,14 @@ class ServerState:
                            "input_too_long", param)
         return text
 
-    def audio_length_ms(self, asked: int | None) -> int:
+    def audio_length_ms(self, asked: int | None, chars: int = 0) -> int:
+        """The whole response's cap: as asked (at most --max-audio-length-ms), else enough for the text
+        (--audio-ms-per-char per character, at least --default-audio-length-ms, at most the limit)."""
+        c = self.config
         if asked is None:
-            return self.config.default_audio_length_ms
-        if asked > self.config.max_audio_length_ms:
-            raise bad_request(f"max_audio_length_ms is {asked}; the limit is {self.config.max_audio_length_ms}",
+            return min(c.max_audio_length_ms, max(c.default_audio_length_ms, c.audio_ms_per_char * chars))
+        if asked > c.max_audio_length_ms:
+            raise bad_request(f"max_audio_length_ms is {asked}; the limit is {c.max_audio_length_ms}",
                               "max_audio_length_ms")
         return asked
 
@@ -268,19 +141,22 @@ class ServerState:
 
     async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
-                            long_form: bool = False, split: bool = True) -> tuple[Request, int]:
+                            long_form: bool = False, split: bool = True, total_chars: int | None = None
+                            ) -> tuple[Request, int]:
         """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
         the context turns, then `extra`, then `text`. long_form: text of several sentences is spoken
         sentence by sentence in one slot (each seeing the earlier ones), max_audio_length_ms capping the
         whole and max_segment_length_ms (or --max-segment-ms) each sentence; split=False: `text` is
-        the first segment of an open request (the WebSocket's turns), not cut here."""
+        the first segment of an open request (the WebSocket's turns), not cut here, whose whole text is
+        not known yet (its cap, unless asked, is sized for --max-input-chars)."""
         from ..api import Segment
         from ..text import split_sentences
         from ..tokenizer import segment_ids, text_frames
 
         texts = split_sentences(text) if long_form and split else []
         if len(texts) > 1:
-            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False)
+            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False,
+                                                        total_chars=len(text))
             csm, k = self.require_ready(), request.tokens.shape[1] - 1
             first = text_frames(segment_ids(csm.tokenizer, speaker, texts[0]), k)[0]
             request.context_len = request.prompt_len - len(first)
@@ -288,7 +164,9 @@ class ServerState:
             return request, speaker
 
         self.require_ready()
-        max_ms = self.audio_length_ms(fields.max_audio_length_ms)
+        if total_chars is None:
+            total_chars = len(text) if split or not long_form else self.config.max_input_chars
+        max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
         seg_ms = None
         if long_form:
             seg_ms = min(max_ms, getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms)

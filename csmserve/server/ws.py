@@ -126,9 +126,12 @@ class Connection:
             return
         sessions = self.state.sessions
         session = sessions.open(cid)
-        session.update(msg)
+        changed = session.update(msg)
         if msg.context is not None:  # encoded once, here
             session.context = await self.state.context_segments(msg.context)
+            changed = True
+        if changed:
+            sessions.save(session)
         if msg.add_context:
             segments = await self.state.context_segments(msg.add_context, "add_context")
             sessions.add_turn(session, SessionTurn("user", segments))
@@ -298,7 +301,7 @@ def _flag(ws: WebSocket, name: str) -> bool:
 @router.websocket("/v1/audio/speech/stream")
 async def speech_stream(ws: WebSocket) -> None:
     state: ServerState = ws.app.state.server
-    await ws.accept()
+    await ws.accept(headers=None if state.worker is None else [(b"x-csmserve-worker", str(state.worker).encode())])
     key = state.config.api_key
     if key and not (check_bearer(ws.headers.get("authorization", ""), key) or
                     ws.query_params.get("api_key") == key):

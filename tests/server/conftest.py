@@ -1,7 +1,12 @@
-"""A real uvicorn server on 127.0.0.1:<free port>, in a thread, around `create_app(csm, config)`.
+"""The servers the tests talk to, over real sockets.
 
-`csm` is `CSM("dummy-tiny", engine=True)` once csmserve.api has the engine; until then (or with
-CSMSERVE_TEST_FAKE_CSM=1) the stand-in in fake_csm.py with the same surface.
+`server` runs every test that uses it twice: "inproc", a uvicorn server in a thread around
+`create_app(csm, config)` (the engine on a thread of the test process: tests may look inside), and
+"procs", `csmserve serve --api-workers 2` as users run it (parent, engine-core process, two API
+workers; one per test module), where only the public API exists: tests marked `inproc` (they read
+server.state) run in the first mode only. `serve(**config)` starts in-process servers with a config.
+
+`csm` is `CSM("dummy-tiny", engine=True)`; with CSMSERVE_TEST_FAKE_CSM=1 the stand-in in fake_csm.py.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from csmserve.config import EngineConfig, ServerConfig
 from csmserve.server import create_app
 
 ENGINE = EngineConfig(max_slots=32, max_seq_len=512, first_chunk_frames=1, chunk_frames=2)
-from server_helpers import SHORT_MS, Server
+from server_helpers import SHORT_MS, ProcServer, Server
 
 
 def _make_csm():
@@ -56,9 +61,24 @@ def serve(csm, tmp_path):
         s.stop()
 
 
-@pytest.fixture
-def server(serve):
-    return serve()
+@pytest.fixture(scope="module")
+def proc_server(tmp_path_factory):
+    s = ProcServer(tmp_path_factory.mktemp("procs")).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["inproc", "procs"])
+def server(request, serve):
+    if request.param == "inproc":
+        return serve()
+    if request.node.get_closest_marker("inproc"):
+        pytest.skip("reads the in-process server's state")
+    return request.getfixturevalue("proc_server")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "inproc: reads server.state; runs against the in-process server only")
 
 
 

@@ -93,3 +93,79 @@ def error_of(response: httpx.Response) -> dict:
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     return body["error"]
+
+
+class ProcServer:
+    """`csmserve serve --api-workers N` as users run it: a subprocess tree (parent, engine-core process,
+    N API workers) on 127.0.0.1:<free port>; flags from ServerConfig / EngineConfig field names."""
+
+    def __init__(self, tmp_path, workers: int = 2, model: str = "dummy-tiny", **flags) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"serve-{self.port}.log"
+        flags = {"max_slots": 32, "max_seq_len": 512, "first_chunk_frames": 1, "chunk_frames": 2, "model_name": "sesame/csm-1b",
+                 "voices_db": str(tmp_path / f"voices-{self.port}.db"), "default_audio_length_ms": SHORT_MS,
+                 "device": "cpu", **flags}
+        cmd = [sys.executable, "-m", "csmserve", "serve", "--model", model, "--port", str(self.port),
+               "--api-workers", str(workers)]
+        for k, v in flags.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.state = None  # nothing in-process to look into: tests use the public API only
+
+    def start(self, timeout: float = 120.0) -> "ProcServer":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"csmserve serve exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready in {timeout} s: {self.log_path.read_text()[-3000:]}")
+
+    def pids(self) -> dict:
+        """{'engine': pid, 'workers': {index: pid of its latest start}} from the parent's log."""
+        import re
+
+        text = self.log_path.read_text()
+        engine = re.findall(r"engine process \(pid (\d+)\)", text)
+        workers = {int(i): int(p) for i, p in re.findall(r"API worker (\d+) started \(pid (\d+)\)", text)}
+        return {"engine": int(engine[-1]) if engine else None, "workers": workers}
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+        self.log.close()
+
+
+def metric(server, name: str) -> float:
+    """A sample's value from GET /metrics (the first line starting with `name`)."""
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_idle(server, timeout: float = 15.0) -> bool:
+    """Until the engine holds no request (its own gauges, over /metrics): every slot free."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(server, "csmserve:num_requests_running") == 0 and metric(server, "csmserve:num_requests_waiting") == 0:
+            return True
+        time.sleep(0.05)
+    return False

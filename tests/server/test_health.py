@@ -2,6 +2,7 @@
 import threading
 
 import httpx
+import pytest
 
 from server_helpers import error_of
 
@@ -67,6 +68,7 @@ def test_metrics_names(server):
     assert float(frames[0].split()[-1]) >= 1
 
 
+@pytest.mark.inproc
 def test_a_lost_device_turns_ready_and_health_503_and_refuses_in_the_error_shape(server, csm, monkeypatch):
     """After the engine lost its device (Engine.fatal; the engine side is tests/engine/test_engine.py),
     an orchestrator sees 503 on /health and /ready (and restarts the process); requests get a 503 in

@@ -1,8 +1,9 @@
 """POST /v1/audio/speech with several sentences: spoken in one slot, one continuous body."""
 import httpx
 import numpy as np
+import pytest
 
-from server_helpers import wait_slots_free
+from server_helpers import wait_idle
 
 
 def test_multi_sentence_input_is_one_long_form_stream(server):
@@ -15,5 +16,4 @@ def test_multi_sentence_input_is_one_long_form_stream(server):
     frames = len(pcm) // 1920
     assert len(pcm) == frames * 1920 and frames > 2  # more than one sentence's cap (2 frames): long-form
     assert frames <= 6 * 2
-    state = server.state
-    wait_slots_free(state.csm if hasattr(state, "csm") else state.require_ready())
+    assert wait_idle(server)

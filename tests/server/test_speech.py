@@ -7,7 +7,7 @@ import numpy as np
 import openai
 import pytest
 
-from server_helpers import SHORT_MS, decode_24k, wait_slots_free, wav_bytes
+from server_helpers import SHORT_MS, decode_24k, wait_idle, wav_bytes
 
 # extra samples a decoder may return beyond frames * 1920 (at 24 kHz): mp3 has lame's delay and
 # padding (no Xing header to trim it), ADTS AAC its priming and padding; Opus trims exactly (48 kHz
@@ -81,6 +81,7 @@ def test_audio_arrives_while_generating(server):
     assert len(parts) >= 3
 
 
+@pytest.mark.inproc
 def test_speed_instructions_voice_object_and_context(server):
     c = client(server)
     ctx = [{"speaker": 1, "text": "Hi, how are you?", "audio": base64.b64encode(wav_bytes(0.5)).decode()},
@@ -103,4 +104,4 @@ def test_greedy_is_deterministic_and_seed_matters(server):
     b = speak_sse(c, seed=1)[1]
     d = speak_sse(c, seed=2)[1]
     assert a == b and a != d
-    assert wait_slots_free(server.state.csm) == server.state.csm.client.stats().max_slots
+    assert wait_idle(server)

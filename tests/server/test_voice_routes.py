@@ -2,6 +2,7 @@
 import httpx
 import numpy as np
 import openai
+import pytest
 
 from server_helpers import SHORT_MS, error_of, wav_bytes
 
@@ -73,6 +74,7 @@ def _segment(v, codes):
     return Segment(v["speaker"], v["transcript"], codes=codes)
 
 
+@pytest.mark.inproc
 def test_context_turn_by_voice_id(server):
     v = create(server.url).json()
     r = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={

@@ -5,15 +5,17 @@ import json
 import time
 
 import numpy as np
+import pytest
 from websockets.sync.client import connect
 
 from csmserve.api import Segment
 from csmserve.config import ServerConfig
 from csmserve.server.state import Sessions, SessionTurn
-from server_helpers import wav_bytes
+from server_helpers import metric, wav_bytes
 from test_ws import audio_rows, turn, ws_url
 
 
+@pytest.mark.inproc
 def test_a_session_survives_across_connections(server):
     with connect(ws_url(server)) as ws:
         ws.send(json.dumps({"context_id": "conv-1", "text": "Hello there.", "flush": True, "voice": "alloy",
@@ -32,6 +34,7 @@ def test_a_session_survives_across_connections(server):
     assert [t.role for t in s.turns] == ["assistant", "assistant"] and s.fields.temperature == 0
 
 
+@pytest.mark.inproc
 def test_user_turns_are_encoded_once(server, csm, monkeypatch):
     calls = []
     encode = csm.encode_audio
@@ -112,10 +115,10 @@ def test_sessions_bounds_and_expiry():
     assert len(sessions) == 0
 
 
-def test_a_growing_conversation_reuses_the_previous_turns_prefix(server, csm):
+def test_a_growing_conversation_reuses_the_previous_turns_prefix(server):
     """Each turn of a context_id session prefills only what was added since the previous turn: the
-    previous request's context is the longest cached prefix of this one's."""
-    cache = csm.client.engine.prefix_cache
+    previous request's context is the longest cached prefix of this one's (the engine's counters, over
+    /metrics, whichever API worker serves the turn)."""
     user = {"speaker": 1, "text": "Tell me a story.", "audio": base64.b64encode(wav_bytes(0.3)).decode()}
     hit_positions = []
     with connect(ws_url(server)) as ws:
@@ -123,12 +126,12 @@ def test_a_growing_conversation_reuses_the_previous_turns_prefix(server, csm):
             msg = {"context_id": "grow", "text": text, "flush": True, "temperature": 0, "max_audio_length_ms": 160}
             if i == 0:
                 msg |= {"voice": "alloy", "add_context": [user]}
-            hits, pos = cache.stats["hits"], cache.stats["hit_positions"]
+            hits, pos = metric(server, "csmserve:prefix_cache_hits"), metric(server, "csmserve:prefix_cache_hit_positions")
             ws.send(json.dumps(msg))
             _, msgs = turn(ws)
             assert msgs[-1]["type"] == "flush_done"
             if i:
-                assert cache.stats["hits"] == hits + 1
-            hit_positions.append(cache.stats["hit_positions"] - pos)
+                assert metric(server, "csmserve:prefix_cache_hits") == hits + 1
+            hit_positions.append(metric(server, "csmserve:prefix_cache_hit_positions") - pos)
     # turn 2 reuses turn 1's context (voice + user turn), turn 3 also turn 1's answer and turn 2's text
     assert 0 < hit_positions[1] < hit_positions[2]

@@ -5,10 +5,11 @@ import re
 import time
 
 import numpy as np
+import pytest
 from websockets.sync.client import connect
 
 from csmserve.text import split_sentences
-from server_helpers import wait_slots_free
+from server_helpers import wait_idle
 from test_ws import FRAME_BYTES, recv_json, turn, ws_url
 
 TEXT = "Hello there,  my friend. This is a test\nof streaming! Does it work? Yes."
@@ -37,6 +38,7 @@ def check_progress(msgs: list[dict], received: str) -> None:
     assert done["text_end"] == len(received.rstrip())
 
 
+@pytest.mark.inproc
 def test_pieces_give_the_same_codes_as_whole_and_start_before_flush(server, csm):
     with connect(ws_url(server)) as ws:
         ws.send(json.dumps({"context_id": "whole", "text": TEXT, "flush": True, **SETTINGS}))
@@ -91,15 +93,14 @@ def test_binary_progress_messages(server):
         assert len(audio) == msgs[-1]["num_frames"] * FRAME_BYTES
 
 
-def test_cancel_an_open_turn_frees_the_slot(server, csm):
-    sched = csm.client.engine.scheduler
+def test_cancel_an_open_turn_frees_the_slot(server):
     with connect(ws_url(server)) as ws:
         ws.send(json.dumps({"context_id": "c", "text": "Start speaking now. And", **SETTINGS}))
         assert recv_json(ws)["type"] == "audio"  # the request is open, waiting for more text
         ws.send(json.dumps({"context_id": "c", "cancel": True}))
         _, msgs = turn(ws, until="cancelled")
         assert msgs[-1] == {"type": "cancelled", "context_id": "c"}
-        assert wait_slots_free(csm) == sched.max_slots
+        assert wait_idle(server)
         ws.send(json.dumps({"context_id": "c", "text": "Again.", "flush": True}))  # a new turn, same session
         _, msgs = turn(ws)
         assert msgs[-1]["type"] == "flush_done" and msgs[-1]["num_frames"] <= 3

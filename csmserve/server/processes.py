@@ -1,0 +1,183 @@
+"""`csmserve serve` as processes: the engine core alone, N API workers, and the parent watching them.
+
+    parent (this module's serve_processes): binds the listening socket, starts the engine-core process
+      (engine/core.py: model, scheduler, runner, CUDA graphs; nothing else) and N API worker processes
+      (uvicorn + FastAPI over the shared socket: validation, voices, prompts, sessions, audio
+      encoding), restarts a worker that dies, and stops everything on SIGINT / SIGTERM.
+    worker i: create_app(...) whose CSM is CSM.attach(RemoteEngineClient(...)): prompts are built in
+      the worker, requests go to the engine as messages, every engine step comes back as one message
+      (codes and PCM read from the engine's shared-memory output ring).
+
+Shared by the workers: the voice store (one SQLite file), conversation sessions (a SQLite file in the
+run directory, so a context_id continues on whichever worker its next connection lands), metrics
+(prometheus_client's multiprocess mode: /metrics on any worker sums them all; the engine's gauges
+come from the engine itself) and the API key (the same config). If the engine process dies, every
+worker answers /health and /ready 503 `engine_failed` at once: an orchestrator restarts the server.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import EngineConfig, ServerConfig
+
+log = logging.getLogger("csmserve.server")
+
+
+def default_api_workers() -> int:
+    """One worker per two cores beside the engine's, at least 1, at most 16."""
+    return max(1, min(16, ((os.cpu_count() or 2) - 1) // 2))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    index: int
+    client_id: int  # the engine's name for this worker (unique per start)
+    server: ServerConfig
+    address: str
+    authkey: bytes
+    sessions_db: str
+    log_level: str
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
+    """An API worker's main: the FastAPI app over the shared socket, its CSM attached to the engine."""
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
+    import uvicorn
+
+    from ..api import CSM
+    from ..engine.remote import RemoteEngineClient
+    from .app import create_app
+
+    def load() -> CSM:  # waits for the engine (it may still be loading the model and capturing graphs)
+        return CSM.attach(RemoteEngineClient(spec.address, spec.authkey, spec.client_id, timeout=24 * 3600))
+
+    app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index)
+    config = uvicorn.Config(app, log_level=spec.log_level.lower(), ws="websockets-sansio",
+                            timeout_keep_alive=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class Supervisor:
+    def __init__(self, args, server: ServerConfig, engine: EngineConfig, workers: int) -> None:
+        from ..engine.core import EngineSpec
+
+        self.server, self.workers_n = server, workers
+        self.log_level = args.log_level
+        self.rundir = Path(tempfile.mkdtemp(prefix="csmserve-"))
+        shm = Path("/dev/shm")
+        self.ring_path = str((shm if shm.is_dir() else self.rundir) / f"csmserve-{os.getpid()}-{secrets.token_hex(4)}")
+        self.address = str(self.rundir / "engine.sock")
+        self.authkey = secrets.token_bytes(16)
+        self.sessions_db = str(self.rundir / "sessions.db")
+        metrics = self.rundir / "metrics"
+        metrics.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # inherited by the workers (spawn)
+        self.spec = EngineSpec(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None),
+                               engine, self.address, self.authkey, self.ring_path, args.log_level)
+        self.ctx = multiprocessing.get_context("spawn")
+        self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((server.host, server.port))
+        self.sock.listen(2048)
+        self.sock.set_inheritable(True)
+        self.engine = None
+        self.workers: list = [None] * workers
+        self._next_client = 1
+        self._stopping = False
+
+    def start(self) -> None:
+        from ..engine.core import serve_engine
+
+        self._ready_r, ready_w = self.ctx.Pipe(duplex=False)
+        self.engine = self.ctx.Process(target=serve_engine, args=(self.spec, ready_w), name="csmserve-engine")
+        self.engine.start()
+        for i in range(self.workers_n):
+            self._start_worker(i)
+        log.info("csmserve: engine process (pid %d), %d API workers on http://%s:%d", self.engine.pid,
+                 self.workers_n, self.server.host, self.server.port)
+
+    def _start_worker(self, i: int) -> None:
+        spec = WorkerSpec(i, self._next_client, self.server, self.address, self.authkey, self.sessions_db,
+                          self.log_level)
+        self._next_client += 1
+        p = self.ctx.Process(target=run_worker, args=(spec, self.sock), name=f"csmserve-worker-{i}")
+        p.start()
+        self.workers[i] = p
+        log.info("API worker %d started (pid %d)", i, p.pid)
+
+    def watch(self) -> int:
+        engine_down = False
+        while not self._stopping:
+            time.sleep(0.2)
+            if self._ready_r.poll():
+                try:
+                    kind, what = self._ready_r.recv()
+                    (log.info if kind == "ready" else log.error)("engine %s: %s", kind, what)
+                except EOFError:
+                    pass
+            if not engine_down and not self.engine.is_alive():
+                engine_down = True
+                log.critical("the engine process exited (code %s): the workers answer 503 engine_failed; "
+                             "restart the server", self.engine.exitcode)
+            for i, p in enumerate(self.workers):
+                if p is not None and not p.is_alive() and not self._stopping:
+                    log.error("API worker %d exited (code %s); starting it again", i, p.exitcode)
+                    _mark_dead(p.pid)
+                    self._start_worker(i)
+        return 0
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        procs = [p for p in self.workers if p is not None] + ([self.engine] if self.engine is not None else [])
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 15
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        self.sock.close()
+        for path in (self.ring_path,):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def _mark_dead(pid: int) -> None:
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+    except Exception:  # noqa: BLE001 - metrics bookkeeping only
+        pass
+
+
+def serve_processes(args, server: ServerConfig, engine: EngineConfig) -> int:
+    workers = server.api_workers if server.api_workers is not None else default_api_workers()
+    server = dataclasses.replace(server, api_workers=workers)
+    sup = Supervisor(args, server, engine, workers)
+    signal.signal(signal.SIGTERM, sup.stop)
+    signal.signal(signal.SIGINT, sup.stop)
+    try:
+        sup.start()
+        return sup.watch()
+    finally:
+        sup.shutdown()

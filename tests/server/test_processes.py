@@ -1,0 +1,149 @@
+"""`csmserve serve --api-workers 2`: an engine-core process and two API workers, as users run it.
+
+What only exists with several processes: a worker killed mid-stream does not stop the other (and is
+started again); the engine process killed turns /health and /ready 503 at once and ends the open
+streams with an error; sessions, voices, metrics and the API key are the same whichever worker a
+request lands on (the `X-Csmserve-Worker` header says which one served it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from server_helpers import ProcServer, metric, wait_idle, wav_bytes
+from test_ws import turn
+
+SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"}
+
+
+@pytest.fixture
+def procs(tmp_path):
+    servers = []
+
+    def start(**flags) -> ProcServer:
+        s = ProcServer(tmp_path, **flags).start()
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def _stream(url: str, out: dict, key: int, ms: int) -> None:
+    """One streaming request; out[key] = (status, bytes received, completed, worker)."""
+    n, done, worker, status = 0, False, None, None
+    try:
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": ms},
+                          timeout=60) as r:
+            status, worker = r.status_code, r.headers.get("x-csmserve-worker")
+            for part in r.iter_bytes():
+                n += len(part)
+            done = True
+    except httpx.HTTPError:
+        pass
+    out[key] = (status, n, done, worker)
+
+
+def _served_by_each_worker(url: str, workers: int = 2, tries: int = 60) -> set[str]:
+    seen = set()
+    for _ in range(tries):
+        seen.add(httpx.get(f"{url}/v1/models", timeout=10).headers["x-csmserve-worker"])
+        if len(seen) == workers:
+            break
+    return seen
+
+
+def test_killing_one_api_worker_leaves_the_other_serving(procs):
+    server = procs()
+    assert _served_by_each_worker(server.url) == {"0", "1"}
+    pids = server.pids()
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(server.url, out, i, 8000)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every stream is running
+    os.kill(pids["workers"][0], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    served = {k: v for k, v in out.items() if v[0] == 200}
+    by_survivor = [v for v in served.values() if v[3] == "1"]
+    assert by_survivor and all(v[2] and v[1] == 8000 // 80 * 1920 * 2 for v in by_survivor), out
+    # the dead worker's requests were aborted in the engine: every slot free again
+    assert wait_idle(server, timeout=20)
+    # the worker is started again; both serve
+    deadline = time.time() + 60
+    while time.time() < deadline and server.pids()["workers"][0] == pids["workers"][0]:
+        time.sleep(0.2)
+    assert server.pids()["workers"][0] != pids["workers"][0]
+    assert _served_by_each_worker(server.url) == {"0", "1"}
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": 160}, timeout=60)
+    assert r.status_code == 200 and len(r.content) == 2 * 1920 * 2
+
+
+def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_streams(procs):
+    server = procs()
+    out: dict = {}
+    t = threading.Thread(target=_stream, args=(server.url, out, 0, 60_000))
+    t.start()
+    time.sleep(1.0)
+    os.kill(server.pids()["engine"], signal.SIGKILL)
+    t0 = time.time()
+    while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
+        assert time.time() - t0 < 3, "health still 200"
+        time.sleep(0.05)
+    for route in ("/health", "/ready"):  # from both workers
+        for _ in range(6):
+            r = httpx.get(f"{server.url}{route}", timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+    t.join(10)
+    assert not t.is_alive() and out[0][0] == 200 and not out[0][2]  # ended, not hung, not complete
+    r = httpx.post(f"{server.url}/v1/audio/speech", json=SPEECH, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+
+
+def test_sessions_voices_metrics_and_keys_are_the_same_on_every_worker(procs):
+    server = procs(api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    # a voice created through one worker is used through the other
+    v = httpx.post(f"{server.url}/v1/audio/voices", headers=auth, timeout=60,
+                   files={"audio_sample": ("v.wav", wav_bytes(1.0), "audio/wav")},
+                   data={"name": "shared", "transcript": "A test voice."}).json()
+    workers = set()
+    for _ in range(20):
+        r = httpx.post(f"{server.url}/v1/audio/speech", headers=auth, timeout=60,
+                       json={**SPEECH, "voice": v["id"], "max_audio_length_ms": 160})
+        assert r.status_code == 200, r.text
+        workers.add(r.headers["x-csmserve-worker"])
+        if len(workers) == 2:
+            break
+    assert workers == {"0", "1"}
+    # metrics: every worker reports every request
+    n = metric(server, "csmserve:time_to_first_audio_seconds_count")
+    assert all(metric(server, "csmserve:time_to_first_audio_seconds_count") == n for _ in range(6)) and n >= 2
+    # a conversation continues on whichever worker its next connection lands: each turn's prompt holds
+    # the turns before it, so the cached prefix it reuses (positions whose prefill the engine skipped)
+    # grows turn by turn; with a lost session it would stay the voice's alone
+    url = f"ws://127.0.0.1:{server.port}/v1/audio/speech/stream?binary=1&api_key=k"
+    seen, reused = set(), []
+    for i in range(8):
+        with connect(url) as ws:
+            seen.add(ws.response.headers["x-csmserve-worker"])
+            before = metric(server, "csmserve:prefix_cache_hit_positions")
+            ws.send(json.dumps({"context_id": "conv", "text": f"Turn number {i}.", "flush": True, "temperature": 0,
+                                "max_audio_length_ms": 160, **({"voice": v["id"]} if i == 0 else {})}))
+            _, msgs = turn(ws)
+            assert msgs[-1]["type"] == "flush_done" and msgs[-1]["num_frames"] > 0
+            reused.append(metric(server, "csmserve:prefix_cache_hit_positions") - before)
+        if len(seen) == 2 and i >= 2:
+            break
+    assert seen == {"0", "1"}
+    assert all(b > a for a, b in zip(reused[1:], reused[2:])) and reused[1] > 0, reused
