@@ -105,7 +105,7 @@ def main() -> None:
     print(f"Mimi decode, {'tiny' if args.tiny else 'real'} shape, {args.dtype}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"{n} frame(s) per streaming step, ms per call (mean of {args.iters})\n")
-    head = ["batch", f"stream step eager", "x RT eager"]
+    head = ["batch", "stream step eager", "x RT eager"]
     head += ["stream step graph", "x RT graph"] if graphs else []
     head += [f"ours whole {args.frames}f"]
     head += ["HF decode 1f", f"HF decode {args.frames}f"] if hf is not None else []

@@ -11,7 +11,6 @@ Generation runs on the engine (continuous batching; CUDA graphs on a GPU) starte
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections import deque

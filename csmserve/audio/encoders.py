@@ -146,6 +146,10 @@ class AvEncoder(Encoder):
         self.stream = self.out.add_stream(self.codec, rate=_codec_rate(self.codec, sample_rate),
                                           options=dict(self.codec_options))
         self.stream.layout = "mono"
+        # one thread per encoder: libav's default (0 = one per core) gave a server of 256 mp3 streams
+        # ~3,900 threads; the API workers spread the streams over the cores instead
+        self.stream.codec_context.thread_count = 1
+        self.stream.codec_context.thread_type = "NONE"
         if self.bit_rate:
             self.stream.bit_rate = self.bit_rate
         self.num_samples = 0  # pts of the next input frame, in 1/sample_rate

@@ -21,7 +21,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 
 import numpy as np

@@ -24,13 +24,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..config import EngineConfig
-from .outputs import (EV_ADMITTED, EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
+from .outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
                       error_payload)
 from .pacing import LaunchPacer
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes

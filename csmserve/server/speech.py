@@ -7,7 +7,6 @@ incomplete body). Either way it is logged.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -26,7 +25,8 @@ from .state import ServerState
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
-_INLINE_FORMATS = ("pcm", "wav")  # cheap enough to encode on the event loop
+# every format is encoded on the event loop, single-threaded: the API workers are processes, so the
+# streams' encoders spread over the cores; a thread hop per chunk only added GIL contention
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -62,12 +62,8 @@ async def create_speech(body: SpeechRequest, http: Request) -> StreamingResponse
 
 
 async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:
-    """Encode one chunk (None: close); libav formats and speed != 1 run off the event loop."""
-    if encoder.format in _INLINE_FORMATS and encoder.stretch is None:
-        return encoder.close() if chunk is None else encoder.write(chunk.audio)
-    if chunk is None:
-        return await asyncio.to_thread(encoder.close)
-    return await asyncio.to_thread(encoder.write, chunk.audio)
+    """Encode one chunk (None: close)."""
+    return encoder.close() if chunk is None else encoder.write(chunk.audio)
 
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder

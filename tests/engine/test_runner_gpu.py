@@ -113,21 +113,22 @@ def test_silu_mul_kernel():
 
 @cuda
 def test_prefill_graphs_equal_eager_prefill():
-    """Batched chunks through the prefill graphs (fresh prompts, and a continuation that reads keys up to
-    max_seq_len) write the same KV as the eager prefill; more chunks than a bucket fall back to eager."""
+    """Many chunks packed into one graphed prefill (fresh prompts, then their continuations) write the same
+    KV as the eager packed prefill of the same chunks; the token count picks the graph."""
     model = tiny_model(torch.float32)
-    graphed = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=True, max_prefill_chunk=64)
-    eager = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=False)
+    graphed = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=True, max_prefill_tokens=64)
+    eager = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=False, max_prefill_tokens=64)
     rng = np.random.default_rng(3)
     ps = []
-    for P in (30, 25, 12):
+    for P in (30, 25, 12, 3, 9):
         tok, mask = np.zeros((P, 9), np.int64), np.zeros((P, 9), bool)
         tok[:, 8], mask[:, 8] = rng.integers(0, 300, P), True
         ps.append((tok, mask))
-    first = [PrefillChunk(i, 0, t[:20], m[:20]) for i, (t, m) in enumerate(ps)]
-    rest = [PrefillChunk(i, 20, t[20:], m[20:]) for i, (t, m) in enumerate(ps) if len(t) > 20]
-    assert graphed.prefill_graphs.bucket(first) == (4, 32, 32)
-    assert graphed.prefill_graphs.bucket(rest) == (2, 16, 128)
+    first = [PrefillChunk(i, 0, t[:10], m[:10]) for i, (t, m) in enumerate(ps)]
+    rest = [PrefillChunk(i, 10, t[10:], m[10:]) for i, (t, m) in enumerate(ps) if len(t) > 10]
+    assert graphed.prefill_graphs.bucket(sum(len(c.tokens) for c in first)) == 64  # 42 tokens
+    assert graphed.prefill_graphs.bucket(sum(len(c.tokens) for c in rest)) == 64  # 37 tokens
+    assert graphed.prefill_graphs.bucket(5) == 16
     for r in (graphed, eager):
         r.prefill(first)
         r.prefill(rest)
@@ -136,6 +137,5 @@ def test_prefill_graphs_equal_eager_prefill():
         n = len(t)
         torch.testing.assert_close(graphed.kv.k[:, i, :, :n], eager.kv.k[:, i, :, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graphed.kv.v[:, i, :, :n], eager.kv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
-    assert graphed.prefill_graphs.bucket([PrefillChunk(0, 0, ps[0][0][:2], ps[0][1][:2])] * 5) is None
-    assert graphed.prefill_graphs.bucket([PrefillChunk(0, 0, np.zeros((65, 9), np.int64), np.zeros((65, 9), bool))]
-                                         ) is None
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        graphed.prefill([PrefillChunk(0, 0, np.zeros((65, 9), np.int64), np.zeros((65, 9), bool))])

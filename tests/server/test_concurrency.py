@@ -1,7 +1,6 @@
 """32 concurrent streaming clients; half of them hang up mid-stream."""
 import asyncio
 
-import httpx
 import openai
 
 from server_helpers import metric, wait_idle

@@ -1,7 +1,6 @@
 """POST /v1/audio/speech with several sentences: spoken in one slot, one continuous body."""
 import httpx
 import numpy as np
-import pytest
 
 from server_helpers import wait_idle
 

@@ -1,0 +1,41 @@
+"""Where Mimi's batched streaming-decode step spends its GPU time (torch.profiler, eager = the graph's kernels).
+
+python bench/profile_mimi.py --batch 2048 --rows 25
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from csmserve.models.mimi import MimiStream
+from csmserve.models.mimi_loader import load_mimi
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    mimi = load_mimi("dummy", dtype=getattr(torch, args.dtype), device="cuda")
+    st = MimiStream(mimi, args.batch + 1, "decode", 1)
+    rows = torch.arange(args.batch, device="cuda")
+    codes = torch.randint(0, 2048, (args.batch, 32, 1), device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            st.decode_step(codes, rows)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                st.decode_step(codes, rows)
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in events) / 3
+    print(f"\n## Mimi decode step, batch {args.batch}: {len(events) // 3} kernels, {total / 1e3:.2f} ms GPU time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()
