@@ -4,7 +4,7 @@ It starts `csmserve serve` (or targets --url), drives it through its public API 
 WebSocket, with real streaming clients in several processes, and prints what users see: requests/s,
 time to first audio, per-stream audio rate, and how many streams' playback ran dry.
 
-    run.py       flags, the server and the client processes, each scenario, the table and files
+    bench.py     flags, the server and the client processes, each scenario, the table and files
     scenario.py  closed loop / burst / WebSocket conversations: who sends what when, the window
     worker.py    a client process: an asyncio loop of many users, JSON lines to the parent
     users.py     one HTTP streaming user, one WebSocket conversation; a record per request or turn
@@ -18,18 +18,18 @@ from __future__ import annotations
 
 
 def add_arguments(ap, shared: bool = False):
-    from .run import add_arguments as add
+    from .bench import add_arguments as add
 
     return add(ap, shared)
 
 
 def run(args) -> int:
-    from .run import run as run_
+    from .bench import run as run_
 
     return run_(args)
 
 
 def main(argv=None) -> int:
-    from .run import main as main_
+    from .bench import main as main_
 
     return main_(argv)

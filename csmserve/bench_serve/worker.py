@@ -1,5 +1,5 @@
 """A client process (`python -m csmserve.bench_serve.worker`): one asyncio loop (uvloop when installed)
-running its share of a scenario's users. JSON lines on stdin/stdout talk to the parent (run.py):
+running its share of a scenario's users. JSON lines on stdin/stdout talk to the parent (bench.py):
 
     parent -> {"cmd": "run", "scenario": {...}, "users": [...], "t_start": T, "url": ..., ...}
     worker -> {"event": "drained"}             every counted request of this process has ended

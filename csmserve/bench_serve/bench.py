@@ -190,14 +190,15 @@ class Bench:
                     "texts": self.texts, "voices": voices, "api_key": self.args.api_key,
                     "backoff": self.args.backoff, "ws_compression": self.args.ws_compression})
         t0, t1 = sc.window(t_start)
+        after = None
         try:
             self.wait_events("drained", len(shares), t1 + self.args.drain)
+            after = sampler.scrape()  # before the stop: requests cut by it are no server error
         finally:
             for w, _ in shares:
                 w.send({"cmd": "stop"})
             results = self.wait_events("result", len(shares), time.monotonic() + 120)
             sampler.stop()
-        after = sampler.scrape()
         if len(results) < len(shares):
             raise RuntimeError(f"only {len(results)} of {len(shares)} client processes reported")
         records = [r for _, msg in results for r in msg["records"]]
