@@ -40,7 +40,8 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     """The load benchmark's flags. shared=True: inside `csmserve bench`, whose parser already has
     --model, --device, --dtype, --max-seq-len and --out (they mean the same here)."""
     if not shared:
-        ap.add_argument("--model", default="dummy", help="the server's --model (default dummy: random full-size weights)")
+        ap.add_argument("--model", default="dummy",
+                        help="the server's --model (default dummy: random full-size weights)")
         ap.add_argument("--device", default=None, help="the server's --device")
         ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="the server's --dtype")
         ap.add_argument("--max-seq-len", type=int, default=512, help="the server's --max-seq-len (default 512)")
@@ -62,8 +63,10 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g.add_argument("--format", default="pcm", choices=FORMATS, help="response_format (default pcm)")
     g.add_argument("--mode", default="closed", choices=["closed", "burst", "ws"],
                    help="the scenario when no --scenario is given (default closed)")
-    g.add_argument("--ramp", type=float, default=10.0, help="closed/ws: users start spread over this many s (default 10)")
-    g.add_argument("--warmup", type=float, default=2.0, help="closed/ws: s after the ramp before the window (default 2)")
+    g.add_argument("--ramp", type=float, default=10.0,
+                   help="closed/ws: users start spread over this many s (default 10)")
+    g.add_argument("--warmup", type=float, default=2.0,
+                   help="closed/ws: s after the ramp before the window (default 2)")
     g.add_argument("--duration", type=float, default=20.0, help="closed/ws: the measured window in s (default 20)")
     g.add_argument("--within", type=float, default=3.0, help="burst: the arrivals spread over this many s (default 3)")
     g.add_argument("--audio-ms", type=int, default=10_000, help="max_audio_length_ms of each request (default 10000)")
@@ -76,6 +79,8 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g.add_argument("--text", default=None, help="the input of every request (default: a rotation of 10 s sentences)")
     g.add_argument("--backoff", type=float, default=0.25, help="s a user waits after an error (default 0.25)")
     g.add_argument("--ws-compression", action="store_true", help="offer permessage-deflate (default: off)")
+    g.add_argument("--save-records", action="store_true",
+                   help="also write OUT.records.json: every request's record (csmserve/bench_serve/users.py)")
     return ap
 
 
@@ -203,7 +208,10 @@ class Bench:
             raise RuntimeError(f"only {len(results)} of {len(shares)} client processes reported")
         records = [r for _, msg in results for r in msg["records"]]
         server = metrics.summarize(before, after, sampler.samples, t0, t1)
-        return report.summarize(sc, records, t_start, [msg for _, msg in results], server)
+        summary = report.summarize(sc, records, t_start, [msg for _, msg in results], server)
+        if self.args.save_records:
+            summary["records"] = records
+        return summary
 
 
 def run(args: argparse.Namespace) -> int:
@@ -260,6 +268,12 @@ def run(args: argparse.Namespace) -> int:
             base.parent.mkdir(parents=True, exist_ok=True)
             meta = {"url": url, "server_args": None if args.url else server_args(args), "client_procs": procs,
                     "cores": os.cpu_count(), "commit": _commit()}
+            if args.save_records:
+                from .users import RECORD
+
+                Path(f"{base}.records.json").write_text(json.dumps(
+                    {"columns": RECORD, "scenarios": [{"name": s["name"], "t_start": s["t_start"],
+                                                       "records": s.pop("records")} for s in results]}) + "\n")
             Path(f"{base}.json").write_text(json.dumps({"meta": meta, "scenarios": results}, indent=1) + "\n")
             Path(f"{base}.md").write_text("\n".join(lines) + "\n")
     finally:

@@ -60,7 +60,7 @@ def summarize(sc: Scenario, records: list[list], t_start: float, workers: list[d
     lagmax = [w["lag_ms"]["max"] for w in workers if w["lag_ms"]["max"] is not None]
     return {
         "name": sc.name, "scenario": sc.to_dict(),
-        "window_s": round(t1 - t0, 3),
+        "t_start": t_start, "window": [round(t0 - t_start, 3), round(t1 - t_start, 3)],
         "requests": {"counted": len(counted), "ok": len(ok), "cut": cut, "all": len(records),
                      "per_s": _r(per_s, 2)},
         "ttfa_ms": {"n": len(ttfa), "p50": _r(_pct(ttfa, 50)), "p90": _r(_pct(ttfa, 90)),

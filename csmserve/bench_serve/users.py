@@ -2,8 +2,8 @@
 
 Every request (or WebSocket turn) becomes one record, a list in RECORD order:
   user, t_send, t_first (first audio; None if none), t_end, audio_s, first_audio_s, worst_lag (playback.py),
-  status ("ok", "http 503 server_busy", "transport ReadTimeout", "ws server_busy", "cut": stopped by the
-  benchmark before it ended), counted (sent inside the measured window), nbytes.
+  status ("ok", "http 503 server_busy", "transport ReadTimeout", "ws server_busy", "empty": ended well with
+  no audio, "cut": stopped by the benchmark before it ended), counted (sent inside the measured window), nbytes.
 Times are time.monotonic() (one clock for every process of the machine).
 
 Each HTTP user has its own httpx.AsyncClient holding one keep-alive connection: one shared pool of
@@ -124,7 +124,7 @@ async def http_request(run: Run, client, user: int, k: int) -> str:
                 nbytes += len(data)
                 play.arrive(now(), meter.feed(data))
             play.arrive(now(), meter.finish())
-        status = "ok"
+        status = "ok" if play.t_first is not None else "empty"  # a 200 with no audio in it
     except httpx.HTTPError as e:
         status = f"transport {type(e).__name__}" + (" after audio" if play.t_first is not None else "")
     finally:
@@ -191,7 +191,7 @@ async def ws_turn(run: Run, ws, user: int, k: int, context_id: str) -> str:
             event = json.loads(m)
             kind = event.get("type")
             if kind == "flush_done" and event.get("context_id") == context_id:
-                status = "ok"
+                status = "ok" if play.t_first is not None else "empty"
                 break
             if kind == "error" and event.get("context_id") in (context_id, None):
                 status = f"ws {event.get('error', {}).get('code', '?')}"
