@@ -94,12 +94,18 @@ def _speak_parser(sub: argparse._SubParsersAction) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from .bench import add_arguments
+    from .bench_serve import add_arguments as add_serve_arguments
 
     p = sub.add_parser("bench", help="the engine benchmark on this machine's GPU (tables of frames/s, latency)",
                        description="One stream, a concurrency sweep and memory on the local GPU, with random "
                                    "full-size weights by default (they cost what real ones do). Without a GPU: "
-                                   "--model dummy-tiny for a tiny CPU run.")
+                                   "--model dummy-tiny for a tiny CPU run. With --serve: load through the real "
+                                   "server (csmserve serve started with --model, --max-seq-len, ...) from "
+                                   "streaming HTTP and WebSocket clients.")
     add_arguments(p)
+    p.add_argument("--serve", action="store_true",
+                   help="benchmark the server instead: closed loop, bursts, formats, WebSocket (flags below)")
+    add_serve_arguments(p, shared=True)
     p.set_defaults(func=bench)
 
 
@@ -479,7 +485,10 @@ def _error_message(body: bytes) -> str:
 
 # ---------------------------------------------------------------- bench
 def bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    if args.serve:
+        from .bench_serve import run
+    else:
+        from .bench import run
 
     return run(args)
 

@@ -4,6 +4,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then  # the server's wheels (scripts/gpu_wheels.sh; carry .whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/gpu.txt"
 what=${1:-all}
@@ -29,4 +33,15 @@ if [[ $what == ttfa ]]; then
 fi
 if [[ $what == profile ]]; then
   python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"
+fi
+if [[ $what == serve ]]; then
+  # the load benchmark through the real server (needs the wheels: bash scripts/gpu_wheels.sh, carry .whl):
+  # one server start, then issue 12's acceptance set; SERVE_SCENARIOS replaces the set, SERVE_ARGS adds flags
+  scenarios=${SERVE_SCENARIOS:-"closed:users=1,audio_ms=2000,ramp=0,warmup=1,duration=10,label=idle_1_pcm_2s
+    closed:users=256 closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus
+    ws:users=1024 burst:users=2048,within=3"}
+  python bench/serve_bench.py --model dummy --max-seq-len 512 --max-slots ${SERVE_SLOTS:-2100} \
+    --client-procs ${SERVE_PROCS:-4} --ramp ${SERVE_RAMP:-10} --warmup ${SERVE_WARMUP:-2} \
+    --duration ${SERVE_DURATION:-20} --drain ${SERVE_DRAIN:-30} $(printf -- '--scenario %s ' $scenarios) \
+    --out "$OUT/serve_bench" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
 fi
