@@ -45,3 +45,14 @@ if [[ $what == serve ]]; then
     --duration ${SERVE_DURATION:-20} --drain ${SERVE_DRAIN:-30} $(printf -- '--scenario %s ' $scenarios) \
     --out "$OUT/serve_bench" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
 fi
+if [[ $what == probe ]]; then
+  # a first look after the data-plane rewrite: the graphs on CUDA, one stream and 2,048, admissions, Mimi
+  python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_runner_gpu.py tests/kernels 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
+  python bench/engine_bench.py --sweep 2048 --frames 60 --probes 8 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
+  python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -4
+  python bench/mimi_precision.py --frames 100 --batch 8 --speed-batches 256,2048 2>&1 | tee "$OUT/mimi_precision.txt"
+  python bench/profile_mimi.py --batch 2048 --rows 20 2>&1 | tee "$OUT/profile_mimi.txt" | head -40
+  python bench/serve_bench.py --model dummy --max-seq-len 512 --max-slots 2100 --client-procs 4 --ramp 8 \
+    --warmup 2 --duration 10 --drain 20 --scenario closed:users=256 --scenario closed:users=2048 \
+    --out "$OUT/serve_probe" 2>&1 | tee "$OUT/serve_probe.txt" | tail -30
+fi
