@@ -88,7 +88,8 @@ class CSM:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config, self.model_dir = load_csm(model, self.device, self.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
-        cdtype = resolve_dtype(codec_dtype, self.device) if codec_dtype else torch.float32
+        # Mimi: bfloat16 on CUDA (its error against float32: docs/benchmarks.md), float32 on the CPU
+        cdtype = resolve_dtype(codec_dtype, self.device)
         self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
         self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
         self.sample_rate = SAMPLE_RATE
