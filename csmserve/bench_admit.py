@@ -120,8 +120,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _window(probe: _Probe, engine, warmup: float, seconds: float) -> tuple[float, float]:
-    """(mean ms per step, mean rows per step) over `seconds` after `warmup`."""
+    """(mean ms per step, mean rows per step) over `seconds` after `warmup`; prints the host's share."""
     time.sleep(warmup)
+    st = dict(engine.stats)
     t0 = time.perf_counter()
     time.sleep(seconds)
     t1 = time.perf_counter()
@@ -129,6 +130,11 @@ def _window(probe: _Probe, engine, warmup: float, seconds: float) -> tuple[float
     if len(steps) < 2:
         return float("nan"), float("nan")
     ms = 1e3 * (steps[-1][0] - steps[0][0]) / (len(steps) - 1)
+    n = engine.stats["steps"] - st["steps"]
+    host = 1e3 * (engine.stats["host_s"] - st["host_s"]) / max(1, n)
+    bound = (engine.stats["gpu_bound_steps"] - st["gpu_bound_steps"]) / max(1, n)
+    print(f"  window: {n} steps, {ms:.2f} ms per step, host {host:.2f} ms per step, "
+          f"the host waited for the device in {100 * bound:.0f}% of steps", flush=True)
     return ms, float(np.mean([r for _, r in steps]))
 
 

@@ -92,7 +92,7 @@ class Engine:
         self.inbox = inbox or Inbox()
         self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
         self.router = Router(self.num_codebooks, config.first_chunk_frames, config.chunk_frames, self.abort)
-        self.stats = {"frames": 0, "steps": 0}
+        self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0}
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
         self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
@@ -178,6 +178,7 @@ class Engine:
         self._emit_events()
 
     def step(self, block: bool = False) -> None:
+        t_in = time.perf_counter()
         if not self.config.overlap_steps and self._prev is not None:
             self._prev[1].wait()  # admit what arrived during the step in flight into the next one
         elif self.config.late_launch and self._prev is not None:
@@ -185,6 +186,7 @@ class Engine:
             delay = 0.0 if at is None else at - time.perf_counter()
             if delay > 2e-4:
                 time.sleep(delay)  # requests arriving meanwhile join this step
+        t_idle = time.perf_counter() - t_in
         self._drain(block)
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -197,13 +199,18 @@ class Engine:
             self.pacer.launched(time.perf_counter() - t0)
         if self._prev is not None:
             waited = not self._prev[1].done()
+            t_w = time.perf_counter()
             self._prev[1].wait()
+            t_idle += time.perf_counter() - t_w
+            self.stats["gpu_bound_steps"] += waited
             self.pacer.step_done(time.perf_counter(), waited)
             self._collect(*self._prev)
         else:
             self._emit_events()
         if out is None:
             self.pacer.idle()
+        else:  # the host's own time this iteration (not sleeping, not waiting for the device)
+            self.stats["host_s"] += time.perf_counter() - t_in - t_idle
         self._prev = (batch.step, out) if out is not None else None
 
     def _drain(self, block: bool) -> None:

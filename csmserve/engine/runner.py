@@ -194,7 +194,8 @@ class ModelRunner:
         """packed [T, 2W + 2] (pack_prefill) -> KV of each token written at its slot and position."""
         W = self.cfg.frame_width
         tokens, mask = packed[:, None, :W], packed[:, None, W:2 * W].bool()  # [T, 1, W]
-        pos, slot_tok = packed[:, -2:-1], packed[:, -1]  # [T, 1], [T]
+        # the kernels (RoPE, K/V store, attention) index positions and slots as contiguous arrays
+        pos, slot_tok = packed[:, -2:-1].contiguous(), packed[:, -1].contiguous()  # [T, 1], [T]
         self.kv.set_decode(slot_tok, kv_bound)
         self.model.forward_backbone(tokens, mask, pos, self.kv)
 

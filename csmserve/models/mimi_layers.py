@@ -114,9 +114,24 @@ class CausalConvTr(Stateful):
     def state_specs(self, max_steps: int) -> dict:
         return {"tail": ((self.cout, self.tail), None)} if self.tail else {}
 
+    def _transposed(self, x: Tensor) -> Tensor:
+        # x [B, Cin, T] -> [B, Cout, S*(T-1) + K]
+        C, k, s = x.shape[1], self.weight.shape[-1], self.stride
+        if self.groups == C == self.cout and k % s == 0:
+            # depthwise (Mimi's 12.5 -> 25 Hz upsample): a broadcast product and an overlap-add; cuDNN's
+            # grouped transposed conv took 9 ms of a 25 ms decode step at batch 2048 on the H200
+            B, T, m = x.shape[0], x.shape[-1], k // s
+            full = (x[:, :, :, None] * self.weight[None, :, 0, None, :]).view(B, C, T, m, s)  # [B, C, T, m, s]
+            y = full.new_zeros(B, C, T + m - 1, s)
+            for i in range(m):
+                y[:, :, i:i + T] += full[:, :, :, i]
+            y = y.view(B, C, (T + m - 1) * s)
+            return y if self.bias is None else y + self.bias[:, None]
+        return F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
+
     def forward(self, x: Tensor, st: RowView | None = None) -> Tensor:
         # x [B, Cin, T] -> y [B, Cout, S*T + tail] -> [B, Cout, S*T]
-        y = F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
+        y = self._transposed(x)
         n = y.shape[-1] - self.tail
         if st is None or not self.tail:
             return y[..., :n]

@@ -407,3 +407,21 @@ def test_load_saved_transformers_dir(tmp_path) -> None:
     codes = codes_for(cfg, 1, 4)
     with torch.no_grad():
         assert (ours.decode(codes) - hf.decode(codes).audio_values).abs().max().item() <= TOL
+
+
+def test_depthwise_transposed_conv_fast_path_equals_conv_transpose1d():
+    """The upsample's depthwise ConvTranspose1d is a broadcast product and an overlap-add (cuDNN's grouped
+    kernel is slow at large batch): the same numbers as F.conv_transpose1d, with and without bias."""
+    import torch.nn.functional as F
+
+    from csmserve.models.mimi_layers import CausalConvTr
+
+    torch.manual_seed(0)
+    for C, k, s, T, bias in [(16, 4, 2, 1, False), (16, 4, 2, 5, True), (8, 6, 3, 4, True), (8, 6, 2, 3, False)]:
+        m = CausalConvTr(C, C, k, stride=s, groups=C, bias=bias)
+        torch.nn.init.normal_(m.weight)
+        if bias:
+            torch.nn.init.normal_(m.bias)
+        x = torch.randn(3, C, T)
+        torch.testing.assert_close(m._transposed(x), F.conv_transpose1d(x, m.weight, m.bias, s, groups=C),
+                                   atol=1e-5, rtol=1e-5)
