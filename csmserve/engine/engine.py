@@ -245,7 +245,13 @@ class Engine:
             st.flush(False, None, self.num_codebooks)
 
     def _fail_all(self, error: Exception) -> None:
+        """After a failed step: every request it may have touched (each holding a slot) ends with the
+        error; the ones still queued were not in it and stay queued (after a lost device they are refused)."""
+        queued = {r.request_id for r in self.scheduler.waiting} if self.fatal is None and not device_lost(error) \
+            else set()
         for rid in list(self.streams):
+            if rid in queued:
+                continue
             self.scheduler.abort(rid)
             self.streams.pop(rid).sink(RuntimeError(f"engine step failed: {error}"))
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,12 +20,20 @@ class SamplingParams:
     max_audio_length_ms: int = 10_000
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        self.check()
+
+    def check(self) -> None:
+        """ValueError unless every value samples (the scheduler checks again at add)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_audio_length_ms < 80:
-            raise ValueError(f"max_audio_length_ms must be >= 80 (one frame), got {self.max_audio_length_ms}")
+        if not isinstance(self.top_k, numbers.Integral) or not -2**31 < self.top_k < 2**31:  # the kernel's int32
+            raise ValueError(f"top_k must be an int32, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.max_audio_length_ms, numbers.Integral) or self.max_audio_length_ms < 80:
+            raise ValueError(f"max_audio_length_ms must be an int >= 80 (one frame), got {self.max_audio_length_ms}")
 
     @property
     def max_frames(self) -> int:

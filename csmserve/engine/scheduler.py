@@ -240,6 +240,7 @@ class Scheduler:
             raise ValueError(f"context_len {req.context_len} must be in [0, prompt_len)")
         if not 0 <= req.prefix_len < req.prompt_len:
             raise ValueError(f"prefix_len {req.prefix_len} must be in [0, prompt_len)")
+        req.params.check()  # a value that cannot sample is this request's error, not the step's
         for tokens, mask in req.segments:
             self._check_segment(tokens, mask)
 
