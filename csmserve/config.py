@@ -57,6 +57,8 @@ class ServerConfig:
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
     max_clip_seconds: float = 60.0  # one decoded reference / context clip
     max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
+    max_context_chars: int = 4096  # the text of one context turn (checked before anything is tokenized)
+    max_context_total_chars: int = 16384  # the text of all context turns of one request / message
     max_audio_length_ms: int = 90_000  # the largest max_audio_length_ms a request may ask for
     default_audio_length_ms: int = 30_000  # when the request does not say
     # generations in flight (HTTP + WebSocket); past it: 429. None: bounded by the engine alone (its
@@ -71,6 +73,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns",
+                     "max_context_chars", "max_context_total_chars",
                      "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ServerConfig
 from ..voices import VoiceStore
-from . import errors, models, speech, voices, ws
+from . import errors, models, openapi, speech, voices, ws
 from .errors import APIError, check_bearer
 from .state import ServerState
 
@@ -54,10 +54,11 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
             if owns_store:
                 state.store.close()
 
-    app = FastAPI(title="csmserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="csmserve", version="0.1.0", lifespan=lifespan, responses=openapi.RESPONSES,
                   description="OpenAI-compatible streaming speech for Sesame CSM-1B. See docs/api.md.")
     app.state.server = state
     errors.install(app)
+    openapi.install(app)
     for module in (speech, voices, models, ws):
         app.include_router(module.router)
     _add_page(app)
