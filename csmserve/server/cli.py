@@ -98,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .timeouts import uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = configs(args)
@@ -111,5 +112,5 @@ def run_serve(args: argparse.Namespace) -> int:
         return csm
 
     app = create_app(None, server_config, load=load)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower())
+    uvicorn.Server(uvicorn_config(app, server_config, log_level=args.log_level.lower())).run()
     return 0

@@ -188,8 +188,8 @@ class ServerState:
         return getattr(self._engine(), "scheduler", None)
 
     def _num_running(self) -> float:
-        s = self._scheduler()
-        return float(s.num_running + s.num_prefilling) if s is not None else 0.0
+        s = self._scheduler()  # every request holding a slot: running, prefilling, idle (long-form awaiting text)
+        return float(s.max_slots - s.num_free_slots) if s is not None else 0.0
 
     def _num_waiting(self) -> float:
         s = self._scheduler()

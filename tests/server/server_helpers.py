@@ -22,10 +22,13 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, app) -> None:
+        from csmserve.server.timeouts import uvicorn_config
+
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", ws="websockets-sansio")
+        config = uvicorn_config(app, app.state.server.config, host="127.0.0.1", port=self.port, log_level="warning",
+                                ws="websockets-sansio")  # the transport limits `csmserve serve` runs with
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
