@@ -101,6 +101,9 @@ async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
         log.exception("loading the model failed; /ready stays 503")
 
 
+_PROBES = ("/health", "/ready")  # their 503 is the server's state (loading, engine down), not a failed request
+
+
 class GuardMiddleware:
     """API key on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (a body
     must arrive within body_timeout_s + 1 s per body_min_rate bytes: a client sending a byte a second gets
@@ -154,7 +157,7 @@ class GuardMiddleware:
                 started = True
                 if refused is not None:
                     return await self._reject(send, refused)
-                if message["status"] >= 400:
+                if message["status"] >= 400 and scope["path"] not in _PROBES:
                     self.on_error(message["status"])
             elif refused is not None:
                 return

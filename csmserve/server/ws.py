@@ -327,14 +327,18 @@ async def _immediate(fn, *args):
     return fn(*args)
 
 
+_CONTEXT_ID = re.compile(r'"context_id"\s*:\s*"([^"\\]{1,256})"')
+
+
 def _context_id(raw: str) -> str | None:
     """The context_id of a message that failed validation, when it has one (pydantic's parser: bounded
-    nesting, partial JSON of a cut message)."""
+    nesting, partial JSON of a cut message; else the first `"context_id": "..."` of its first 4 KB)."""
     try:
         value = pydantic_core.from_json(raw, allow_partial=True).get("context_id")
         return value if isinstance(value, str) and len(value) <= 256 else None
     except (ValueError, AttributeError):
-        return None
+        m = _CONTEXT_ID.search(raw, 0, 4096)
+        return m.group(1) if m else None
 
 
 def _flag(ws: WebSocket, name: str) -> bool:

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import io
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import av
 import httpx
 import numpy as np
 import uvicorn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "audio"))  # audio_files: WAVs built byte by byte
+from audio_files import raw_wav  # noqa: E402,F401
 
 SHORT_MS = 400  # 5 frames: keeps the CPU tests quick
 
