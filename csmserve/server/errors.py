@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("csmserve.server")
 
@@ -97,6 +98,12 @@ def install(app: FastAPI) -> None:
         # Starlette's own: 404/405 routing, 400 from the multipart parser (no boundary, bad framing)
         code = "invalid_multipart" if exc.status_code == 400 and "multipart" in str(exc.detail).lower() else None
         return APIError(exc.status_code, str(exc.detail), code).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client left while its body was being read: nobody reads this answer, nothing failed here
+        return APIError(400, "the client closed the connection before its request body arrived",
+                        "client_disconnected").response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

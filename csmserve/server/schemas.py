@@ -5,14 +5,23 @@ parser (`parse_body`): nesting is bounded (recursion limit: a 400), strings with
 from __future__ import annotations
 
 import asyncio
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 from ..audio import MAX_SPEED, MIN_SPEED
 from .errors import APIError, validation_error
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _integral(v: object) -> object:
+    # JSON Schema's "integer" admits 1.0 (generated clients send it); 1.5, "1" and true stay refused
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
 
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -26,7 +35,7 @@ class ContextTurn(BaseModel):
     """One earlier turn of the conversation: who spoke, what they said, and how it sounded."""
 
     model_config = ConfigDict(extra="ignore")
-    speaker: StrictInt = Field(0, ge=0, le=255)
+    speaker: Int = Field(0, ge=0, le=255)
     text: StrictStr = ""
     audio: StrictStr | None = None  # base64 of any common audio file (wav, mp3, flac, ogg, ...)
     voice_id: StrictStr | None = None  # a stored voice's clip and transcript
@@ -42,12 +51,12 @@ class SamplingFields(BaseModel):
     """CSM extensions shared by HTTP and WebSocket requests."""
 
     model_config = ConfigDict(extra="ignore")
-    speaker: StrictInt | None = Field(None, ge=0, le=255)  # default: the voice's speaker (0 for aliases)
+    speaker: Int | None = Field(None, ge=0, le=255)  # default: the voice's speaker (0 for aliases)
     temperature: float = Field(0.9, ge=0.0, le=2.0, allow_inf_nan=False)  # 0 (and < 1e-5) = greedy
-    top_k: StrictInt = Field(50, ge=0, le=2051)  # 0 disables
+    top_k: Int = Field(50, ge=0, le=2051)  # 0 disables
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    max_audio_length_ms: StrictInt | None = Field(None, ge=80)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
+    max_audio_length_ms: Int | None = Field(None, ge=80)
 
 
 class SpeechRequest(SamplingFields):

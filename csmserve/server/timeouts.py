@@ -13,15 +13,17 @@ from ..config import ServerConfig
 from .errors import APIError
 
 
-def timeout_response(message: str) -> bytes:
-    body = json.dumps(APIError(408, message, "request_timeout").body()).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+def raw_response(status: int, reason: str, error: APIError) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's error shape, written below h11 (then the connection closes)."""
+    body = json.dumps(error.body()).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
 def with_header_timeout(base: type[asyncio.Protocol], seconds: float) -> type[asyncio.Protocol]:
     """`base` (uvicorn's H11Protocol) with a deadline for each request's headers: `seconds` from the
-    connection's first byte, or from the first byte after the previous response; past it a 408 and close."""
+    connection's first byte, or from the first byte after the previous response; past it a 408 and close.
+    A request h11 cannot parse gets its 400 in OpenAI's error shape too (uvicorn's is text/plain)."""
 
     class HeaderTimeout(base):  # type: ignore[valid-type, misc]
         _header_timer: asyncio.TimerHandle | None = None
@@ -52,7 +54,15 @@ def with_header_timeout(base: type[asyncio.Protocol], seconds: float) -> type[as
                 return
             if self.cycle is not self._armed_cycle:  # a request's headers arrived meanwhile
                 return
-            self.transport.write(timeout_response(f"the request headers took longer than {seconds:g} s"))
+            self.transport.write(raw_response(408, "Request Timeout", APIError(
+                408, f"the request headers took longer than {seconds:g} s", "request_timeout")))
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:  # h11 refused the request (headers too large, bad framing)
+            if not self.transport.is_closing():
+                self.transport.write(raw_response(400, "Bad Request", APIError(
+                    400, "not a valid HTTP/1.1 request (malformed, or headers past --max-header-bytes)",
+                    "invalid_http")))
             self.transport.close()
 
     HeaderTimeout.__name__ = f"HeaderTimeout{base.__name__}"
