@@ -353,3 +353,13 @@ def test_ready_503_while_loading_is_not_a_request_error(csm, tmp_path):
         gate.set()
         server.app.state.server.csm = None  # not ours to close
         server.stop()
+
+
+def test_idle_keep_alive_connection_is_closed(serve):
+    server = serve(keep_alive_s=0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        t = time.perf_counter()
+        assert s.recv(65536) == b""  # closed by the server, not by us
+        assert 0.3 < time.perf_counter() - t < 5
