@@ -32,8 +32,9 @@ class Server:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn_config(app, app.state.server.config, host="127.0.0.1", port=self.port, log_level="warning",
-                                ws="websockets-sansio")  # the transport limits `csmserve serve` runs with
+        kw = dict(host="127.0.0.1", port=self.port, log_level="warning", ws="websockets-sansio")
+        state = getattr(app.state, "server", None)  # a csmserve app: the transport limits `csmserve serve` runs with
+        config = uvicorn_config(app, state.config, **kw) if state is not None else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
