@@ -27,7 +27,7 @@ from .pacing import LaunchPacer
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .request import AudioChunk, Request
 from .runner import ModelRunner, StepOutput
-from .scheduler import RequestOutput, Scheduler, SchedulerBusy
+from .scheduler import RequestOutput, Scheduler
 
 log = logging.getLogger("csmserve.engine")
 DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
@@ -200,7 +200,7 @@ class Engine:
     def _add(self, request: Request, sink: Sink) -> None:
         try:
             self.scheduler.add(request)
-        except (SchedulerBusy, ValueError) as e:
+        except Exception as e:  # busy, or a request that cannot run (ValueError): its own error, no one else's
             sink(e)
             return
         self.streams[request.request_id] = _Stream(request, sink)

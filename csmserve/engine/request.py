@@ -24,10 +24,11 @@ class SamplingParams:
 
     def check(self) -> None:
         """ValueError unless every value samples (the scheduler checks again at add)."""
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:  # NaN fails too
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t, p = self.temperature, self.top_p
+        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {t!r}")
+        if not (isinstance(p, numbers.Real) and 0 < p <= 1):  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not isinstance(self.top_k, numbers.Integral) or not -2**31 < self.top_k < 2**31:  # the kernel's int32
             raise ValueError(f"top_k must be an int32, got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**63):

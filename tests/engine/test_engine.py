@@ -213,7 +213,7 @@ def test_tiny_temperature_samples_greedy_and_leaves_a_seeded_neighbour_alone(mod
 def test_values_that_cannot_sample_are_refused_at_add_not_in_the_step(model):
     for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": -1.0},
                 {"top_p": float("nan")}, {"top_p": 0.0}, {"top_k": 2**40}, {"seed": 2**64}, {"seed": -1},
-                {"max_audio_length_ms": 79}):
+                {"max_audio_length_ms": 79}, {"temperature": "0.5"}, {"top_p": None}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     broken = SamplingParams(temperature=0.9)

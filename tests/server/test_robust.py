@@ -309,7 +309,8 @@ def test_openapi_documents_what_the_server_answers(server):
     speech = doc["paths"]["/v1/audio/speech"]["post"]
     assert set(speech["responses"]["200"]["content"]) == {"audio/mpeg", "audio/ogg; codecs=opus", "audio/aac",
                                                          "audio/flac", "audio/wav", "audio/pcm", "text/event-stream"}
-    assert speech["requestBody"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/SpeechRequest"
+    body = speech["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"] == "#/components/schemas/SpeechRequest"
     assert "400" in speech["responses"] and "HTTPValidationError" not in doc["components"]["schemas"]
     assert {"SpeechRequest", "ContextTurn", "VoiceRef", "ErrorResponse"} <= set(doc["components"]["schemas"])
 
@@ -318,7 +319,8 @@ def test_every_error_has_a_code(server):
     cases = [
         httpx.post(f"{server.url}/v1/audio/speech", content=b"", headers={"content-type": "application/json"}),
         httpx.post(f"{server.url}/v1/audio/speech", content=b"null"),
-        httpx.post(f"{server.url}/v1/audio/voices", content=b"garbage", headers={"content-type": "multipart/form-data"}),
+        httpx.post(f"{server.url}/v1/audio/voices", content=b"garbage",
+                   headers={"content-type": "multipart/form-data"}),
         httpx.post(f"{server.url}/v1/audio/voices", content=b"garbage",
                    headers={"content-type": "multipart/form-data; boundary=x"}),
         httpx.post(f"{server.url}/v1/audio/voices"),
