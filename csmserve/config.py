@@ -59,6 +59,8 @@ class ServerConfig:
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
     max_clip_seconds: float = 60.0  # one decoded reference / context clip
     max_context_turns: int = 16  # context turns in one request (and kept per WebSocket context_id)
+    max_context_chars: int = 4096  # the text of one context turn (checked before anything is tokenized)
+    max_context_total_chars: int = 16384  # the text of all context turns of one request / message
     # the largest max_audio_length_ms (the whole response) a request may ask for: no request holds a
     # slot for longer than this much audio
     max_audio_length_ms: int = 600_000
@@ -79,16 +81,31 @@ class ServerConfig:
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None
+    # slow clients (server/timeouts.py): a request's headers must arrive within header_timeout_s (408,
+    # closed); its body within body_timeout_s plus 1 s per body_min_rate bytes received (408); an idle
+    # keep-alive connection is closed after keep_alive_s; headers past max_header_bytes are a 400
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    body_min_rate: int = 16384  # bytes/s
+    keep_alive_s: float = 5.0
+    max_header_bytes: int = 16384
     # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
     session_idle_s: float = 600.0  # a session unused this long is forgotten
     max_sessions: int = 1024  # past it, the least recently used idle session is forgotten
     max_session_turns: int = 64  # turns kept per session (both sides); the oldest are dropped
     max_session_frames: int = 2048  # audio frames kept per session (the model's whole context); oldest dropped
+    # one WebSocket message (JSON text; context audio in base64): past it an `error`, the connection lives
+    # on; past twice it the WebSocket layer closes the connection (1009) before buffering it whole
+    max_ws_message_bytes: int = 16 * 2**20
+    # a WebSocket turn that got text but no flush: flushed by the server after this long without new text
+    # (what was sent is spoken, `flush_done` says `idle_timeout`), so its engine slot is freed
+    ws_turn_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
-                     "audio_ms_per_char",
-                     "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames"):
+                     "audio_ms_per_char", "max_context_chars", "max_context_total_chars",
+                     "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames",
+                     "max_ws_message_bytes", "body_min_rate", "max_header_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_clip_seconds <= 0:
@@ -97,7 +114,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
         if self.api_workers is not None and self.api_workers < 0:
             raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
-        if self.session_idle_s <= 0:
-            raise ValueError(f"ServerConfig.session_idle_s must be > 0, got {self.session_idle_s}")
+        for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")

@@ -35,7 +35,7 @@ from .pacing import LaunchPacer
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .request import AudioChunk, Request
 from .runner import ModelRunner, StepOutput
-from .scheduler import Scheduler, SchedulerBusy, StepRows
+from .scheduler import Scheduler, StepRows
 
 log = logging.getLogger("csmserve.engine")
 DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
@@ -231,7 +231,7 @@ class Engine:
             self.router.open(request.handle, request.request_id, *local)
         try:
             self.scheduler.add(request)
-        except (SchedulerBusy, ValueError) as e:
+        except Exception as e:  # busy, or a request that cannot run (ValueError): its own error, no one else's
             self._event(request.handle, EV_ERROR, error_payload(e))
             return
         self._live.setdefault(client_of(request.handle), set()).add(request.request_id)
@@ -300,13 +300,19 @@ class Engine:
             self._emit_rows(empty_rows(0, self.num_codebooks), None)
 
     def _fail_all(self, error: Exception) -> None:
+        """After a failed step: every request it may have touched (each holding a slot) ends with the
+        error; the ones still queued were not in it and stay queued (after a lost device they are refused)."""
+        queued = {r.request_id for r in self.scheduler.waiting} if self.fatal is None and not device_lost(error) \
+            else set()
         payload = error_payload(RuntimeError(f"engine step failed: {error}"))
         for client, rids in list(self._live.items()):
             for rid in list(rids):
+                if rid in queued:
+                    continue
                 req = self.scheduler.abort(rid)
+                rids.discard(rid)
                 if req is not None:
                     self._event(req.handle, EV_ERROR, payload)
-            rids.clear()
 
 
 class _ClientBase:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import itertools
 import secrets
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,14 +27,23 @@ class SamplingParams:
     max_segment_length_ms: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # NaN fails too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.check()
+
+    def check(self) -> None:
+        """ValueError unless every value samples (the scheduler checks again at add)."""
+        t, p = self.temperature, self.top_p
+        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {t!r}")
+        if not (isinstance(p, numbers.Real) and 0 < p <= 1):  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not isinstance(self.top_k, numbers.Integral) or not -2**31 < self.top_k < 2**31:  # the kernel's int32
+            raise ValueError(f"top_k must be an int32, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int in [0, 2^63), got {self.seed!r}")
         for name in ("max_audio_length_ms", "max_segment_length_ms"):
             v = getattr(self, name)
-            if v is not None and v < 80:
-                raise ValueError(f"{name} must be >= 80 (one frame), got {v}")
+            if v is not None and (not isinstance(v, numbers.Integral) or v < 80):
+                raise ValueError(f"{name} must be an int >= 80 (one frame), got {v!r}")
 
     @property
     def max_frames(self) -> int:

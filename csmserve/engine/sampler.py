@@ -3,9 +3,11 @@
 The noise for (seed, frame, codebook, token) is a hash of those four integers, so a seeded row
 draws the same sample whatever else shares its batch, and nothing touches a global generator.
 Top-k and top-p keep every token whose scaled logit reaches the cut-off value (ties kept, as the
-reference `sample_topk` does), then Gumbel-max picks one. No host sync; CUDA-graph safe. On CUDA
-the whole of it is one Triton kernel per call (kernels/sampler.py); the torch code here is the
-reference it is tested against, and the CPU path.
+reference `sample_topk` does), then Gumbel-max picks one. A temperature below GREEDY_BELOW (or NaN)
+is greedy: the limit t -> 0, where `logits / t` would overflow. Whatever the logits hold (inf, NaN),
+the token is an index into them: the top token is always kept, a NaN logit is never chosen.
+No host sync; CUDA-graph safe. On CUDA the whole of it is one Triton kernel per call
+(kernels/sampler.py); the torch code here is the reference it is tested against, and the CPU path.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from torch import Tensor
 
 _M32 = 0xFFFFFFFF
 MIX1, MIX2 = 0x7FEB352D, 0x5BD1E995  # < 2^31: products of 32-bit values stay inside int64
+# the Gumbel noise spans < 21 (u in [2^-25, 1 - 2^-25]): below this temperature only logits within
+# 21 * 1e-5 of the largest could be drawn instead of it, and a logit / 1e-5 overflows only past 3e33
+GREEDY_BELOW = 1e-5
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -38,8 +43,10 @@ def hash_uniform(seed: Tensor, frame: Tensor, codebook: int, vocab: int) -> Tens
 def sample_torch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
                  codebook: int) -> Tensor:
     logits = logits.float()
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))  # a NaN logit is never chosen
     V = logits.shape[-1]
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    sampled = temperature >= GREEDY_BELOW  # [B]; False for 0, tiny and NaN temperatures
+    t = torch.where(sampled, temperature, torch.ones_like(temperature))
     x = logits / t[:, None]  # [B, V]
     s = x.sort(-1, descending=True).values
     rank = torch.arange(V, device=x.device)[None, :]
@@ -47,17 +54,18 @@ def sample_torch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     sk = s.masked_fill(rank >= k, float("-inf"))
     probs = sk.softmax(-1)
     keep = ((probs.cumsum(-1) - probs) <= top_p[:, None]) & (rank < k)  # mass before a token <= top_p
-    cut = s.gather(1, keep.sum(-1, keepdim=True) - 1)  # [B, 1] smallest kept value (<= k-th largest)
+    # the top token always (its mass before is 0; NaN probs, from x = +inf, keep only the largest)
+    cut = s.gather(1, keep.sum(-1, keepdim=True).clamp(min=1) - 1)  # [B, 1] smallest kept value
     gumbel = -torch.log(-torch.log(hash_uniform(seed, frame, codebook, V)))
     choice = (x + gumbel).masked_fill(x < cut, float("-inf")).argmax(-1)
-    return torch.where(temperature > 0, choice, logits.argmax(-1))
+    return torch.where(sampled, choice, logits.argmax(-1))
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
            codebook: int) -> Tensor:
     """logits [B, V]; temperature/top_p [B] float32; top_k/seed/frame [B] int64 -> tokens [B] int64.
 
-    temperature 0 is greedy; top_k <= 0 disables top-k; top_p 1 disables top-p.
+    temperature < GREEDY_BELOW (0 included) is greedy; top_k <= 0 disables top-k; top_p 1 disables top-p.
     """
     if logits.is_cuda:
         from ..kernels.sampler import sample_triton

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 import secrets
 import time
 from collections import deque
@@ -320,9 +319,7 @@ class Scheduler:
             raise ValueError(f"context_len {req.context_len} must be in [0, prompt_len)")
         if not 0 <= req.prefix_len < req.prompt_len:
             raise ValueError(f"prefix_len {req.prefix_len} must be in [0, prompt_len)")
-        p = req.params
-        if not (math.isfinite(p.temperature) and math.isfinite(p.top_p)):
-            raise ValueError("temperature and top_p must be finite")
+        req.params.check()  # a value that cannot sample is this request's error, not the step's
         for tokens, mask in req.segments:
             self._check_segment(tokens, mask)
 

@@ -3,7 +3,9 @@
 No sort: the top-k cut-off is the k-th largest logit found by bisection over the logits' order-
 preserving integer keys (32 counting passes), and the top-p cut-off the smallest logit whose
 strictly-larger mass is <= top_p, found the same way. Ties at a cut-off are kept, as in the torch
-reference; the two agree exactly whenever no two candidate logits are equal.
+reference; the two agree exactly whenever no two candidate logits are equal. As there, a temperature
+below GREEDY_BELOW (or NaN) is greedy and a NaN logit is never chosen; x = +inf (a huge logit) makes
+the top-p mass NaN, which keeps only the largest keys; the token is always < V.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ..engine import sampler as ref
 
 MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
+GREEDY_BELOW: tl.constexpr = tl.constexpr(ref.GREEDY_BELOW)
 
 
 @triton.jit
@@ -33,10 +36,12 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     i = tl.arange(0, BLOCK)
     valid = i < V
     raw = tl.load(LOGITS + b * stride + i, mask=valid, other=float("-inf")).to(tl.float32)
+    raw = tl.where(raw == raw, raw, float("-inf"))  # NaN -> -inf: never chosen
     temp = tl.load(TEMP + b)
+    sampled = temp >= GREEDY_BELOW  # False for 0, tiny and NaN
     top_k = tl.load(TOPK + b).to(tl.int32)
     top_p = tl.load(TOPP + b)
-    x = raw / tl.where(temp > 0, temp, 1.0)
+    x = raw / tl.where(sampled, temp, 1.0)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
     k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
@@ -73,7 +78,7 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     score = tl.where(valid & (key >= cut.to(tl.int32)), x - tl.log(-tl.log(u)), float("-inf"))
     choice = tl.argmax(score, 0)
     greedy = tl.argmax(raw, 0)
-    tl.store(OUT + b, tl.where(temp > 0, choice, greedy).to(tl.int64))
+    tl.store(OUT + b, tl.minimum(tl.where(sampled, choice, greedy), V - 1).to(tl.int64))  # never an index >= V
 
 
 def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,

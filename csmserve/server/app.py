@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ServerConfig
 from ..voices import VoiceStore
-from . import errors, models, speech, voices, ws
+from . import errors, models, openapi, speech, voices, ws
 from .errors import APIError, check_bearer
 from .state import ServerState
 
@@ -59,15 +59,17 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
             if owns_store:
                 state.store.close()
 
-    app = FastAPI(title="csmserve", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="csmserve", version="0.1.0", lifespan=lifespan, responses=openapi.RESPONSES,
                   description="OpenAI-compatible streaming speech for Sesame CSM-1B. See docs/api.md.")
     app.state.server = state
     errors.install(app)
+    openapi.install(app)
     for module in (speech, voices, models, ws):
         app.include_router(module.router)
     _add_page(app)
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       on_error=state.metrics.error, worker=worker)
+                       on_error=state.metrics.error, body_timeout_s=config.body_timeout_s,
+                       body_min_rate=config.body_min_rate, worker=worker)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -108,12 +110,18 @@ async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
         log.exception("loading the model failed; /ready stays 503")
 
 
-class GuardMiddleware:
-    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size, error counts."""
+_PROBES = ("/health", "/ready")  # their 503 is the server's state (loading, engine down), not a failed request
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 on_error: Callable[[int], None], worker: int | None = None) -> None:
+
+class GuardMiddleware:
+    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (a body
+    must arrive within body_timeout_s + 1 s per body_min_rate bytes: a client sending a byte a second gets
+    a 408), error counts."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None],
+                 body_timeout_s: float | None = None, body_min_rate: int = 16384, worker: int | None = None) -> None:
         self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
+        self.body_timeout_s, self.body_min_rate = body_timeout_s, body_min_rate
         self.worker_header = None if worker is None else (b"x-csmserve-worker", str(worker).encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,38 +136,50 @@ class GuardMiddleware:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._reject(send, too_large)
-        seen, exceeded, started = 0, False, False
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        seen, body_done, started = 0, False, False
+        refused: APIError | None = None  # the body was cut short: this is the answer, whatever the app made of it
 
         async def limited_receive() -> Message:
-            nonlocal seen, exceeded
-            message = await receive()
+            nonlocal seen, body_done, refused
+            if body_done or self.body_timeout_s is None:
+                message = await receive()
+            else:
+                left = start + self.body_timeout_s + seen / self.body_min_rate - loop.time()
+                try:
+                    message = await asyncio.wait_for(receive(), max(left, 0.0))
+                except TimeoutError:
+                    refused = APIError(408, f"the request body arrived too slowly ({seen} bytes in "
+                                       f"{loop.time() - start:.0f} s)", "request_timeout")
+                    raise refused from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_body_bytes:  # a chunked upload without Content-Length
-                    exceeded = True
+                    refused = too_large
                     raise APIError(413, too_large.message, "request_too_large")
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
-                if exceeded:  # whatever the app made of the aborted body, the answer is 413
-                    started = True
-                    return await self._reject(send, too_large)
                 started = True
-                if message["status"] >= 400:
+                if refused is not None:
+                    return await self._reject(send, refused)
+                if message["status"] >= 400 and scope["path"] not in _PROBES:
                     self.on_error(message["status"])
                 if self.worker_header is not None:
                     message = {**message, "headers": [*message.get("headers", []), self.worker_header]}
-            elif exceeded:
+            elif refused is not None:
                 return
             await send(message)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except APIError:
+        except APIError as e:  # raised by limited_receive and not caught by the app
             if not started:
-                await self._reject(send, too_large)
+                await self._reject(send, refused or e)
 
     async def _reject(self, send: Send, error: APIError) -> None:
         self.on_error(error.status)
@@ -167,5 +187,7 @@ class GuardMiddleware:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if error.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if error.status in (408, 413):  # the rest of the body is not read: the connection cannot be reused
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -108,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .timeouts import uvicorn_config
 
     def load():
         from ..api import CSM
@@ -118,5 +119,5 @@ def run_serve(args: argparse.Namespace) -> int:
         return csm
 
     app = create_app(None, server_config, load=load)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level.lower())
+    uvicorn.Server(uvicorn_config(app, server_config, log_level=args.log_level.lower())).run()
     return 0

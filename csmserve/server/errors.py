@@ -7,20 +7,30 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("csmserve.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
+
+
+# the code of an error raised without one (never null in a response): by status
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+          408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
+          429: "too_many_requests", 500: "internal_error", 503: "server_error"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  type: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+        self.status, self.message, self.param = status, message, param
+        self.code = code or _CODES.get(status, "error")
         self.type = type or _TYPES.get(status, "server_error")
 
     def body(self) -> dict:
@@ -56,16 +66,21 @@ def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "list", "dict", "none") or part[:1].isupper() or "[" in part
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+    errors = exc.errors(include_input=False) if isinstance(exc, ValidationError) else exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _param(tuple(first.get("loc", ())))
-    msg = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
+    msg, kind = first.get("msg", "invalid value"), first.get("type")
+    if kind == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
                         "invalid_json")
-    if first.get("type") == "missing":
+    if kind == "missing":
+        if param is None:  # FastAPI: no body at all
+            return APIError(400, "the request body is missing; send a JSON object", "missing_required_parameter",
+                            "body")
         return APIError(400, f"missing required parameter '{param}'", "missing_required_parameter", param)
+    if param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object", "invalid_json")
     return APIError(400, f"invalid value for '{param}': {msg}" if param else msg, "invalid_value", param)
 
 
@@ -80,8 +95,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # Starlette's own: 404/405 routing, 400 from the multipart parser (no boundary, bad framing)
+        code = "invalid_multipart" if exc.status_code == 400 and "multipart" in str(exc.detail).lower() else None
         return APIError(exc.status_code, str(exc.detail), code).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client left while its body was being read: nobody reads this answer, nothing failed here
+        return APIError(400, "the client closed the connection before its request body arrived",
+                        "client_disconnected").response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -19,8 +19,9 @@ from starlette.types import Receive, Scope, Send
 
 from ..audio import MEDIA_TYPES, Encoder, make_encoder
 from ..engine.request import AudioChunk
+from . import openapi
 from .errors import APIError
-from .schemas import SpeechRequest
+from .schemas import SpeechRequest, parse_body
 from .state import ServerState
 
 log = logging.getLogger("csmserve.server")
@@ -40,10 +41,13 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-@router.post("/v1/audio/speech")
-async def create_speech(body: SpeechRequest, http: Request) -> StreamingResponse:
+@router.post("/v1/audio/speech", openapi_extra=openapi.json_body(SpeechRequest), responses=openapi.SPEECH_RESPONSES,
+             response_class=StreamingResponse)
+async def create_speech(http: Request) -> StreamingResponse:
+    """Speech for `input` in `voice`: audio (`response_format`) streamed as generated, or SSE events."""
     arrival = time.perf_counter()
     state: ServerState = http.app.state.server
+    body = await parse_body(await http.body(), SpeechRequest)  # parsed here, not by FastAPI: see schemas.py
     state.check_input(body.input)
     request, _ = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
     encoder = make_encoder(body.response_format, speed=body.speed)

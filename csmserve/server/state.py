@@ -113,6 +113,7 @@ class ServerState:
         if len(turns) > self.config.max_context_turns:
             raise bad_request(f"'{param}' has {len(turns)} turns; the limit is {self.config.max_context_turns}",
                               param, "context_too_long")
+        self._check_context_text(turns, param)
         out = []
         for i, turn in enumerate(turns):
             p = f"{param}[{i}]"
@@ -127,6 +128,19 @@ class ServerState:
             else:
                 out.append(Segment(turn.speaker, turn.text))
         return out
+
+    def _check_context_text(self, turns: Sequence[ContextTurn], param: str) -> None:
+        """Every turn's text and their sum under the limits, before anything is tokenized (a megabyte of
+        text is a gigabyte of prompt frames)."""
+        cap, total = self.config.max_context_chars, 0
+        for i, turn in enumerate(turns):
+            if len(turn.text) > cap:
+                raise bad_request(f"'{param}[{i}].text' is {len(turn.text)} characters; the limit is {cap}",
+                                  f"{param}[{i}].text", "context_too_long")
+            total += len(turn.text)
+        if total > self.config.max_context_total_chars:
+            raise bad_request(f"the text of '{param}' is {total} characters; the limit is "
+                              f"{self.config.max_context_total_chars}", param, "context_too_long")
 
     def prompt(self, text: str, speaker: int, segments: Sequence[Segment], max_audio_length_ms: int,
                param: str = "context") -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -153,14 +167,16 @@ class ServerState:
         from ..text import split_sentences
         from ..tokenizer import segment_ids, text_frames
 
-        texts = split_sentences(text) if long_form and split else []
+        # tokenizing runs in a thread, never on the event loop (every stream and /health share it)
+        texts = await asyncio.to_thread(split_sentences, text) if long_form and split else []
         if len(texts) > 1:
             request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False,
                                                         total_chars=len(text))
             csm, k = self.require_ready(), request.tokens.shape[1] - 1
-            first = text_frames(segment_ids(csm.tokenizer, speaker, texts[0]), k)[0]
-            request.context_len = request.prompt_len - len(first)
-            request.segments = deque(text_frames(segment_ids(csm.tokenizer, speaker, t), k) for t in texts[1:])
+            frames = await asyncio.to_thread(lambda: [text_frames(segment_ids(csm.tokenizer, speaker, t), k)
+                                                      for t in texts])
+            request.context_len = request.prompt_len - len(frames[0][0])
+            request.segments = deque(frames[1:])
             return request, speaker
 
         self.require_ready()
@@ -176,11 +192,11 @@ class ServerState:
         segments += await self.context_segments(turns)
         segments += list(extra)
         speaker = fields.speaker if fields.speaker is not None else resolved.speaker
-        tokens, mask, bounds = self.prompt(text, speaker, segments, seg_ms or max_ms)
+        tokens, mask, bounds = await asyncio.to_thread(self.prompt, text, speaker, segments, seg_ms or max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                                 seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms)
         csm = self.require_ready()
-        target = len(segment_ids(csm.tokenizer, speaker, text))  # the target turn's text frames
+        target = len(await asyncio.to_thread(segment_ids, csm.tokenizer, speaker, text))  # the target turn's frames
         # voice clip + context turns form the reusable prefix: the engine's prefix cache keys on it
         return Request(tokens, mask, params=params, prefix_len=max(0, len(tokens) - target),
                        prefix_boundaries=tuple(bounds)), speaker

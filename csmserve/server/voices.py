@@ -26,6 +26,8 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
     state: ServerState = http.app.state.server
     if not name.strip():
         raise bad_request("'name' must not be empty", "name", "empty_name")
+    if len(name) > state.config.max_input_chars:
+        raise bad_request(f"'name' is longer than {state.config.max_input_chars} characters", "name")
     if not 0 <= speaker <= 255:
         raise bad_request("'speaker' must be in 0..255", "speaker")
     if len(transcript) > state.config.max_input_chars:

@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 import numpy as np
+import pydantic_core
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
@@ -53,11 +54,14 @@ class Turn:
         self.ended = False
         self.queued = False  # in the connection's jobs (it had a complete segment)
         self.cancelled = False
+        self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
+        self.last_text = time.monotonic()
         self._cursor = 0
 
     def feed(self, text: str) -> int:
         """-> the number of segments this piece completed."""
         self.received += text
+        self.last_text = time.monotonic()
         return self._add(self.splitter.feed(text))
 
     def end(self) -> None:
@@ -104,19 +108,38 @@ class Connection:
 
     # ---- reading
     async def receive_loop(self) -> None:
+        """Every message gets handled or an `error`; none ends the connection (only the client's close)."""
+        limit = self.state.config.max_ws_message_bytes
         while True:
-            raw = await self.ws.receive_text()
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            raw = message.get("text")
+            if raw is None:  # a binary frame
+                await self.error(APIError(400, "binary messages are not part of the protocol; send JSON as text",
+                                          "invalid_message"))
+                continue
+            if len(raw) > limit:
+                await self.error(APIError(400, f"the message is {len(raw)} characters; the limit is {limit} "
+                                          "(--max-ws-message-bytes)", "message_too_large"), _context_id(raw[:4096]))
+                continue
             try:
-                msg = WsRequest.model_validate_json(raw)
+                msg = await (asyncio.to_thread(WsRequest.model_validate_json, raw) if len(raw) > 65536
+                             else _immediate(WsRequest.model_validate_json, raw))
             except ValidationError as e:
-                err = validation_error(e) if e.errors() and e.errors()[0]["type"] != "json_invalid" \
-                    else APIError(400, "message is not valid JSON", "invalid_json")
+                err = validation_error(e)
+                if err.code == "invalid_json":
+                    err = APIError(400, f"message is not valid JSON: {err.message.partition(': ')[2]}", "invalid_json")
                 await self.error(err, _context_id(raw))
                 continue
             try:
                 await self.handle(msg)
             except APIError as e:
                 await self.error(e, msg.context_id)
+            except Exception as e:  # a bug, not the client's: it ends this message only
+                log.exception("websocket message failed")
+                await self.error(APIError(500, f"internal server error: {type(e).__name__}", "internal_error"),
+                                 msg.context_id)
 
     async def handle(self, msg: WsRequest) -> None:
         cid = msg.context_id
@@ -147,15 +170,32 @@ class Connection:
             if turn.feed(msg.text) and not turn.queued:
                 self._queue(turn)  # its first segment is complete: generation starts
         if msg.flush or msg.close:
-            turn = self.open.pop(cid, None)
-            if turn is not None:
-                turn.end()
-                if turn.texts and not turn.queued:
-                    self._queue(turn)
+            self._end_turn(cid)
         if msg.close:
             sessions.drop(cid)  # queued turns keep their session; new messages start a fresh one
             self.jobs.append(cid)
             self.wake.set()
+
+    def _end_turn(self, cid: str) -> Turn | None:
+        """No more text for this context's turn (flush, close, idle timeout): the rest is spoken, then it ends."""
+        turn = self.open.pop(cid, None)
+        if turn is not None:
+            turn.end()
+            if turn.texts and not turn.queued:
+                self._queue(turn)
+        return turn
+
+    async def idle_loop(self) -> None:
+        """A turn that got no text for ws_turn_idle_s is flushed, as if the client had sent `flush`: a client
+        that never flushes must not hold an engine slot forever (an open request idles in one)."""
+        idle = self.state.config.ws_turn_idle_s
+        while True:
+            now = time.monotonic()
+            for turn in [t for t in self.open.values() if now - t.last_text >= idle]:
+                turn.idle_timeout = True
+                self._end_turn(turn.context_id)
+            due = min((t.last_text + idle for t in self.open.values()), default=now + idle)
+            await asyncio.sleep(max(0.01, due - time.monotonic()))
 
     def _queue(self, turn: Turn) -> None:
         turn.queued = True
@@ -256,9 +296,10 @@ class Connection:
                 Segment(speaker, turn.texts[i], codes=np.concatenate(c)) for i, c in sorted(codes.items())]))
         else:
             self.state.sessions.touch(session)
-        await self.send({"type": "flush_done", "context_id": turn.context_id, "request_id": request.request_id,
-                         "num_frames": frames, "finish_reason": reason, "num_segments": len(turn.texts),
-                         "text_end": turn.spans[-1][1] if turn.spans else 0})
+        done = {"type": "flush_done", "context_id": turn.context_id, "request_id": request.request_id,
+                "num_frames": frames, "finish_reason": reason, "num_segments": len(turn.texts),
+                "text_end": turn.spans[-1][1] if turn.spans else 0}
+        await self.send({**done, "idle_timeout": True} if turn.idle_timeout else done)
 
     async def _request(self, session: Session, text: str):
         # the oldest turns of the conversation go first when the prompt would not fit the model's context
@@ -286,12 +327,22 @@ class Connection:
                              "frame_start": chunk.frame_start, "num_frames": len(chunk.codes), **where})
 
 
+async def _immediate(fn, *args):
+    return fn(*args)
+
+
+_CONTEXT_ID = re.compile(r'"context_id"\s*:\s*"([^"\\]{1,256})"')
+
+
 def _context_id(raw: str) -> str | None:
+    """The context_id of a message that failed validation, when it has one (pydantic's parser: bounded
+    nesting, partial JSON of a cut message; else the first `"context_id": "..."` of its first 4 KB)."""
     try:
-        value = json.loads(raw).get("context_id")
-        return value if isinstance(value, str) else None
+        value = pydantic_core.from_json(raw, allow_partial=True).get("context_id")
+        return value if isinstance(value, str) and len(value) <= 256 else None
     except (ValueError, AttributeError):
-        return None
+        m = _CONTEXT_ID.search(raw, 0, 4096)
+        return m.group(1) if m else None
 
 
 def _flag(ws: WebSocket, name: str) -> bool:
@@ -315,14 +366,16 @@ async def speech_stream(ws: WebSocket) -> None:
         await ws.close(code=1013)
         return
     conn = Connection(ws, state, _flag(ws, "binary"), _flag(ws, "progress"))
-    worker = asyncio.create_task(conn.work_loop())
+    tasks = [asyncio.create_task(conn.work_loop()), asyncio.create_task(conn.idle_loop())]
     try:
         await conn.receive_loop()
     except WebSocketDisconnect:
         pass
     finally:
-        worker.cancel()  # cancels the running generation: its engine request is aborted
-        try:
-            await worker
-        except (asyncio.CancelledError, Exception):
-            pass
+        for task in tasks:
+            task.cancel()  # the worker's: cancels the running generation, its engine request is aborted
+        for task in tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass

@@ -175,3 +175,73 @@ def test_a_lost_device_fails_its_requests_and_refuses_later_ones_at_once(model):
     engine.submit(c, sink("c"))
     engine.run_once()
     assert len(got["c"]) == 1 and "restarted" in str(got["c"][0]) and "device-side assert" in str(got["c"][0])
+
+
+def run_until_done(engine, requests, max_iters=400):
+    """Submit all, then engine.run_once() (the real loop body: a failed step fails its requests) until each
+    request's sink got a final chunk or an error. -> {request_id: [AudioChunk | BaseException]}"""
+    got = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.submit(r, got[r.request_id].append)
+    for _ in range(max_iters):
+        engine.run_once()
+        if all(v and (isinstance(v[-1], BaseException) or v[-1].final) for v in got.values()):
+            return got
+    raise AssertionError("engine did not finish")
+
+
+def codes_of(items) -> np.ndarray:
+    assert not any(isinstance(i, BaseException) for i in items), items
+    assert items[-1].final and items[-1].finish_reason in ("eos", "length")
+    return np.concatenate([c.codes for c in items])
+
+
+@pytest.mark.parametrize("tiny", [1.175494351e-38, 1e-38, 1e-30])
+def test_tiny_temperature_samples_greedy_and_leaves_a_seeded_neighbour_alone(model, tiny):
+    """temperature 1.175494351e-38 (the schema admits 0..2) made `logits / t` overflow and the step raise,
+    failing every request in it; now it is greedy (the limit), and a seeded request beside it is unchanged."""
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=77, max_audio_length_ms=8 * 80)
+    alone = run_until_done(make_engine(model), [Request(*prompt(9, 4), params=seeded)])
+    s, t = Request(*prompt(9, 4), params=seeded), Request(
+        *prompt(7, 5), params=SamplingParams(temperature=tiny, top_p=1e-30, seed=3, max_audio_length_ms=8 * 80))
+    got = run_until_done(make_engine(model), [s, t])
+    np.testing.assert_array_equal(codes_of(got[s.request_id]), codes_of(next(iter(alone.values()))))
+    greedy = reference.generate(model, t.tokens, t.mask, SamplingParams(temperature=0.0, max_audio_length_ms=8 * 80))
+    np.testing.assert_array_equal(codes_of(got[t.request_id]), greedy.codes)
+
+
+def test_values_that_cannot_sample_are_refused_at_add_not_in_the_step(model):
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": -1.0},
+                {"top_p": float("nan")}, {"top_p": 0.0}, {"top_k": 2**40}, {"seed": 2**64}, {"seed": -1},
+                {"max_audio_length_ms": 79}, {"temperature": "0.5"}, {"top_p": None}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    broken = SamplingParams(temperature=0.9)
+    object.__setattr__(broken, "temperature", float("nan"))  # built around the dataclass' own check
+    good = Request(*prompt(6, 1), params=SamplingParams(temperature=0.0, max_audio_length_ms=4 * 80))
+    bad = Request(*prompt(6, 2), params=broken)
+    got = run_until_done(make_engine(model), [good, bad])
+    assert len(got[bad.request_id]) == 1 and isinstance(got[bad.request_id][0], ValueError)
+    assert "temperature" in str(got[bad.request_id][0])
+    np.testing.assert_array_equal(codes_of(got[good.request_id]),
+                                  reference.generate(model, good.tokens, good.mask, good.params).codes)
+
+
+def test_a_failed_step_fails_its_requests_not_the_queued_ones(model):
+    engine = make_engine(model, max_slots=1)
+    step, calls = engine.runner.step, {"n": 0}
+
+    def failing(slots):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return step(slots)
+
+    engine.runner.step = failing
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=4 * 80)
+    held, queued = Request(*prompt(6, 1), params=params), Request(*prompt(6, 2), params=params)
+    got = run_until_done(engine, [held, queued])
+    assert isinstance(got[held.request_id][-1], RuntimeError)
+    np.testing.assert_array_equal(codes_of(got[queued.request_id]),
+                                  reference.generate(model, queued.tokens, queued.mask, params).codes)
+    assert engine.scheduler.num_free_slots == 1

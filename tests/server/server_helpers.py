@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import io
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import av
 import httpx
 import numpy as np
 import uvicorn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "audio"))  # audio_files: WAVs built byte by byte
+from audio_files import raw_wav  # noqa: E402,F401
 
 SHORT_MS = 400  # 5 frames: keeps the CPU tests quick
 
@@ -22,10 +27,14 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, app) -> None:
+        from csmserve.server.timeouts import uvicorn_config
+
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", ws="websockets-sansio")
+        kw = dict(host="127.0.0.1", port=self.port, log_level="warning", ws="websockets-sansio")
+        state = getattr(app.state, "server", None)  # a csmserve app: the transport limits `csmserve serve` runs with
+        config = uvicorn_config(app, state.config, **kw) if state is not None else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

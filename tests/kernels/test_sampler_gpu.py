@@ -1,0 +1,84 @@
+"""GPU (`pytest -m gpu`): the Triton sampler on the values the schema admits that the torch reference
+guards: temperatures down to the smallest float32 (greedy), top_p tiny, top_k 1, NaN / inf logits;
+always an index < V, the same token as the reference, and through a graphed frame step."""
+import numpy as np
+import pytest
+import torch
+
+from csmserve.engine.sampler import GREEDY_BELOW, sample_torch
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TINY = [1.175494351e-38, 1e-38, 5e-38, 1e-30, 1e-12, GREEDY_BELOW / 2]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("V", [2048, 2051])
+def test_tiny_temperatures_are_greedy(dtype, V):
+    from csmserve.kernels.sampler import sample_triton
+
+    torch.manual_seed(0)
+    B = 64
+    logits = (torch.randn(B, V, device="cuda") * 3).to(dtype)
+    t = torch.tensor(TINY * (B // len(TINY)) + TINY[:B % len(TINY)], device="cuda")
+    seed = torch.randint(0, 2**62, (B,), device="cuda")
+    frame = torch.randint(0, 500, (B,), device="cuda")
+    greedy = logits.float().argmax(-1)
+    for top_k in (0, 1, 50):
+        for top_p in (1.0, 0.5, 1e-30):
+            k, p = torch.full((B,), top_k, device="cuda"), torch.full((B,), top_p, device="cuda")
+            a = sample_triton(logits, t, k, p, seed, frame, 5)
+            assert torch.equal(a, greedy), (top_k, top_p)
+            assert torch.equal(a, sample_torch(logits, t, k, p, seed, frame, 5))
+
+
+@cuda
+def test_non_finite_logits_stay_in_range_and_match_torch():
+    from csmserve.kernels.sampler import sample_triton
+
+    torch.manual_seed(1)
+    B, V = 16, 2051
+    logits = torch.randn(B, V, device="cuda") * 3
+    logits[0] = float("nan")
+    logits[1, :100] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3, 9] = 3e38  # / 0.5 overflows
+    logits[4] = float("-inf")
+    t = torch.full((B,), 0.9, device="cuda")
+    t[3], t[5], t[6], t[7] = 0.5, float("nan"), 2.0, 1e-38
+    seed = torch.randint(0, 2**62, (B,), device="cuda")
+    frame = torch.randint(0, 500, (B,), device="cuda")
+    for top_k in (0, 1, 50):
+        for top_p in (1.0, 0.9, 1e-30):
+            k, p = torch.full((B,), top_k, device="cuda"), torch.full((B,), top_p, device="cuda")
+            a = sample_triton(logits, t, k, p, seed, frame, 0)
+            assert ((a >= 0) & (a < V)).all(), a
+            assert a[1] >= 100 and a[2] == 7 and a[3] == 9
+            assert torch.equal(a, sample_torch(logits, t, k, p, seed, frame, 0)), (top_k, top_p)
+
+
+@cuda
+def test_graphed_step_with_a_tiny_temperature_row():
+    """A batch holding a tiny-temperature row: its codes are the greedy row's, its neighbours' unchanged."""
+    from csmserve.engine.request import Admission
+    from csmserve.engine.runner import ModelRunner
+    from csmserve.models.loader import load_csm
+
+    model = load_csm("dummy-tiny", "cuda", torch.float32)[0]
+
+    def codes(temps: list[float], frames: int = 8) -> np.ndarray:
+        runner = ModelRunner(model, num_slots=4, max_seq_len=64, use_graphs=True)
+        first = np.zeros(33, np.int64)
+        mask = np.zeros(33, bool)
+        first[32], mask[32] = 7, True
+        runner.admit([Admission(i, first, mask, 0, t, 50, 0.9, 100 + i) for i, t in enumerate(temps)])
+        out = []
+        for _ in range(frames):
+            out.append(runner.step(list(range(len(temps)))).wait()[0].copy())
+        return np.stack(out)  # [frames, B, 32]
+
+    with torch.inference_mode():
+        mixed = codes([0.9, 1.175494351e-38, 1e-30])
+        ref = codes([0.9, 0.0, 0.0])
+    np.testing.assert_array_equal(mixed, ref)
