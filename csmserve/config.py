@@ -75,6 +75,10 @@ class ServerConfig:
     # slots plus max_waiting queued; past that 503 server_busy)
     max_concurrent_requests: int | None = None
     cors_origins: tuple[str, ...] = ()
+    # encoder effort: LAME's quality 0 (best, slowest) .. 9 and libopus' complexity 0..10; the defaults
+    # cost 5.0 and 2.8 ms of CPU per second of audio (LAME's 3 and opus' 10: 8.6 and 10; docs/benchmarks.md)
+    mp3_compression_level: int = 7
+    opus_complexity: int = 5
     # a client reading the audio this many seconds behind real time (playback from its first chunk)
     # has its request stopped and its slot freed; also the longest a response write may stall
     max_reader_lag_s: float = 30.0
@@ -110,6 +114,8 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_clip_seconds <= 0:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
+        if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
+            raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
         if self.max_reader_lag_s <= 0:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
         if self.api_workers is not None and self.api_workers < 0:

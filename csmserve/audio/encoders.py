@@ -128,6 +128,32 @@ class _Sink:
         return data
 
 
+_single_threaded = False
+
+
+def single_threaded_libav() -> None:
+    """Every libav object of this process uses one thread. PyAV re-blocks audio for the codec through a
+    libavfilter graph that otherwise starts a thread per core per encoder (~3,900 threads for 256 mp3
+    streams on 16 cores); the codec's own thread_count does not reach it. Streams spread over the API
+    worker processes instead."""
+    global _single_threaded
+    if _single_threaded:
+        return
+    _single_threaded = True
+    import ctypes
+    import glob
+    import os
+
+    base = os.path.dirname(av.__file__)
+    found = glob.glob(os.path.join(base, os.pardir, "av.libs", "libavutil*")) or \
+        glob.glob(os.path.join(base, "**", "libavutil*"), recursive=True)
+    try:
+        lib = ctypes.CDLL(found[0]) if found else ctypes.CDLL("libavutil.so")
+        lib.av_cpu_force_count(1)
+    except (OSError, AttributeError, IndexError):  # a libav without it: its default threads stay
+        pass
+
+
 class AvEncoder(Encoder):
     """A libav codec in a libav muxer, writing into a `_Sink` drained after every write."""
 
@@ -137,14 +163,16 @@ class AvEncoder(Encoder):
     container_options: ClassVar[dict[str, str]] = {}
     codec_options: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
+    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
+                 codec_options: dict[str, str] | None = None) -> None:
         super().__init__(sample_rate, speed)
+        single_threaded_libav()
         self.sink = _Sink()
         # flush_packets: push every muxed packet through avio to the sink at once
         options = {"flush_packets": "1", **self.container_options}
         self.out = av.open(self.sink, mode="w", format=self.container, options=options)
         self.stream = self.out.add_stream(self.codec, rate=_codec_rate(self.codec, sample_rate),
-                                          options=dict(self.codec_options))
+                                          options={**self.codec_options, **(codec_options or {})})
         self.stream.layout = "mono"
         # one thread per encoder: libav's default (0 = one per core) gave a server of 256 mp3 streams
         # ~3,900 threads; the API workers spread the streams over the cores instead
@@ -177,11 +205,14 @@ def _codec_rate(codec: str, sample_rate: int) -> int:
 
 class Mp3Encoder(AvEncoder):
     """MPEG-2 Layer III (24 kHz). No ID3 tag and no Xing/Info frame: a plain frame stream,
-    so decoders see the encoder delay and padding (~1100 samples) as extra audio."""
+    so decoders see the encoder delay and padding (~1100 samples) as extra audio. LAME's quality 7 by
+    default (--mp3-compression-level): 5.0 ms of CPU per second of audio against 8.6 at its default,
+    for speech at 64 kb/s (docs/benchmarks.md)."""
 
     format, media_type = "mp3", "audio/mpeg"
     container, codec, bit_rate = "mp3", "libmp3lame", 64_000
     container_options = {"write_xing": "0", "id3v2_version": "0"}
+    codec_options = {"compression_level": "7"}
 
 
 class OpusEncoder(AvEncoder):
@@ -191,6 +222,8 @@ class OpusEncoder(AvEncoder):
     format, media_type = "opus", "audio/ogg; codecs=opus"
     container, codec, bit_rate = "ogg", "libopus", 32_000
     container_options = {"page_duration": "20000"}
+    # complexity 5 (--opus-complexity): 2.8 ms of CPU per second of audio against 10 at libopus' 10
+    codec_options = {"compression_level": "5"}
 
 
 class AacEncoder(AvEncoder):
@@ -217,9 +250,13 @@ FORMATS = tuple(ENCODERS)  # OpenAI's response_format values
 MEDIA_TYPES = {name: cls.media_type for name, cls in ENCODERS.items()}
 
 
-def make_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> Encoder:
+def make_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
+                 codec_options: dict[str, str] | None = None) -> Encoder:
+    """codec_options: libav options of the format's codec (e.g. {"compression_level": "9"}); pcm/wav none."""
     try:
         cls = ENCODERS[fmt]
     except KeyError:
         raise ValueError(f"unknown response_format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
+    if issubclass(cls, AvEncoder):
+        return cls(sample_rate, speed, codec_options)
     return cls(sample_rate, speed)

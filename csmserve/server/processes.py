@@ -59,13 +59,13 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     from ..api import CSM
     from ..engine.remote import RemoteEngineClient
     from .app import create_app
+    from .timeouts import uvicorn_config
 
     def load() -> CSM:  # waits for the engine (it may still be loading the model and capturing graphs)
         return CSM.attach(RemoteEngineClient(spec.address, spec.authkey, spec.client_id, timeout=24 * 3600))
 
     app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index)
-    config = uvicorn.Config(app, log_level=spec.log_level.lower(), ws="websockets-sansio",
-                            timeout_keep_alive=5)
+    config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     uvicorn.Server(config).run(sockets=[sock])
 
 

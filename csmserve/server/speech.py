@@ -7,6 +7,7 @@ incomplete body). Either way it is logged.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -14,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -32,11 +34,19 @@ router = APIRouter()
 
 class ClosingStreamingResponse(StreamingResponse):
     """Always closes the body iterator, however the response ends (client gone, cancelled, done), so
-    the generator's `finally` aborts the engine request at once rather than at garbage collection."""
+    the generator's `finally` aborts the engine request at once rather than at garbage collection.
+    A write that stalls longer than `stall_s` (a client that stopped reading) ends the response."""
+
+    stall_s: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message) -> None:
+            await asyncio.wait_for(send(message), self.stall_s)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if self.stall_s is None else timed_send)
+        except TimeoutError:
+            log.warning("a client stopped reading for %.0f s: its response was ended", self.stall_s)
         finally:
             await self.body_iterator.aclose()
 
@@ -50,19 +60,50 @@ async def create_speech(http: Request) -> StreamingResponse:
     body = await parse_body(await http.body(), SpeechRequest)  # parsed here, not by FastAPI: see schemas.py
     state.check_input(body.input)
     request, _ = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
-    encoder = make_encoder(body.response_format, speed=body.speed)
+    encoder = make_encoder(body.response_format, speed=body.speed,
+                           codec_options=state.codec_options(body.response_format))
     chunks = state.stream(request, arrival)
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        first = None
+    first = await _first_or_gone(chunks, http)
     headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":
         content = _sse(chunks, first, encoder, request.prompt_len, request.request_id)
-        return ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers)
+        return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)
     media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
-    return ClosingStreamingResponse(_audio(chunks, first, encoder, request.request_id), media_type=media_type,
-                                    headers=headers)
+    return _closing(ClosingStreamingResponse(_audio(chunks, first, encoder, request.request_id),
+                                             media_type=media_type, headers=headers), state)
+
+
+async def _first_or_gone(chunks: AsyncIterator[AudioChunk], http: Request) -> AudioChunk | None:
+    """The first chunk (errors up to it still get their status); a client that leaves while its request
+    waits for a slot aborts it there (it leaves the queue at once, never taking a slot)."""
+    first = asyncio.ensure_future(anext(chunks))
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not first.done():
+        first.cancel()
+        try:
+            await first
+        except (asyncio.CancelledError, StopAsyncIteration):
+            pass
+        await chunks.aclose()
+        raise ClientDisconnect()
+    try:
+        return first.result()
+    except StopAsyncIteration:
+        return None
+
+
+async def _disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":  # the body is read: only the disconnect comes
+        pass
+
+
+def _closing(response: ClosingStreamingResponse, state: ServerState) -> ClosingStreamingResponse:
+    response.stall_s = state.config.max_reader_lag_s
+    return response
 
 
 async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:

@@ -63,6 +63,14 @@ class ServerState:
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
         return self.csm.client.stats() if self.ready else None
 
+    def codec_options(self, fmt: str) -> dict[str, str] | None:
+        """The encoder effort the server was started with (--mp3-compression-level, --opus-complexity)."""
+        if fmt == "mp3":
+            return {"compression_level": str(self.config.mp3_compression_level)}
+        if fmt == "opus":
+            return {"compression_level": str(self.config.opus_complexity)}
+        return None
+
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
             raise APIError(400, f"'{param}' must not be empty", "empty_input", param)
@@ -184,7 +192,7 @@ class ServerState:
             total_chars = len(text) if split or not long_form else self.config.max_input_chars
         max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
         seg_ms = None
-        if long_form:
+        if long_form and not split:  # one segment of several (or of a WebSocket turn): the sentence cap
             seg_ms = min(max_ms, getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms)
         resolved = await self.resolve_voice(voice)
         segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \

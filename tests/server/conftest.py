@@ -49,10 +49,10 @@ def serve(csm, tmp_path):
     """serve(**ServerConfig fields) -> a started Server; all stopped at teardown."""
     servers = []
 
-    def start(csm_=csm, **kw) -> Server:
+    def start(csm_=csm, sndbuf=None, **kw) -> Server:
         kw.setdefault("voices_db", str(tmp_path / "voices.db"))
         kw.setdefault("default_audio_length_ms", SHORT_MS)
-        server = Server(create_app(csm_, ServerConfig(**kw))).start()
+        server = Server(create_app(csm_, ServerConfig(**kw)), sndbuf=sndbuf).start()
         servers.append(server)
         return server
 

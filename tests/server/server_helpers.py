@@ -26,7 +26,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, app) -> None:
+    def __init__(self, app, sndbuf: int | None = None) -> None:
+        """sndbuf: the listening socket's SO_SNDBUF (inherited by its connections): a client that stops
+        reading blocks the server's writes after that many bytes rather than after megabytes."""
         from csmserve.server.timeouts import uvicorn_config
 
         self.app = app
@@ -36,7 +38,14 @@ class Server:
         state = getattr(app.state, "server", None)  # a csmserve app: the transport limits `csmserve serve` runs with
         config = uvicorn_config(app, state.config, **kw) if state is not None else uvicorn.Config(app, **kw)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sockets = None
+        if sndbuf is not None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+            sock.bind(("127.0.0.1", self.port))
+            sockets = [sock]
+        self.thread = threading.Thread(target=lambda: self.server.run(sockets=sockets), daemon=True)
 
     @property
     def state(self):

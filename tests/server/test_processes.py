@@ -127,6 +127,7 @@ def test_sessions_voices_metrics_and_keys_are_the_same_on_every_worker(procs):
             break
     assert workers == {"0", "1"}
     # metrics: every worker reports every request
+    time.sleep(0.6)
     n = metric(server, "csmserve:time_to_first_audio_seconds_count")
     assert all(metric(server, "csmserve:time_to_first_audio_seconds_count") == n for _ in range(6)) and n >= 2
     # a conversation continues on whichever worker its next connection lands: each turn's prompt holds
@@ -137,11 +138,13 @@ def test_sessions_voices_metrics_and_keys_are_the_same_on_every_worker(procs):
     for i in range(8):
         with connect(url) as ws:
             seen.add(ws.response.headers["x-csmserve-worker"])
+            time.sleep(0.6)  # the engine's counters reach an idle worker with its heartbeat (every 0.25 s)
             before = metric(server, "csmserve:prefix_cache_hit_positions")
             ws.send(json.dumps({"context_id": "conv", "text": f"Turn number {i}.", "flush": True, "temperature": 0,
                                 "max_audio_length_ms": 160, **({"voice": v["id"]} if i == 0 else {})}))
             _, msgs = turn(ws)
             assert msgs[-1]["type"] == "flush_done" and msgs[-1]["num_frames"] > 0
+            time.sleep(0.6)
             reused.append(metric(server, "csmserve:prefix_cache_hit_positions") - before)
         if len(seen) == 2 and i >= 2:
             break
