@@ -25,6 +25,8 @@ from typing import IO, NoReturn
 
 import numpy as np
 
+from .extras import MissingExtraError
+
 SAMPLE_RATE = 24_000
 FRAME_S = 0.08
 EXTENSIONS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm",
@@ -32,6 +34,11 @@ EXTENSIONS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".
 FORMATS = ("wav", "mp3", "flac", "opus", "pcm", "aac", "npy")
 CHARS_PER_SECOND = 14.0  # rough speaking rate: the progress bar's estimate of the total
 URL_CHUNK_CHARS = 4000  # under the server's default --max-input-chars (4096)
+
+
+def one_line(e: BaseException) -> str:
+    """An error's whole message on one line (a hint after the first line is kept)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class CLIError(Exception):
@@ -198,7 +205,7 @@ class Output:
             try:
                 from .audio import make_encoder
             except ImportError as e:
-                raise CLIError(f"audio output needs PyAV ({e}): pip install 'csmserve[server]'") from None
+                raise CLIError(f"audio output needs PyAV ({e}): pip install av") from None
             self.encoder = make_encoder(fmt, SAMPLE_RATE)
         if path == "-":
             self.file: IO[bytes] = sys.stdout.buffer
@@ -496,8 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 1
-    except (CLIError, ValueError, NotImplementedError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (CLIError, ValueError, NotImplementedError, RuntimeError, OSError, MissingExtraError) as e:
+        msg = one_line(e)
         print(f"csmserve {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
