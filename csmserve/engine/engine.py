@@ -55,13 +55,13 @@ class _Stream:
     segment: int = 0  # long-form: the segment being accumulated
     segment_chunks: int = 0  # chunks sent for it (its first one is small: time to audio after a seam)
 
-    def flush(self, final: bool, reason: str | None, num_codebooks: int) -> None:
+    def flush(self, final: bool, reason: str | None, num_codebooks: int, segment_end: str | None = None) -> None:
         codes = np.concatenate(self.codes) if self.codes else np.zeros((0, num_codebooks), np.int64)
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
         if len(codes) and self.first_audio_time is None:
             self.first_audio_time = time.perf_counter()
         self.sink(AudioChunk(self.request.request_id, audio, codes, self.emitted_frames, final, reason,
-                             self.segment))
+                             self.segment, segment_end=segment_end or (reason if final else None)))
         self.emitted_frames += len(codes)
         self.segment_chunks += 1
         self.codes, self.pcm = [], []
@@ -237,9 +237,8 @@ class Engine:
         if o.finish_reason is not None:
             del self.streams[o.request_id]
             st.flush(True, o.finish_reason, self.num_codebooks)
-        elif o.segment_end is not None:  # chunks never span segments
-            if st.codes:
-                st.flush(False, None, self.num_codebooks)
+        elif o.segment_end is not None:  # chunks never span segments; this one says where the segment ends
+            st.flush(False, None, self.num_codebooks, segment_end=o.segment_end)
             st.segment, st.segment_chunks = o.segment + 1, 0
         elif len(st.codes) >= want:
             st.flush(False, None, self.num_codebooks)
