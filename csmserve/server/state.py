@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("csmserve.server")
 FRAME_SECONDS = 0.08
-_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format")
+_SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms", "output_format",
+             "add_timestamps")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SessionTurn:
 
     role: str
     segments: list  # [Segment] with codes (int16: values < 2051) or text only
+    request_id: str | None = None  # the request that generated an assistant turn (`truncate` names it)
 
     @property
     def frames(self) -> int:
@@ -54,6 +56,7 @@ class Session:
     voice: str | VoiceRef = "alloy"
     fields: SamplingFields = field(default_factory=SamplingFields)
     output_format: str = "pcm_s16le"
+    add_timestamps: bool = False  # send `segment_done` (where each segment starts and ends in the audio)
     context: list = field(default_factory=list)  # [Segment] given with `context` (encoded once)
     turns: list[SessionTurn] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
@@ -65,8 +68,8 @@ class Session:
             if name in given and getattr(msg, name) is not None:
                 if name == "voice":
                     self.voice = msg.voice
-                elif name == "output_format":
-                    self.output_format = msg.output_format
+                elif name in ("output_format", "add_timestamps"):
+                    setattr(self, name, getattr(msg, name))
                 else:
                     self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
 
@@ -268,7 +271,7 @@ class ServerState:
         self.last_prompt = (tokens, mask)
         return tokens, mask, bounds
 
-    async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
+    async def build_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
                             long_form: bool = False) -> tuple[Request, int]:
         """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
@@ -289,12 +292,12 @@ class ServerState:
 
         self.require_ready()
         max_ms = self.audio_length_ms(fields.max_audio_length_ms)
-        resolved = await self.resolve_voice(voice)
+        resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
         segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
-            if resolved.voice is not None else []
+            if resolved is not None and resolved.voice is not None else []
         segments += await self.context_segments(turns)
         segments += list(extra)
-        speaker = fields.speaker if fields.speaker is not None else resolved.speaker
+        speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
         tokens, mask, bounds = self.prompt(text, speaker, segments, max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                                 seed=fields.seed, max_audio_length_ms=max_ms)
