@@ -7,7 +7,7 @@ Two ways to write one:
   CSM speaker n-1, spoken in `voices[n-1]` when given;
 - a list of lines `{"text", "speaker"?, "voice"?}`: a line with a voice and no speaker gets the voice's
   own speaker id in the dialogue (the lowest id no line names, in order of first appearance), so two
-  stored voices never share an id; a line with neither uses the default voice.
+  stored voices never share an id; a line with neither uses the default voice (speaker 0 without one).
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def parse_tagged(text: str, voices: Sequence[str | None] = ()) -> list[Line]:
 
 def cast(lines: Sequence[Line], default_voice: str | None) -> tuple[list[Line], Cast]:
     """Fill in each line's voice (the default for a line with neither) and speaker id."""
-    filled = [ln if ln.speaker is not None or ln.voice is not None else Line(ln.text, None, default_voice)
-              for ln in lines]
+    filled = [ln if ln.speaker is not None or ln.voice is not None else
+              Line(ln.text, 0 if default_voice is None else None, default_voice) for ln in lines]
     taken = {ln.speaker for ln in filled if ln.speaker is not None}
     voices: dict[str, int] = {}
     free = (i for i in range(MAX_SPEAKER + 1) if i not in taken)
