@@ -62,6 +62,8 @@ class CSMTTSService(TTSService):
                  llm_context: Any = None, temperature: float | None = None, top_k: int | None = None,
                  seed: int | None = None, max_audio_length_ms: int | None = None,
                  clock: Callable[[], float] = time.monotonic, **kwargs) -> None:
+        # sentences arrive stripped: csmserve's own splitter needs the space after each one
+        kwargs.setdefault("append_trailing_space", True)
         super().__init__(push_stop_frames=True, push_start_frame=True, push_text_frames=True,
                          sample_rate=SAMPLE_RATE, settings=TTSSettings(model="csm-1b", voice=voice, language=None),
                          **kwargs)
@@ -122,9 +124,9 @@ class CSMTTSService(TTSService):
             self._user_text = f"{self._user_text} {frame.text}".strip()
         elif isinstance(frame, LLMFullResponseStartFrame):
             self._end_user_turn()
+        elif isinstance(frame, InterruptionFrame):
+            await self._cut()  # before Pipecat drops the audio contexts and any later text goes out
         await super().process_frame(frame, direction)
-        if isinstance(frame, InterruptionFrame) and self.conversation.replies:
-            await self._cut(self.conversation.replies[0].key)  # one whose audio context was already gone
 
     def _hear(self, frame: InputAudioRawFrame) -> None:
         if self._capturing:
@@ -195,41 +197,43 @@ class CSMTTSService(TTSService):
         finally:
             self._pumps.pop(key, None)
         if reply.done and not reply.cancelled:
+            for done in [k for k in self._finished if self.playout.finished(k)]:  # heard to the end
+                del self._finished[done]
+                self.playout.forget(done)
             if reply.request_id is not None:
                 self._finished[key] = reply.request_id
             if self.audio_context_available(key):
                 await self.append_to_audio_context(key, TTSStoppedFrame(context_id=key))
                 await self.remove_audio_context(key)
 
-    async def on_audio_context_completed(self, context_id: str) -> None:
-        self._finished.pop(context_id, None)  # played to the end: nothing to cut
-        await super().on_audio_context_completed(context_id)
-
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """Pipecat drops the turn's audio: stop it on the server and cut it at what was played."""
         await self.stop_all_metrics()
-        await self._cut(context_id)
+        task = self._pumps.pop(context_id, None)
+        if task is not None:
+            await self.cancel_task(task)
         await super().on_audio_context_interrupted(context_id)
 
-    async def _cut(self, key: str) -> None:
+    async def _cut(self) -> None:
+        """Barge-in: the reply generating is cancelled on the server and kept up to what was played; a
+        finished reply still playing is truncated there (its audio context may be long gone: Pipecat
+        hands audio on faster than it plays)."""
         now = self.playout.clock()
-        generating = next(iter(self.conversation.replies), None)
         try:
-            if generating is not None and generating.key == key:
-                played = self.playout.played_ms(key, now)
+            generating = next(iter(self.conversation.replies), None)
+            if generating is not None:
+                played = self.playout.played_ms(generating.key, now)
                 msg = await self.conversation.interrupt(audio_end_ms=played)
-            elif key in self._finished and not self.playout.finished(key, now):
-                played = self.playout.played_ms(key, now)
-                msg = await self.conversation.truncate(self._finished[key], played)
-            else:
-                return
-            self.cuts.append({"key": key, "request_id": msg.get("request_id"), "played_ms": played,
-                              "num_frames": msg.get("num_frames", 0)})
+                self._record(generating.key, played, msg)
+            for key, request_id in list(self._finished.items()):
+                if not self.playout.finished(key, now):
+                    played = self.playout.played_ms(key, now)
+                    self._record(key, played, await self.conversation.truncate(request_id, played))
         except (ConversationError, asyncio.TimeoutError) as e:
             await self.push_error(error_msg=f"csmserve: {e}")
         finally:
-            self._finished.pop(key, None)
-            self.playout.forget(key)
-            task = self._pumps.pop(key, None)
-            if task is not None and task is not asyncio.current_task():
-                await self.cancel_task(task)
+            self._finished.clear()
+            self.playout.reset()  # the transport drops what it had queued
+
+    def _record(self, key: str, played_ms: int, msg: dict) -> None:
+        self.cuts.append({"key": key, "request_id": msg.get("request_id"), "played_ms": played_ms,
+                          "num_frames": msg.get("num_frames", 0)})
