@@ -2,6 +2,7 @@
 routes hand the engine: each Request as built, and the frames each one streamed."""
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def server(csm, tmp_path):
     s = Server(create_app(csm, ServerConfig(voices_db=str(tmp_path / "voices.db"), default_audio_length_ms=400,
                                             model_name="dummy-tiny"))).start()
     s.built = []  # every Request the routes started, as built
+    s.chunk_delay = 0.0  # seconds each chunk is held back: generation at a known pace, whatever the CPU
     stream = s.state.stream
 
     async def recording(request, *a, **kw):
@@ -82,6 +84,8 @@ def server(csm, tmp_path):
                 b.frames += len(chunk.codes)
                 if chunk.final:
                     b.reason = chunk.finish_reason
+                if s.chunk_delay and len(chunk.codes):
+                    await asyncio.sleep(s.chunk_delay)
                 yield chunk
         finally:
             b.reason = b.reason or "closed"  # left before its end (client gone, cancel): the engine aborts it

@@ -113,8 +113,10 @@ def test_replies_hear_the_users_audio_and_the_earlier_replies(server, csm, fake_
 def test_interruption_cuts_the_reply_at_the_playback_position(server, csm):
     text = "A long answer that keeps on going for a good while."
 
+    server.chunk_delay = 0.05  # 30 frames in chunks of 2: still generating when the agent closes the stream
+
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=60_000)
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=30 * 80)
         got = await speak(tts, text, stop_after_s=0.48)  # 6 frames reached the agent; then the barge-in
         settle_now = server.built[0].reason
         tts.playback_finished(PlaybackFinishedEvent(playback_position=0.27, interrupted=True))  # 3 frames heard
