@@ -16,7 +16,8 @@ def test_dialogue_panel_plays_a_script_with_timestamps(server, page):  # noqa: F
     server.state.stream = lambda request, *a, **kw: (seen.append(len(request.segments)), stream(request, *a, **kw))[1]
     try:
         page.goto(server.url + "/")
-        page.wait_for_function("[...document.querySelectorAll('#dialogue-s1 option')].some(o => o.textContent.startsWith('ann'))")
+        page.wait_for_function(
+            "[...document.querySelectorAll('#dialogue-s1 option')].some(o => o.textContent.startsWith('ann'))")
         page.select_option("#dialogue-s1", label=page.eval_on_selector(
             "#dialogue-s1", "s => [...s.options].find(o => o.textContent.startsWith('ann')).textContent"))
         page.fill("#max-ms", "240")

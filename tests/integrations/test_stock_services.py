@@ -93,7 +93,7 @@ async def synthesize(tts, text: str, stop_after: int | None = None) -> list:
 
 
 @pytest.mark.parametrize("model,fmt", [("tts-1", "pcm"), ("gpt-4o-mini-tts", "pcm"), ("gpt-4o-mini-tts", "mp3"),
-                                       ("tts-1", "opus")])
+                                       ("tts-1", "opus"), ("tts-1", "aac"), ("tts-1", "flac"), ("tts-1", "wav")])
 def test_livekit_openai_tts_every_way(server, csm, model, fmt):
     """tts-1: the audio bytes; gpt-4o-mini-tts: the SSE stream (speech.audio.delta); decoded by LiveKit."""
     frames = asyncio.run(synthesize(livekit_tts(server, model=model, response_format=fmt), "Hello there. Bye."))

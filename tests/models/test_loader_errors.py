@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 
 import huggingface_hub
+import huggingface_hub.constants
+import huggingface_hub.errors
 import pytest
 from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -48,7 +50,8 @@ ERRORS = {
                                  "--model dummy-tiny"]),
     "gated": (lambda: GatedRepoError("401 Client Error. Cannot access gated repo for url ...",
                                      response=_response(401)),
-              ["gated", "accept its terms at https://huggingface.co/sesame/csm-1b", "HF_TOKEN", "huggingface-cli login"]),
+              ["gated", "accept its terms at https://huggingface.co/sesame/csm-1b", "HF_TOKEN",
+               "huggingface-cli login"]),
     "wrong_id": (lambda: RepositoryNotFoundError("404 Client Error. Repository Not Found for url ...",
                                                  response=_response(404)),
                  ["no model 'sesame/csm-1b' on the Hugging Face hub", "check the id", "--model dummy-tiny"]),
@@ -135,3 +138,26 @@ def test_cli_prints_the_whole_message_on_one_line(kind, monkeypatch, no_token, c
 
 def test_cli_joins_a_multi_line_message():
     assert cli.one_line(ValueError("first line\n  the hint\n")) == "first line the hint"
+
+
+def test_serve_logs_a_model_it_cannot_get_as_one_line(monkeypatch, no_token, caplog, tmp_path):
+    """`csmserve serve` loads in the background (/health answers at once): the failure is one log line with
+    the hint, no traceback, and /ready stays 503."""
+    import asyncio
+    import logging
+
+    from csmserve.config import ServerConfig
+    from csmserve.models.loader import load_csm
+    from csmserve.server.app import _load
+    from csmserve.server.state import ServerState
+    from csmserve.voices import VoiceStore
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _raising(ERRORS["gated"][0]))
+    with VoiceStore(tmp_path / "v.db") as store:
+        state = ServerState(None, ServerConfig(), store)
+        with caplog.at_level(logging.ERROR, logger="csmserve.server"):
+            asyncio.run(_load(state, lambda: load_csm(MODEL)))
+    (record,) = [r for r in caplog.records if r.name == "csmserve.server"]
+    assert record.exc_info is None and "\n" not in record.getMessage()
+    assert "HF_TOKEN" in record.getMessage() and "/ready stays 503" in record.getMessage()
+    assert not state.ready
