@@ -113,6 +113,8 @@ class CSMTTSService(TTSService):
         if isinstance(frame, InputAudioRawFrame):
             self._hear(frame)
         elif isinstance(frame, UserStartedSpeakingFrame):
+            if self._user_pending:  # the user spoke again before any reply: that turn stays a turn
+                self._end_user_turn()
             self._capturing = True
             self.conversation.discard_user_audio()
             for pcm in self._preroll:
