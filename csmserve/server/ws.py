@@ -12,6 +12,10 @@ One connection generates one turn at a time, in the order the turns started. A c
 conversation session (ServerState.sessions): its voice, settings, fixed context and turns (the ones
 generated here and the ones the client adds with `add_context`, audio encoded once) outlive the
 connection until `close`, the idle timeout or eviction, so a later connection naming it continues.
+
+Barge-in: `cancel` with `audio_end_ms` keeps what the client played of the cancelled turn in the session
+(whole frames, its exact codes); `truncate` cuts a finished assistant turn there. With `add_timestamps`,
+`segment_done` says where each segment starts and ends in the turn's audio (server/timestamps.py).
 """
 from __future__ import annotations
 
@@ -333,7 +337,6 @@ class Connection:
         else:
             await self.send({"type": "audio", "context_id": turn.context_id, "audio": base64.b64encode(data).decode(),
                              "frame_start": chunk.frame_start, "num_frames": len(chunk.codes), **where})
-
 
     async def _send_segment_done(self, turn: Turn, span: SegmentSpan) -> None:
         """Where a segment started and ended in the turn's audio (exact, from frame counts)."""
