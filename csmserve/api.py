@@ -246,16 +246,19 @@ class CSM:
     def long_request(self, segments: Sequence[str], speaker: int = 0, context: Sequence[Segment] = (),
                      open: bool = False, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
                      seed: int | None = None, max_audio_length_ms: int | None = None,
-                     max_segment_length_ms: int | None = 20_000) -> Request:
+                     max_segment_length_ms: int | None = 20_000, speakers: Sequence[int] | None = None) -> Request:
         """One request speaking `segments` in order in one slot (max_audio_length_ms caps the whole,
         max_segment_length_ms each segment); open=True: more may be appended (EngineClient.append)
-        until EngineClient.close."""
+        until EngineClient.close. speakers: each segment's speaker (a dialogue); default `speaker` for all."""
         if not segments:
             raise ValueError("no text to speak")
-        req = self.request(segments[0], speaker, context, temperature, top_k, top_p, seed, max_audio_length_ms,
+        spk = [int(speaker)] * len(segments) if speakers is None else [int(s) for s in speakers]
+        if len(spk) != len(segments):
+            raise ValueError(f"{len(segments)} segments but {len(spk)} speakers")
+        req = self.request(segments[0], spk[0], context, temperature, top_k, top_p, seed, max_audio_length_ms,
                            max_segment_length_ms)
         req.context_len = req.prefix_len  # the context turns: everything before the first segment's text
-        req.segments = deque(self.segment_frames(t, speaker) for t in segments[1:])
+        req.segments = deque(self.segment_frames(t, s) for t, s in zip(segments[1:], spk[1:]))
         req.open = open
         return req
 
@@ -304,6 +307,23 @@ class CSM:
             stop.set()
         if errors:
             raise errors[0]
+
+    def dialogue(self, lines: Sequence[tuple[int, str]], context: Sequence[Segment] = (), temperature: float = 0.9,
+                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
+                 max_segment_length_ms: int | None = 20_000) -> Iterator[AudioChunk]:
+        """A multi-speaker script, `[(speaker, text), ...]`, as one stream of AudioChunks: every line (cut
+        into sentences) in one slot, each seeing the earlier lines' text and generated audio with their
+        speaker ids. `context` goes first (e.g. each speaker's voice clip). chunk.text: its sentence."""
+        from .dialogue import Line, segments
+
+        segs = segments([Line(t) for _, t in lines], [s for s, _ in lines])
+        texts = [t for _, _, t in segs]
+        req = self.long_request(texts, context=context, speakers=[s for _, s, _ in segs], temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed, max_audio_length_ms=max_audio_length_ms,
+                                max_segment_length_ms=max_segment_length_ms)
+        for chunk in self.client.stream(req):
+            chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
+            yield chunk
 
     async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
                      context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,

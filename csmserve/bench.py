@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 FRAME_S = 0.08
 CPU_HINT = ("no CUDA device: csmserve bench measures the engine on a GPU; "
@@ -110,6 +109,8 @@ def sweep_point(engine, n: int, frames: int, probes: int) -> dict:
 
 
 def hf_reference(hf_model, batches: list[int], frames: int, compiled: bool) -> list[dict]:
+    import torch
+
     out = []
     for b in batches:
         ids = torch.full((b, 12), 1000, dtype=torch.long, device="cuda")
@@ -155,6 +156,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
+    import torch
+
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -181,6 +184,8 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by `args` (see add_arguments), printing its tables."""
+    import torch
+
     from .config import EngineConfig
     from .engine.engine import Engine
     from .engine.runner import ModelRunner
@@ -271,7 +276,12 @@ def build_with_hf(args, dtype):
     """transformers' CsmForConditionalGeneration with random weights, saved; ours loads the same file."""
     import tempfile
 
-    from transformers import CsmConfig, CsmForConditionalGeneration
+    import torch
+
+    from .extras import require
+
+    transformers = require("transformers", "test", "--hf (the transformers reference)")
+    CsmConfig, CsmForConditionalGeneration = transformers.CsmConfig, transformers.CsmForConditionalGeneration
 
     from .models.loader import load_csm
 
@@ -292,6 +302,8 @@ def build_with_hf(args, dtype):
 
 def load_codec_for(args, hf_model, model_dir=None):
     """The codec inside the --hf checkpoint, else the one that goes with --model (random for dummies)."""
+    import torch
+
     codec_dtype = getattr(torch, args.codec_dtype)
     if hf_model is not None:
         from .models.mimi_loader import load_mimi

@@ -25,6 +25,8 @@ from typing import IO, NoReturn
 
 import numpy as np
 
+from .extras import MissingExtraError
+
 SAMPLE_RATE = 24_000
 FRAME_S = 0.08
 EXTENSIONS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm",
@@ -32,6 +34,11 @@ EXTENSIONS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".
 FORMATS = ("wav", "mp3", "flac", "opus", "pcm", "aac", "npy")
 CHARS_PER_SECOND = 14.0  # rough speaking rate: the progress bar's estimate of the total
 URL_CHUNK_CHARS = 4000  # under the server's default --max-input-chars (4096)
+
+
+def one_line(e: BaseException) -> str:
+    """An error's whole message on one line (a hint after the first line is kept)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class CLIError(Exception):
@@ -54,6 +61,11 @@ def _speak_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_argument_group("input and output")
     src.add_argument("text", nargs="?", help="the text to speak; - reads stdin")
     src.add_argument("-i", "--input", metavar="FILE", help="read the text from FILE (- for stdin)")
+    src.add_argument("--script", metavar="FILE",
+                     help="a dialogue (- for stdin): '[S1] Hi. [S2] Hello!' ([Sn] is speaker n-1), or a JSON list "
+                          "of lines {\"text\", \"speaker\"?, \"voice\"?}; each line hears the lines before it")
+    src.add_argument("--voices", metavar="V1,V2", default=None,
+                     help="with --script: the stored voices of [S1], [S2], ... (comma-separated; empty: none)")
     src.add_argument("-o", "--output", required=True, metavar="OUT",
                      help="output file (.wav .mp3 .flac .opus .ogg .pcm .aac, or .npy for the Mimi codes); "
                           "- writes the audio bytes to stdout")
@@ -125,10 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------- speak: arguments
 def _check_args(args: argparse.Namespace) -> None:
-    if args.text is not None and args.input is not None:
-        raise CLIError("give the text or -i FILE, not both")
-    if args.text is None and args.input is None:
-        raise CLIError("no text: give TEXT, -i FILE, or - to read stdin")
+    if sum(x is not None for x in (args.text, args.input, args.script)) > 1:
+        raise CLIError("give one of TEXT, -i FILE and --script FILE, not both")
+    if args.text is None and args.input is None and args.script is None:
+        raise CLIError("no text: give TEXT, -i FILE, --script FILE, or - to read stdin")
+    if args.voices is not None and args.script is None:
+        raise CLIError("--voices goes with --script (the voices of [S1], [S2], ...)")
+    if args.script is not None and (args.ref_audio is not None or args.speaker is not None):
+        raise CLIError("--script names its speakers itself: no --ref-audio or --speaker with it")
     if args.format is None:
         if args.output == "-":
             args.format = "wav"
@@ -158,7 +174,30 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--url must start with http:// or https://, got {args.url!r}")
 
 
+def read_script(args: argparse.Namespace) -> list:
+    """--script FILE -> the dialogue's lines (csmserve/dialogue.py)."""
+    from .dialogue import read_script as parse
+
+    raw = sys.stdin.read() if args.script == "-" else None
+    if raw is None:
+        try:
+            raw = Path(args.script).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CLIError(f"cannot read {args.script!r}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise CLIError(f"{args.script!r} is not UTF-8 text") from None
+    voices = [v.strip() or None for v in args.voices.split(",")] if args.voices else []
+    try:
+        return parse(raw, voices)
+    except ValueError as e:
+        raise CLIError(f"--script {args.script!r}: {e}") from None
+
+
 def read_text(args: argparse.Namespace) -> str:
+    if args.script is not None:
+        args.lines = read_script(args)
+        return " ".join(ln.text for ln in args.lines)
+    args.lines = None
     source = args.input if args.input is not None else args.text
     if args.input is not None or source == "-":
         try:
@@ -204,7 +243,7 @@ class Output:
             try:
                 from .audio import make_encoder
             except ImportError as e:
-                raise CLIError(f"audio output needs PyAV ({e}): pip install 'csmserve[server]'") from None
+                raise CLIError(f"audio output needs PyAV ({e}): pip install av") from None
             self.encoder = make_encoder(fmt, SAMPLE_RATE)
         if path == "-":
             self.file: IO[bytes] = sys.stdout.buffer
@@ -344,7 +383,7 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
 
     context: list[Segment] = []
     speaker = args.speaker
-    if args.voice is not None:
+    if args.voice is not None and args.lines is None:  # (a script casts its voices itself)
         from .voices import VoiceNotFoundError, VoiceStore
 
         with VoiceStore(args.voices_db) as store:
@@ -357,6 +396,7 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
             context.append(Segment(v.speaker, v.transcript, codes=v.codes))
         speaker = resolved.speaker if speaker is None else speaker
     speaker = 0 if speaker is None else speaker
+    script = _cast_script(args) if args.lines is not None else None
     csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec,
               engine_config=EngineConfig(max_slots=2, max_seq_len=2048))
     try:
@@ -370,7 +410,13 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         if args.max_audio_length_ms is not None:  # per sentence (the whole text has no cap)
             kw["max_segment_length_ms"] = args.max_audio_length_ms
         reasons: dict[str, int] = {}
-        for chunk in _long_form(csm, text, kw):
+        if script is not None:  # a dialogue: its voices' clips first, then the lines, each with its speaker
+            lines, clips = script
+            kw.pop("speaker")
+            chunks = csm.dialogue(lines, context=clips + kw.pop("context"), **kw)
+        else:
+            chunks = _long_form(csm, text, kw)
+        for chunk in chunks:
             out.write(chunk.audio, chunk.codes)
             progress.update(out.seconds)
             if chunk.final and chunk.finish_reason:
@@ -381,6 +427,27 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         csm.close()
     done = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
     return f" (segments: {done})" if done else ""
+
+
+def _cast_script(args) -> tuple[list[tuple[int, str]], list]:
+    """The script's lines as (speaker, text), and each stored voice's clip as the id it speaks with."""
+    from .api import Segment
+    from .dialogue import cast
+    from .voices import VoiceNotFoundError, VoiceStore
+
+    lines, c = cast(args.lines, args.voice)
+    clips = []
+    if c.voices:
+        with VoiceStore(args.voices_db) as store:
+            for name, speaker in c.voices.items():
+                try:
+                    resolved = store.resolve(name)
+                except VoiceNotFoundError:
+                    raise CLIError(f"voice {name!r} not found in {store.path}") from None
+                if resolved.voice is not None:
+                    v = resolved.voice
+                    clips.append(Segment(speaker, v.transcript, codes=v.codes))
+    return [(spk, ln.text) for spk, ln in zip(c.speakers, lines)], clips
 
 
 def _long_form(csm, text: str, kw: dict) -> Iterator:
@@ -432,7 +499,9 @@ def _speak_url(args, text: str, ref: bytes | None, out: Output, progress: Progre
         body["context"] = [{"speaker": args.speaker or 0, "text": args.ref_text,
                             "audio": base64.b64encode(ref).decode()}]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    pieces = _pieces(text, URL_CHUNK_CHARS)
+    pieces = _pieces(text, URL_CHUNK_CHARS) if args.lines is None else [
+        [{k: v for k, v in (("text", ln.text), ("speaker", ln.speaker), ("voice", ln.voice)) if v is not None}
+         for ln in args.lines]]  # a dialogue: one request
     with httpx.Client(timeout=httpx.Timeout(30.0, read=600.0), headers=headers) as client:
         for i, piece in enumerate(pieces):
             req = {**body, "input": piece}
@@ -507,8 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 1
-    except (CLIError, ValueError, NotImplementedError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (CLIError, ValueError, NotImplementedError, RuntimeError, OSError, MissingExtraError) as e:
+        msg = one_line(e)
         print(f"csmserve {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

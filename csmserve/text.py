@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["SentenceSplitter", "split_sentences", "ABBREVIATIONS"]
+__all__ = ["SentenceSplitter", "split_sentences", "segment_spans", "ABBREVIATIONS"]
 
 ABBREVIATIONS = frozenset("""
 mr mrs ms mx dr prof sr jr st mt ft vs etc eg ie cf al approx dept govt inc ltd corp
@@ -167,3 +167,23 @@ def split_sentences(text: str, max_words: int = 25, max_chars: int = 250) -> lis
     """Sentences of `text` (clauses for long ones), whitespace collapsed; [] for blank text."""
     s = SentenceSplitter(max_words, max_chars)
     return s.feed(text) + s.flush()
+
+
+def segment_spans(text: str, segments: list[str], start: int = 0) -> list[tuple[int, int]]:
+    """Each segment's [start, end) character offsets in `text` (segments are its next words, in order,
+    whitespace collapsed: what split_sentences / SentenceSplitter give)."""
+    spans, cursor = [], start
+    for seg in segments:
+        begin = end = cursor
+        for i, _ in enumerate(seg.split()):
+            m = _WORD.match(text, cursor)
+            if m is None:
+                break
+            if i == 0:
+                begin = m.start(1)
+            end = cursor = m.end(1)
+        spans.append((begin, end))
+    return spans
+
+
+_WORD = re.compile(r"\s*(\S+)")

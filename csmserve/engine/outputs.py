@@ -95,12 +95,13 @@ class _Stream:
     segment: int = 0  # long-form: the segment being accumulated
     segment_chunks: int = 0  # chunks sent for it (its first one is small: time to audio after a seam)
 
-    def flush(self, final: bool, reason: str | None, num_codebooks: int) -> None:
+    def flush(self, final: bool, reason: str | None, num_codebooks: int, segment_end: str | None = None) -> None:
         codes = np.concatenate(self.codes) if self.codes else np.zeros((0, num_codebooks), np.int64)
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, np.float32)
         if len(codes) and self.first_audio_time is None:
             self.first_audio_time = time.perf_counter()
-        self.sink(AudioChunk(self.request_id, audio, codes, self.emitted_frames, final, reason, self.segment))
+        self.sink(AudioChunk(self.request_id, audio, codes, self.emitted_frames, final, reason, self.segment,
+                             segment_end=segment_end or (reason if final else None)))
         self.emitted_frames += len(codes)
         self.segment_chunks += 1
         self.codes, self.pcm = [], []
@@ -158,9 +159,8 @@ class Router:
             if out.final[i]:
                 del streams[h]
                 st.flush(True, _REASONS[end], self.num_codebooks)
-            elif end:  # chunks never span segments
-                if st.codes:
-                    st.flush(False, None, self.num_codebooks)
+            elif end:  # chunks never span segments; this one (maybe without codes) says where the segment ends
+                st.flush(False, None, self.num_codebooks, segment_end=_REASONS[end])
                 st.segment, st.segment_chunks = int(out.segment[i]) + 1, 0
             elif len(st.codes) >= (st.first_chunk_frames if st.segment_chunks == 0 else st.chunk_frames):
                 st.flush(False, None, self.num_codebooks)

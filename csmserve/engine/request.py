@@ -138,6 +138,9 @@ class AudioChunk:
     finish_reason: str | None = None  # "eos" | "length" | "abort" | "error" on the final chunk
     segment: int = 0  # long-form: index of the target turn (sentence / clause) these frames speak
     text: str | None = None  # that turn's text, where the caller knows it (CSM.speak sets it)
+    # long-form: "eos" | "length" on the chunk that ends its segment (the last segment: see final);
+    # it may carry no codes (the segment's last frames went in an earlier chunk)
+    segment_end: str | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ gate,up -> gate_up_proj). No transformers import here.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -368,7 +369,10 @@ def init_dummy(model: CSMModel, seed: int = 0) -> None:
 # ---------------------------------------------------------------------------------- resolving --model
 
 class ModelUnavailableError(RuntimeError):
-    """A hub id that cannot be fetched (offline, gated, not found)."""
+    """A hub id that cannot be fetched (offline, gated, not found, disk full): one line, why and what to do."""
+
+
+NO_WEIGHTS_HINT = "or a local directory, or `--model dummy-tiny` (random weights) to run without weights"
 
 
 def _offline() -> bool:
@@ -378,18 +382,86 @@ def _offline() -> bool:
     return env in ("1", "true", "yes", "on") or bool(constants.HF_HUB_OFFLINE)
 
 
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split("\n")[0].split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _has_token() -> bool:
+    try:
+        from huggingface_hub import get_token
+
+        return bool(get_token())
+    except Exception:  # noqa: BLE001 - an unreadable token file is no token
+        return False
+
+
+def hub_error_message(model: str, e: BaseException, offline: bool) -> str:
+    """Why `model` could not be fetched from the hub, and what to do: one line."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    cache = constants.HF_HUB_CACHE
+    url = f"https://huggingface.co/{model}"
+    for err in _chain(e):
+        if isinstance(err, OSError) and (err.errno == errno.ENOSPC or "No space left" in str(err)):
+            return (f"no space left on the disk while downloading {model!r} into {cache}: free some space, "
+                    f"or point HF_HOME (or HF_HUB_CACHE) at a larger disk ({NO_WEIGHTS_HINT})")
+    if isinstance(e, GatedRepoError):
+        if _has_token():
+            return (f"{model!r} is a gated model and your Hugging Face token has no access to it: accept its "
+                    f"terms at {url} with the account of that token, then retry")
+        return (f"{model!r} is a gated model and no Hugging Face token is set: accept its terms at {url}, then "
+                f"`export HF_TOKEN=hf_...` (a token from https://huggingface.co/settings/tokens) or run "
+                f"`huggingface-cli login`, and retry")
+    if isinstance(e, RevisionNotFoundError):
+        return f"{model!r} has no such revision on the Hugging Face hub ({_first_line(e)})"
+    if isinstance(e, RepositoryNotFoundError) or _status(e) == 404:
+        private = "" if _has_token() else "; a private model needs `export HF_TOKEN=hf_...` or `huggingface-cli login`"
+        return (f"no model {model!r} on the Hugging Face hub: check the id (e.g. sesame/csm-1b){private}; "
+                f"{NO_WEIGHTS_HINT}")
+    if _status(e) == 401:
+        return (f"the Hugging Face hub refused the token for {model!r} (HTTP 401): set a valid one with "
+                f"`export HF_TOKEN=hf_...` or `huggingface-cli login`")
+    if offline:
+        return (f"{model!r} is not in the Hugging Face cache ({cache}) and downloads are off (HF_HUB_OFFLINE): "
+                f"unset HF_HUB_OFFLINE and connect once to download it, {NO_WEIGHTS_HINT}")
+    if isinstance(e, LocalEntryNotFoundError):  # the hub was unreachable and nothing is cached
+        cause = next((c for c in _chain(e) if c is not e), None)
+        why = _first_line(cause) if cause is not None else _first_line(e).split(" An error happened")[0]
+        return (f"cannot reach the Hugging Face hub to download {model!r} ({why}) and it is not in the cache "
+                f"({cache}): connect to the internet and retry (set HTTPS_PROXY behind a proxy), {NO_WEIGHTS_HINT}")
+    status = _status(e)
+    if status is not None and status >= 500:
+        return f"the Hugging Face hub failed (HTTP {status}) for {model!r}: retry later, {NO_WEIGHTS_HINT}"
+    return f"cannot get {model!r} from the Hugging Face hub ({_first_line(e)}): retry, {NO_WEIGHTS_HINT}"
+
+
 def resolve_model_dir(model: str) -> Path:
     """A local directory or checkpoint file as given; a hub id downloaded (or found in the cache)."""
     path = Path(model).expanduser()
     if path.exists():
         return path
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-        raise ValueError(f"--model {model!r}: no such directory or file, and not a hub id (owner/name)")
+        raise ValueError(f"--model {model!r}: no such directory or file, and not a hub id (owner/name); "
+                         f"use a hub id like sesame/csm-1b, a local directory, or dummy / dummy-tiny")
     from huggingface_hub import snapshot_download
 
     offline = _offline()
-    hint = (f"cannot get {model!r} from the Hugging Face hub ({{why}}). Use a local directory, or "
-            f"`--model dummy` (random weights of the real shape) / `--model dummy-tiny` to run without weights.")
     try:
         # the weights in one layout only: the repo may hold both model.safetensors and the original ckpt.pt
         d = Path(snapshot_download(model, local_files_only=offline,
@@ -397,9 +469,8 @@ def resolve_model_dir(model: str) -> Path:
         if not any(d.glob("*.safetensors")):
             d = Path(snapshot_download(model, local_files_only=offline, allow_patterns=["*.json", "tokenizer*", "*.pt"]))
         return d
-    except Exception as e:  # connection errors, gated repos, missing cache entries
-        why = "the machine is offline (HF_HUB_OFFLINE) and it is not cached" if offline else f"{type(e).__name__}: {e}"
-        raise ModelUnavailableError(hint.format(why=why)) from e
+    except Exception as e:  # connection errors, gated repos, missing cache entries, a full disk
+        raise ModelUnavailableError(hub_error_message(model, e, offline)) from e
 
 
 def load_csm(model: str, device: torch.device | str = "cpu",

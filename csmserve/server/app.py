@@ -106,6 +106,13 @@ async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
             bind(asyncio.get_running_loop())
         state.csm = csm
         log.info("model %s loaded; ready", state.config.model_name)
+    except (ValueError, RuntimeError, OSError) as e:  # no such model, offline, gated, disk full: why and what to do
+        from ..models.loader import ModelUnavailableError
+
+        if not isinstance(e, (ModelUnavailableError, ValueError)):
+            log.exception("loading the model failed; /ready stays 503")
+        else:
+            log.error("loading the model failed: %s; /ready stays 503", " ".join(str(e).split()))
     except Exception:
         log.exception("loading the model failed; /ready stays 503")
 

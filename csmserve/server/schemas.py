@@ -60,16 +60,29 @@ class SamplingFields(BaseModel):
     max_segment_length_ms: Int | None = Field(None, ge=80)  # one sentence of a long input / WebSocket turn
 
 
+class DialogueLine(BaseModel):
+    """One line of a dialogue script: its text, and who says it (a speaker id and/or a voice)."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: StrictStr
+    speaker: StrictInt | None = Field(None, ge=0, le=255)
+    voice: StrictStr | VoiceRef | None = None
+
+
 class SpeechRequest(SamplingFields):
-    """OpenAI's CreateSpeechRequest plus the CSM extensions (`extra_body=` in the openai SDK)."""
+    """OpenAI's CreateSpeechRequest plus the CSM extensions (`extra_body=` in the openai SDK).
+
+    `input` may also be a dialogue: a list of lines, or a string tagged `[S1] ... [S2] ...`."""
 
     model: StrictStr
-    input: StrictStr
+    input: StrictStr | list[DialogueLine]
     voice: StrictStr | VoiceRef
+    voices: list[StrictStr | VoiceRef | None] | None = None  # a tagged script's voices: [S1]'s, [S2]'s, ...
     instructions: StrictStr | None = Field(None, max_length=4096)  # accepted, not used: CSM has no style prompt
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, allow_inf_nan=False)
     stream_format: Literal["audio", "sse"] = "audio"
+    add_timestamps: bool = False  # sse: `speech.audio.segment` events, each segment's audio_start_ms / audio_end_ms
     context: list[ContextTurn] = Field(default_factory=list)
 
 
@@ -82,9 +95,15 @@ class WsRequest(SamplingFields):
     context: list[ContextTurn] | None = None  # the session's fixed context (replaces the one given before)
     add_context: list[ContextTurn] | None = None  # turns appended to the session's conversation (e.g. the user's)
     output_format: Literal["pcm_s16le", "pcm_f32le"] | None = None
+    add_timestamps: bool | None = None  # `segment_done` messages: each segment's audio_start_ms / audio_end_ms
     flush: bool = False
     close: bool = False
     cancel: bool = False
+    # with `cancel`: keep the first audio_end_ms of the cancelled turn (what was played; whole 80 ms frames)
+    # in the session; with `truncate`: cut an assistant turn already in the session there
+    truncate: bool = False
+    audio_end_ms: Int | None = Field(None, ge=0)
+    request_id: StrictStr | None = None  # the turn `truncate` cuts (default: the newest assistant turn)
 
 
 def parse_json(raw: bytes, model: type[M]) -> M:

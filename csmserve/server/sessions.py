@@ -21,7 +21,7 @@ from ..config import ServerConfig
 from .schemas import SamplingFields, VoiceRef, WsRequest
 
 _SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms",
-             "max_segment_length_ms", "output_format")
+             "max_segment_length_ms", "output_format", "add_timestamps")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -40,6 +40,7 @@ class SessionTurn:
 
     role: str
     segments: list  # [Segment] with codes (int16: values < 2051) or text only
+    request_id: str | None = None  # the request that generated an assistant turn (`truncate` names it)
 
     @property
     def frames(self) -> int:
@@ -55,6 +56,7 @@ class Session:
     voice: str | VoiceRef = "alloy"
     fields: SamplingFields = field(default_factory=SamplingFields)
     output_format: str = "pcm_s16le"
+    add_timestamps: bool = False  # send `segment_done` (where each segment starts and ends in the audio)
     context: list = field(default_factory=list)  # [Segment] given with `context` (encoded once)
     turns: list[SessionTurn] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
@@ -72,8 +74,8 @@ class Session:
                 changed = True
                 if name == "voice":
                     self.voice = msg.voice
-                elif name == "output_format":
-                    self.output_format = msg.output_format
+                elif name in ("output_format", "add_timestamps"):
+                    setattr(self, name, getattr(msg, name))
                 else:
                     self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
         return changed

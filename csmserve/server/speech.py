@@ -22,9 +22,12 @@ from starlette.types import Receive, Scope, Send
 from ..audio import MEDIA_TYPES, Encoder, make_encoder
 from ..engine.request import AudioChunk
 from . import openapi
+from ..text import segment_spans, split_sentences
+from .dialogue import Script, build_dialogue, is_dialogue
 from .errors import APIError
 from .schemas import SpeechRequest, parse_body
 from .state import ServerState
+from .timestamps import SegmentClock
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
@@ -58,15 +61,22 @@ async def create_speech(http: Request) -> StreamingResponse:
     arrival = time.perf_counter()
     state: ServerState = http.app.state.server
     body = await parse_body(await http.body(), SpeechRequest)  # parsed here, not by FastAPI: see schemas.py
-    state.check_input(body.input)
-    request, _ = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
+    if is_dialogue(body):
+        request, script = await build_dialogue(state, body)
+        spans = None
+    else:
+        state.check_input(body.input)
+        request, speaker = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
+        texts = await asyncio.to_thread(split_sentences, body.input) or [body.input]
+        script, spans = Script(texts, [speaker] * len(texts), [0] * len(texts)), segment_spans(body.input, texts)
     encoder = make_encoder(body.response_format, speed=body.speed,
                            codec_options=state.codec_options(body.response_format))
     chunks = state.stream(request, arrival)
     first = await _first_or_gone(chunks, http)
     headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":
-        content = _sse(chunks, first, encoder, request.prompt_len, request.request_id)
+        timing = _Timing(script, spans, body.speed, dialogue=is_dialogue(body), enabled=body.add_timestamps)
+        content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing)
         return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)
     media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
     return _closing(ClosingStreamingResponse(_audio(chunks, first, encoder, request.request_id),
@@ -112,14 +122,14 @@ async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:
 
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder
-                   ) -> AsyncIterator[tuple[bytes, int]]:
-    # -> (bytes, frames in them); the encoder's tail comes last with 0 frames
+                   ) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
+    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None
     try:
         if first is not None:
-            yield await _encode(encoder, first), len(first.codes)
+            yield await _encode(encoder, first), first
             async for chunk in chunks:
-                yield await _encode(encoder, chunk), len(chunk.codes)
-        yield await _encode(encoder, None), 0
+                yield await _encode(encoder, chunk), chunk
+        yield await _encode(encoder, None), None
     finally:
         await chunks.aclose()
 
@@ -145,15 +155,43 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+class _Timing:
+    """`speech.audio.segment` events: where each segment starts and ends in the audio (exact: frames x 80 ms;
+    divided by `speed` when it is not 1), what it says, who says it."""
+
+    def __init__(self, script: Script, spans: list[tuple[int, int]] | None, speed: float, dialogue: bool,
+                 enabled: bool) -> None:
+        self.script, self.spans, self.speed, self.dialogue, self.enabled = script, spans, speed, dialogue, enabled
+        self.clock = SegmentClock()
+
+    def events(self, chunk: AudioChunk) -> list[dict]:
+        out = []
+        for span in self.clock.feed(chunk):
+            i = span.segment
+            ev = {"type": "speech.audio.segment", **span.fields(self.speed)}
+            if i < len(self.script.texts):
+                ev["text"] = self.script.texts[i]
+                ev["speaker"] = self.script.speakers[i]
+                if self.dialogue:
+                    ev["line"] = self.script.lines[i]
+                if self.spans is not None:
+                    ev["text_start"], ev["text_end"] = self.spans[i]
+            out.append(ev)
+        return out
+
+
 async def _sse(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, prompt_len: int,
-               request_id: str) -> AsyncIterator[str]:
+               request_id: str, timing: _Timing) -> AsyncIterator[str]:
     frames = 0
     encoded = _encoded(chunks, first, encoder)
     try:
-        async for data, n in encoded:
-            frames += n
+        async for data, chunk in encoded:
             if data:
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            if chunk is not None:
+                frames += len(chunk.codes)
+                for ev in timing.events(chunk) if timing.enabled else ():
+                    yield _event(ev)
         yield _event({"type": "speech.audio.done",
                       "usage": {"input_tokens": prompt_len, "output_tokens": frames,
                                 "total_tokens": prompt_len + frames}})

@@ -161,7 +161,7 @@ class ServerState:
         self.last_prompt = (tokens, mask)
         return tokens, mask, bounds
 
-    async def build_request(self, text: str, voice: str | VoiceRef, fields: SamplingFields,
+    async def build_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
                             long_form: bool = False, split: bool = True, total_chars: int | None = None
                             ) -> tuple[Request, int]:
@@ -194,12 +194,12 @@ class ServerState:
         seg_ms = None
         if long_form and not split:  # one segment of several (or of a WebSocket turn): the sentence cap
             seg_ms = min(max_ms, getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms)
-        resolved = await self.resolve_voice(voice)
+        resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
         segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
-            if resolved.voice is not None else []
+            if resolved is not None and resolved.voice is not None else []
         segments += await self.context_segments(turns)
         segments += list(extra)
-        speaker = fields.speaker if fields.speaker is not None else resolved.speaker
+        speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
         tokens, mask, bounds = await asyncio.to_thread(self.prompt, text, speaker, segments, seg_ms or max_ms)
         params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
                                 seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms)

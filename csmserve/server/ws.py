@@ -12,6 +12,10 @@ One connection generates one turn at a time, in the order the turns started. A c
 conversation session (ServerState.sessions): its voice, settings, fixed context and turns (the ones
 generated here and the ones the client adds with `add_context`, audio encoded once) outlive the
 connection until `close`, the idle timeout or eviction, so a later connection naming it continues.
+
+Barge-in: `cancel` with `audio_end_ms` keeps what the client played of the cancelled turn in the session
+(whole frames, its exact codes); `truncate` cuts a finished assistant turn there. With `add_timestamps`,
+`segment_done` says where each segment starts and ends in the turn's audio (server/timestamps.py).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from ..text import SentenceSplitter
 from .errors import APIError, check_bearer, validation_error
 from .schemas import WsRequest
 from .state import ServerState, Session, SessionTurn
+from .timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
@@ -57,6 +62,10 @@ class Turn:
         self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
         self.last_text = time.monotonic()
         self._cursor = 0
+        # while it generates: its request, speaker and codes so far per segment (a cancel may keep some)
+        self.request_id: str | None = None
+        self.speaker = 0
+        self.codes: dict[int, list[np.ndarray]] = {}
 
     def feed(self, text: str) -> int:
         """-> the number of segments this piece completed."""
@@ -144,10 +153,13 @@ class Connection:
     async def handle(self, msg: WsRequest) -> None:
         cid = msg.context_id
         if msg.cancel:
-            self.cancel(cid)
-            await self.send({"type": "cancelled", "context_id": cid})
+            kept = await self.cancel(cid, msg.audio_end_ms)
+            await self.send({"type": "cancelled", "context_id": cid, **kept})
             return
         sessions = self.state.sessions
+        if msg.truncate:
+            await self.send({"type": "truncated", "context_id": cid, **self.truncate(cid, msg)})
+            return
         session = sessions.open(cid)
         changed = session.update(msg)
         if msg.context is not None:  # encoded once, here
@@ -202,7 +214,9 @@ class Connection:
         self.jobs.append(turn)
         self.wake.set()
 
-    def cancel(self, cid: str) -> None:
+    async def cancel(self, cid: str, audio_end_ms: int | None = None) -> dict:
+        """Stop the context's turn; with audio_end_ms, keep what was played of it (whole frames) in the
+        session. -> the `cancelled` message's extra fields (request_id, num_frames kept), once it is done."""
         turn = self.open.pop(cid, None)
         if turn is not None:
             turn.cancelled = True
@@ -210,8 +224,48 @@ class Connection:
             if isinstance(job, Turn) and job.context_id == cid:
                 job.cancelled = True
         self.jobs = deque(j for j in self.jobs if not (j == cid or (isinstance(j, Turn) and j.cancelled)))
-        if self.current is not None and self.current[0].context_id == cid:
-            self.current[1].cancel()
+        if self.current is None or self.current[0].context_id != cid:
+            return {}
+        running, task = self.current
+        task.cancel()
+        await asyncio.wait([task])  # its codes are final, and the next message sees the session as cut
+        if audio_end_ms is None:  # nothing kept: the turn is dropped
+            return {}
+        out = {"request_id": running.request_id, "num_frames": 0}
+        segments = _played(running.speaker, running.texts, running.codes, audio_end_ms // FRAME_MS)
+        if segments:
+            self.state.sessions.add_turn(running.session, SessionTurn("assistant", segments,
+                                                                      request_id=running.request_id))
+            out["num_frames"] = sum(len(seg.codes) for seg in segments)
+        return out
+
+    def truncate(self, cid: str, msg: WsRequest) -> dict:
+        """Cut an assistant turn of the session (request_id, else the newest) at audio_end_ms (whole frames)."""
+        session = self.state.sessions.get(cid)
+        if msg.audio_end_ms is None:
+            raise APIError(400, "'truncate' needs 'audio_end_ms' (how much of the turn was played)",
+                           "missing_required_parameter", "audio_end_ms")
+        turns = [t for t in (session.turns if session is not None else []) if t.role == "assistant"
+                 and (msg.request_id is None or t.request_id == msg.request_id)]
+        if not turns:
+            raise APIError(400, f"context {cid!r} has no assistant turn" + (
+                f" from request {msg.request_id!r}" if msg.request_id else "") + " to truncate",
+                "invalid_value", "request_id" if msg.request_id else "context_id")
+        turn, left = turns[-1], msg.audio_end_ms // FRAME_MS
+        kept = []
+        for seg in turn.segments:
+            if left <= 0:
+                break
+            if seg.codes is None:
+                kept.append(seg)
+                continue
+            kept.append(type(seg)(seg.speaker, seg.text, codes=seg.codes[:left]))
+            left -= len(kept[-1].codes)
+        turn.segments = kept
+        if not kept:
+            session.turns.remove(turn)
+        self.state.sessions.save(session)  # every API worker sees the cut
+        return {"request_id": turn.request_id, "num_frames": turn.frames}
 
     # ---- generating
     async def work_loop(self) -> None:
@@ -277,14 +331,17 @@ class Connection:
             def start_feeding() -> None:
                 feeders.append(asyncio.get_running_loop().create_task(feed()))
 
-            codes: dict[int, list[np.ndarray]] = {}
-            frames, reason, shown = 0, None, -1
+            codes = turn.codes
+            turn.request_id, turn.speaker = request.request_id, speaker
+            frames, reason, shown, clock = 0, None, -1, SegmentClock()
             async for chunk in self.state.stream(request, arrival, start_feeding if request.open else None):
                 if len(chunk.codes):
                     codes.setdefault(chunk.segment, []).append(chunk.codes)
                     await self._send_audio(turn, chunk, new_segment=chunk.segment != shown)
                     shown = chunk.segment
                     frames += len(chunk.codes)
+                for span in clock.feed(chunk):
+                    await self._send_segment_done(turn, span)
                 if chunk.final:
                     reason = chunk.finish_reason
         finally:
@@ -293,7 +350,8 @@ class Connection:
             session.busy -= 1
         if codes:  # this turn (each segment as it was spoken: its text and codes) is context for the next
             self.state.sessions.add_turn(session, SessionTurn("assistant", [
-                Segment(speaker, turn.texts[i], codes=np.concatenate(c)) for i, c in sorted(codes.items())]))
+                Segment(speaker, turn.texts[i], codes=np.concatenate(c)) for i, c in sorted(codes.items())],
+                request_id=request.request_id))
         else:
             self.state.sessions.touch(session)
         done = {"type": "flush_done", "context_id": turn.context_id, "request_id": request.request_id,
@@ -320,11 +378,36 @@ class Connection:
         if self.binary:
             if self.progress and new_segment:
                 await self.send({"type": "segment", "context_id": turn.context_id, "frame_start": chunk.frame_start,
-                                 **where})
+                                 "audio_start_ms": chunk.frame_start * FRAME_MS, **where})
             await self.send(data)
         else:
             await self.send({"type": "audio", "context_id": turn.context_id, "audio": base64.b64encode(data).decode(),
                              "frame_start": chunk.frame_start, "num_frames": len(chunk.codes), **where})
+
+    async def _send_segment_done(self, turn: Turn, span: SegmentSpan) -> None:
+        """Where a segment started and ended in the turn's audio (exact, from frame counts)."""
+        if not turn.session.add_timestamps:
+            return
+        i = span.segment
+        where = {"text": turn.texts[i], "text_start": turn.spans[i][0], "text_end": turn.spans[i][1]} \
+            if i < len(turn.texts) else {}
+        await self.send({"type": "segment_done", "context_id": turn.context_id, "request_id": turn.request_id,
+                         **span.fields(), **where})
+
+
+def _played(speaker: int, texts: list[str], codes: dict[int, list[np.ndarray]], frames: int) -> list:
+    """The first `frames` frames of a turn as context Segments (a segment partly played keeps its text)."""
+    from ..api import Segment
+
+    out = []
+    for i, parts in sorted(codes.items()):
+        if frames <= 0:
+            break
+        c = np.concatenate(parts)[:frames]
+        if len(c):
+            out.append(Segment(speaker, texts[i] if i < len(texts) else "", codes=c))
+            frames -= len(c)
+    return out
 
 
 async def _immediate(fn, *args):

@@ -1,0 +1,72 @@
+"""csmserve.integrations.conversation.Conversation, the client the Pipecat and LiveKit services are built
+on: a reply's events, user turns as context, errors as one line, a server that goes away."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio, ReplySegment
+from helpers import settle, tone
+from server_helpers import free_port
+
+
+def test_a_reply_streams_audio_and_exact_segment_times(server, csm):
+    async def main():
+        conv = Conversation(server.url, voice="alloy", temperature=0, max_audio_length_ms=160)
+        await conv.connect()
+        conv.add_user_audio(tone(0.05), 16_000)  # under 0.1 s: the turn goes as text only
+        assert conv.end_user_turn("  Hi   there. ")["text"] == "Hi there." and "audio" not in conv._user_turns[0]
+        reply = await conv.say("One. Two.", key="r1")
+        await conv.flush("r1")
+        events = [e async for e in reply]
+        await conv.close(forget=True)
+        return reply, events
+
+    reply, events = asyncio.run(main())
+    audio = [e for e in events if isinstance(e, ReplyAudio)]
+    segs = [e for e in events if isinstance(e, ReplySegment)]
+    assert reply.done and reply.finish_reason in ("eos", "length") and reply.request_id.startswith("req-")
+    assert [s.text for s in segs] == ["One.", "Two."] and segs[0].audio_start_ms == 0
+    assert segs[1].audio_start_ms == segs[0].audio_end_ms and segs[1].audio_end_ms == reply.frames * 80
+    assert sum(len(a.pcm) for a in audio) == reply.frames * 3840
+    assert [(s, t) for s, t, _ in server.built[0].turns()] == [(1, "Hi there."), (0, "One.")]
+    settle(csm)
+
+
+def test_errors_are_one_line(server, csm):
+    async def unreachable():
+        await Conversation(f"http://127.0.0.1:{free_port()}").connect()
+
+    with pytest.raises(ConversationError, match="unreachable"):
+        asyncio.run(unreachable())
+
+    async def refused():
+        conv = Conversation(server.url, voice="nobody-by-that-name")
+        reply = await conv.say("Hello.", key="x")
+        await conv.flush("x")
+        try:
+            return [e async for e in reply]
+        finally:
+            await conv.close()
+
+    with pytest.raises(ConversationError, match="nobody-by-that-name"):
+        asyncio.run(refused())
+    settle(csm)
+
+
+def test_the_server_going_away_ends_the_reply_with_the_reason(server, csm):
+    async def main():
+        conv = Conversation(server.url, voice="alloy", max_audio_length_ms=60_000)
+        reply = await conv.say("A long answer that goes on.", key="x")
+        await conv.flush("x")
+        async for _ in reply:
+            break
+        await conv._ws.close()  # the connection drops
+        with pytest.raises(ConversationError, match="closed|lost"):
+            async for _ in reply:
+                pass
+        await conv.close()
+
+    asyncio.run(main())
+    settle(csm)  # the server aborted the turn of the connection that left
