@@ -19,11 +19,17 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
 
 
-def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+def token_buckets(max_tokens: int, smallest: int = 16, step: int = 256) -> list[int]:
+    """Powers of two up to `step`, then every `step` tokens: a wave of admissions (80 prompts of 16 frames
+    is 1,280 tokens) pads by at most 255 rows, not up to twice its size."""
     out, s = [], smallest
-    while s < max_tokens:
+    while s < min(max_tokens, step):
         out.append(s)
         s *= 2
+    s = step
+    while s < max_tokens:
+        out.append(s)
+        s += step
     return out + [max_tokens]
 
 

@@ -13,6 +13,8 @@ def test_token_buckets():
     assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(8) == [8]
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
 
 
 def test_pack_layout_and_padding():
