@@ -231,11 +231,11 @@ def test_a_failed_step_fails_its_requests_not_the_queued_ones(model):
     engine = make_engine(model, max_slots=1)
     step, calls = engine.runner.step, {"n": 0}
 
-    def failing(slots):
+    def failing(slots, *a):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return step(slots)
+        return step(slots, *a)
 
     engine.runner.step = failing
     params = SamplingParams(temperature=0.0, max_audio_length_ms=4 * 80)
