@@ -113,7 +113,8 @@ class CSM:
                 cfg = dataclasses.replace(cfg, max_slots=size_slots(self.model, self.mimi, cfg.max_seq_len,
                                                                     reserve_bytes=cache))
             runner = ModelRunner(self.model, cfg.max_slots, cfg.max_seq_len, mimi=self.mimi,
-                                 max_prefill_chunk=cfg.max_prefill_chunk)
+                                 max_prefill_chunk=cfg.max_prefill_chunk, spec_depth=cfg.spec_depth,
+                                 weights=cfg.weights)
             self._engine = Engine(runner, cfg)
             self._client = EngineClient(self._engine)
         return self._client
