@@ -26,8 +26,9 @@ batch.
 Rows progress raggedly: each row keeps its own m (the last committed codebook), the verify pass is
 the same [B, k+1] pass for all rows at per-row positions m+1..m+k+1, and finished rows do masked
 no-op work (their positions fall in the KV's spare positions K..K+k). At most K-2 passes; in a CUDA
-graph each pass after the first is an IF node on "some row unfinished" (CUDA 12.4 conditional nodes),
-so the graph runs as many passes as the slowest row needs; eagerly the loop stops when all are done.
+graph of up to 128 rows each pass after the first is an IF node on "some row unfinished" (CUDA 12.4
+conditional nodes), so the graph runs as many passes as the slowest row needs; larger graphs run all
+K-2; eagerly the loop stops when all rows are done. The same passes either way: the same codes.
 """
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ class _Frame:
 class Speculator:
     """The depth decoder of a frame step with draft/verify over codebooks (see the module docstring)."""
 
-    def __init__(self, model: CSMModel, k: int, max_batch: int, n_codes: int | None = None) -> None:
+    def __init__(self, model: CSMModel, k: int, max_batch: int, n_codes: int | None = None,
+                 conditional_max_batch: int = 128) -> None:
         if k not in SPEC_DEPTHS:
             raise ValueError(f"spec_depth must be in {SPEC_DEPTHS.start}..{SPEC_DEPTHS.stop - 1}, got {k}")
         p = next(model.parameters())
@@ -117,6 +119,10 @@ class Speculator:
         self.counts = torch.zeros(4, dtype=torch.long, device=p.device)
         self.rows = torch.arange(max_batch * k, device=p.device)
         self.conditional = p.device.type == "cuda" and conditional_nodes_supported()
+        # IF nodes only up to this bucket: each IF body is captured on its own stream, so its activations
+        # are never reused by the next pass's (~80 KB per position: 30 passes x B (k+1) positions); and
+        # with many rows the slowest one needs nearly every pass anyway
+        self.conditional_max_batch = conditional_max_batch
         self.use_triton = p.device.type == "cuda"  # kernels/speculate.py; the torch code here elsewhere
         # benchmarks only: a 0-dim float32 tensor a; every draft is then accepted with probability a
         # instead of by the rule (NOT exact). Read when graphs are captured, so set it before.
@@ -144,15 +150,16 @@ class Speculator:
                     torch.zeros(B, k, self.n, dtype=torch.float32, device=h.device))
         self._draft(st, out[:, 1], params)
         capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
+        conditional = capturing and self.conditional and B <= self.conditional_max_batch
         for r in range(K - 2):
-            if capturing and self.conditional:
+            if conditional:
                 graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
                 graph.begin_capture_to_if_node((~st.done).any())
                 try:
                     self._verify(st, params)
                 finally:
                     graph.end_capture_to_conditional_node()
-            elif capturing:  # no conditional nodes (CUDA < 12.4): every pass, finished rows as no-ops
+            elif capturing:  # large buckets (or CUDA < 12.4): every pass, finished rows as no-ops
                 self._verify(st, params)
             else:  # eager: the first pass always runs (it warms up what a graph's IF bodies capture)
                 if r > 0 and bool(st.done.all()):
