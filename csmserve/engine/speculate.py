@@ -76,16 +76,39 @@ def gumbel(u: Tensor) -> Tensor:
 class _WriteAt:
     """KVView over a DepthKV whose keys/values go to `write` positions while RoPE reads the model's
     positions (clamped into its K-row tables: only finished rows and past-the-end drafts, whose outputs
-    are never used, read a clamped position)."""
+    are never used, read a clamped position). On CUDA each of the S positions of a row is one query of
+    the decode-attention kernel (keys up to its own position): the plain depth step's two kernels per
+    layer instead of a masked SDPA."""
 
     def __init__(self, kv: DepthKV) -> None:
         self.kv, self.write = kv, None
+        self.use_triton = kv.use_triton
+        self.rows = self.pos = self.lengths = None
+        self.row_of: dict[int, Tensor] = {}
 
     def begin(self, pos: Tensor) -> None:
-        self.kv.begin(pos if self.write is None else self.write)
+        w = pos if self.write is None else self.write  # [B, S]
+        if not self.use_triton:
+            self.kv.begin(w)
+            return
+        B, S = w.shape
+        if S not in self.row_of:  # [max B * S] each query's row, made once per S (outside graphs' replays)
+            self.row_of[S] = self.kv.rows.repeat_interleave(S)
+        self.rows = self.row_of[S][: B * S]
+        self.pos = w.flatten()
+        self.lengths = (self.pos + 1).to(torch.int32)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.kv.attend(layer, q, k, v)
+        if not self.use_triton:
+            return self.kv.attend(layer, q, k, v)
+        from ..kernels.decode_attention import decode_attention_triton
+        from .slots import store_kv_triton
+
+        B, S, Hq, hd = q.shape
+        kc, vc = self.kv.k[layer], self.kv.v[layer]
+        store_kv_triton(kc, vc, self.rows, self.pos, k.flatten(0, 1), v.flatten(0, 1))  # all S, then attend
+        out = decode_attention_triton(q.reshape(B * S, Hq, hd), kc, vc, self.rows, self.lengths, splits=1)
+        return out.view(B, S, Hq, hd)
 
 
 @dataclass
@@ -117,7 +140,7 @@ class Speculator:
         # accepted drafts, drafts verified (up to and including the first rejection), codes committed by
         # verify passes, verify passes (x rows): all cumulative, rows that had finished not counted
         self.counts = torch.zeros(4, dtype=torch.long, device=p.device)
-        self.rows = torch.arange(max_batch * k, device=p.device)
+        self.draft_rows = torch.arange(max_batch * k, device=p.device) // k
         self.conditional = p.device.type == "cuda" and conditional_nodes_supported()
         # IF nodes only up to this bucket: each IF body is captured on its own stream, so its activations
         # are never reused by the next pass's (~80 KB per position: 30 passes x B (k+1) positions); and
@@ -172,7 +195,7 @@ class Speculator:
         K, k, n = self.cfg.num_codebooks, self.k, self.n
         B = h_m.shape[0]
         cb = st.m[:, None] + 1 + self.offsets[:k]  # [B, k] drafted codebooks (> K-1: past the end, unused)
-        rows = self.rows[:B * k] // k  # [B k] the h_m row of each draft
+        rows = self.draft_rows[:B * k]  # [B k] the h_m row of each draft
         logits = self.model.codebook_logits_at(cb.clamp(max=K - 1).flatten(), h_m, rows)[:, :n]  # [B k, n]
         if self.use_triton:
             from ..kernels.speculate import spec_probs
