@@ -13,10 +13,10 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def model_on_gpu(dtype, agree=0.2, K=12, V=64):
+def model_on_gpu(dtype, agree=0.2, embed_noise=0.1, K=12, V=64):
     from test_speculate import tiny_model  # same folder: the CPU tests' tiny models
 
-    return tiny_model(K, V, agree=agree, embed_noise=0.1).to("cuda", dtype)
+    return tiny_model(K, V, agree=agree, embed_noise=embed_noise).to("cuda", dtype)
 
 
 def run(runner, n, temperature, steps, K):
@@ -84,12 +84,12 @@ def test_spec_graph_replay_equals_eager_bf16():
 @cuda
 @pytest.mark.parametrize("k", range(2, 9))
 def test_spec_greedy_equals_plain_on_gpu(k):
-    model = model_on_gpu(torch.float32, agree=0.05)
+    model = model_on_gpu(torch.float32, agree=0.05, embed_noise=0.05, V=32)  # ~50% of greedy drafts accepted
     K = model.cfg.num_codebooks
     plain = run(ModelRunner(model, num_slots=8, max_seq_len=64), 8, 0.0, 6, K)
     spec = ModelRunner(model, num_slots=8, max_seq_len=64, spec_depth=k)
     np.testing.assert_array_equal(run(spec, 8, 0.0, 6, K), plain)
-    assert spec.spec.snapshot().read()["acceptance"] > 0.3
+    assert spec.spec.snapshot().read()["acceptance"] > 0.25
 
 
 @cuda
