@@ -84,19 +84,31 @@ class _WriteAt:
         self.kv, self.write = kv, None
         self.use_triton = kv.use_triton
         self.rows = self.pos = self.lengths = None
+        self.prepared = False
         self.row_of: dict[int, Tensor] = {}
+
+    def prepare(self, pos: Tensor, lengths: Tensor) -> None:
+        """The next forward's KV positions [B S] and attention lengths [B S] int32, already computed."""
+        self.pos, self.lengths, self.prepared = pos, lengths, True
 
     def begin(self, pos: Tensor) -> None:
         w = pos if self.write is None else self.write  # [B, S]
+        if self.use_triton and self.prepared:
+            B, S = w.shape
+            self.rows = self._rows(B, S)
+            return
         if not self.use_triton:
             self.kv.begin(w)
             return
         B, S = w.shape
-        if S not in self.row_of:  # [max B * S] each query's row, made once per S (outside graphs' replays)
-            self.row_of[S] = self.kv.rows.repeat_interleave(S)
-        self.rows = self.row_of[S][: B * S]
+        self.rows = self._rows(B, S)
         self.pos = w.flatten()
         self.lengths = (self.pos + 1).to(torch.int32)
+
+    def _rows(self, B: int, S: int) -> Tensor:
+        if S not in self.row_of:  # [max B * S] each query's row, made once per S (in the graphs' warm-up)
+            self.row_of[S] = self.kv.rows.repeat_interleave(S)
+        return self.row_of[S][: B * S]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if not self.use_triton:
@@ -141,12 +153,15 @@ class Speculator:
         # verify passes, verify passes (x rows): all cumulative, rows that had finished not counted
         self.counts = torch.zeros(4, dtype=torch.long, device=p.device)
         self.draft_rows = torch.arange(max_batch * k, device=p.device) // k
+        self.verify_rows = torch.arange(max_batch * (k + 1), device=p.device)
+        self.use_triton = p.device.type == "cuda"  # kernels/speculate.py; the torch code here elsewhere
+        if self.use_triton:
+            model.prepare_heads()  # the gathered-head kernel reads the aligned copy
         self.conditional = p.device.type == "cuda" and conditional_nodes_supported()
         # IF nodes only up to this bucket: each IF body is captured on its own stream, so its activations
         # are never reused by the next pass's (~80 KB per position: 30 passes x B (k+1) positions); and
         # with many rows the slowest one needs nearly every pass anyway
         self.conditional_max_batch = conditional_max_batch
-        self.use_triton = p.device.type == "cuda"  # kernels/speculate.py; the torch code here elsewhere
         # benchmarks only: a 0-dim float32 tensor a; every draft is then accepted with probability a
         # instead of by the rule (NOT exact). Read when graphs are captured, so set it before.
         self.forced_acceptance: Tensor | None = None
@@ -191,27 +206,38 @@ class Speculator:
         return st.codes[:, :K]
 
     # ---- drafts of codebooks m+1..m+k from h_m
-    def _draft(self, st: _Frame, h_m: Tensor, params: RowParams) -> None:
+    def _draft(self, st: _Frame, h_m: Tensor, params: RowParams, heads: Tensor | None = None,
+               cb: Tensor | None = None) -> None:
+        """Draft codes and q for every row from h_m [B, Dd]; `heads`/`cb` [B k]: the drafted codebooks'
+        head indices and codebooks (CUDA: from the verify kernel; None: from st.m)."""
         K, k, n = self.cfg.num_codebooks, self.k, self.n
         B = h_m.shape[0]
-        cb = st.m[:, None] + 1 + self.offsets[:k]  # [B, k] drafted codebooks (> K-1: past the end, unused)
         rows = self.draft_rows[:B * k]  # [B k] the h_m row of each draft
-        logits = self.model.codebook_logits_at(cb.clamp(max=K - 1).flatten(), h_m, rows)[:, :n]  # [B k, n]
+        if cb is None:
+            cb = (st.m[:, None] + 1 + self.offsets[:k]).flatten()  # drafted codebooks (> K-1: unused)
+            heads = cb.clamp(max=K - 1) - 1
         if self.use_triton:
+            from ..kernels.heads import gathered_head_logits
             from ..kernels.speculate import spec_probs
 
-            top = torch.empty(B * k, dtype=torch.long, device=h_m.device)
-            spec_probs(logits, *params.fields(), per=k, probs=st.qprob.view(B * k, n), top=top,
-                       codebook=cb.flatten(), code=st.draft.view(B * k), draw=DRAW_DRAFT)
+            logits = gathered_head_logits(h_m, self.model.head_t, heads, rows, self.cfg.audio_vocab_size)
+            spec_probs(logits[:, :n], *params.fields(), per=k, probs=st.qprob.view(B * k, n),
+                       top=torch.empty(B * k, dtype=torch.long, device=h_m.device), codebook=cb,
+                       code=st.draft.view(B * k), draw=DRAW_DRAFT)
             return
+        logits = self.model.codebook_logits_at(heads + 1, h_m, rows)[:, :n]  # [B k, n]
         xq = sampling_logits(logits, *params.repeat(k)).view(B, k, n)
-        sampled = (xq + gumbel(hash_uniform_at(params.seed, params.frame, cb, n, DRAW_DRAFT))).argmax(-1)
+        noise = hash_uniform_at(params.seed, params.frame, cb.view(B, k), n, DRAW_DRAFT)
+        sampled = (xq + gumbel(noise)).argmax(-1)
         greedy = (params.temperature <= 0)[:, None]
         st.draft.copy_(torch.where(greedy, logits.view(B, k, n).argmax(-1), sampled))
         st.qprob.copy_(xq.softmax(-1))
 
     # ---- one verify pass: positions m+1..m+k+1 read c_m, d_{m+1}..d_{m+k}
     def _verify(self, st: _Frame, params: RowParams) -> None:
+        if self.use_triton:
+            self._verify_triton(st, params)
+            return
         m_, K, k, n, V = self.model, self.cfg.num_codebooks, self.k, self.n, self.cfg.audio_vocab_size
         B = st.m.shape[0]
         m = st.m
@@ -223,18 +249,30 @@ class Speculator:
         out = m_.decoder(m_.projection(x), pos.clamp(max=K - 1), self.view)  # [B, k+1, Dd]
         self.view.write = None
         logits = m_.codebook_logits_at(pos.clamp(max=K - 1).flatten(), out.flatten(0, 1))[:, :n]  # [B (k+1), n]
-        if self.use_triton:
-            from ..kernels.speculate import spec_probs, spec_verify
-
-            p = torch.empty(B * (k + 1), n, dtype=torch.float32, device=out.device)
-            top = torch.empty(B * (k + 1), dtype=torch.long, device=out.device)
-            spec_probs(logits, *params.fields(), per=k + 1, probs=p, top=top)
-            j = spec_verify(p.view(B, k + 1, n), top.view(B, k + 1), st.qprob, st.draft, st.m, st.done, st.codes,
-                            self.counts, params.temperature, params.seed, params.frame, K, self.forced_acceptance)
-        else:
-            j = self._verify_torch(st, params, pos, logits)
+        j = self._verify_torch(st, params, pos, logits)
         h_m = out.gather(1, j[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]  # the new m's hidden state
         self._draft(st, h_m, params)
+
+    def _verify_triton(self, st: _Frame, params: RowParams) -> None:
+        """_verify on CUDA: indices, the accept/resample/commit and the drafts' sampling in Triton kernels."""
+        from ..kernels.heads import gathered_head_logits
+        from ..kernels.speculate import spec_prep, spec_probs, spec_verify
+
+        m_, K, k, n, V = self.model, self.cfg.num_codebooks, self.k, self.n, self.cfg.audio_vocab_size
+        B, S = st.m.shape[0], k + 1
+        emb, wpos, rpos, lengths, heads = spec_prep(st.m, st.codes, st.draft, K, V)
+        self.view.prepare(wpos.view(-1), lengths)
+        out = m_.decoder(m_.projection(m_.audio_embeddings(emb)), rpos, self.view)  # [B, k+1, Dd]
+        self.view.prepared = False
+        logits = gathered_head_logits(out.flatten(0, 1), m_.head_t, heads, self.verify_rows[:B * S], V)[:, :n]
+        p = torch.empty(B * S, n, dtype=torch.float32, device=out.device)
+        top = torch.empty(B * S, dtype=torch.long, device=out.device)
+        spec_probs(logits, *params.fields(), per=S, probs=p, top=top)
+        j, dheads, dcb = spec_verify(p.view(B, S, n), top.view(B, S), st.qprob, st.draft, st.m, st.done, st.codes,
+                                     self.counts, params.temperature, params.seed, params.frame, K,
+                                     self.forced_acceptance)
+        h_m = out.gather(1, j[:, None, None].expand(B, 1, out.shape[-1]))[:, 0]
+        self._draft(st, h_m, params, dheads, dcb)
 
     def _verify_torch(self, st: _Frame, params: RowParams, pos: Tensor, logits: Tensor) -> Tensor:
         """The reference of kernels/speculate.spec_verify: accept, resample, commit; -> j [B]."""

@@ -5,7 +5,8 @@ reference and the CPU path.
 top-p cut found by bisection exactly as kernels/sampler.py finds it) written out as probabilities, the
 row's argmax, and optionally a Gumbel-max sample with the counter noise of a given draw (drafts).
 `spec_verify`: a program per batch row: the accept tests in order, the residual / bonus resample, the
-commit of the codes, the row's new position and the draft counters. Both agree with the torch
+commit of the codes, the row's new position, the draft counters and the next drafts' indices.
+`spec_prep`: a verify pass's input, position and head indices (a dozen torch ops in one launch). Both agree with the torch
 reference except where two candidate logits tie at a cut-off (as the sampler kernel does).
 """
 from __future__ import annotations
@@ -104,7 +105,37 @@ def spec_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor
 
 
 @triton.jit
-def _verify_kernel(P, TOP, Q, DRAFT, M, DONE, CODES, COUNTS, J, TEMP, SEED, FRAME, ALPHA, stride_pb, stride_pt,
+def _prep_kernel(M, CODES, DRAFT, EMB, WPOS, RPOS, LEN, HEADS, stride_c, V, K, KD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    m = tl.load(M + b)
+    for t in tl.static_range(KD + 1):
+        if t == 0:
+            code = tl.load(CODES + b * stride_c + m)
+        else:
+            code = tl.load(DRAFT + b * KD + t - 1)
+        o = b * (KD + 1) + t
+        tl.store(EMB + o, code + tl.minimum(m + t, K - 1) * V)  # codebook m+t's code -> its embedding row
+        pos = m + 1 + t
+        tl.store(WPOS + o, pos)
+        tl.store(RPOS + o, tl.minimum(pos, K - 1))
+        tl.store(LEN + o, (pos + 1).to(tl.int32))
+        tl.store(HEADS + o, tl.minimum(pos, K - 1) - 1)
+
+
+def spec_prep(m: Tensor, codes: Tensor, draft: Tensor, K: int, V: int) -> tuple[Tensor, ...]:
+    """A verify pass's indices in one kernel: for each row's positions m+1..m+k+1 -> the input codes'
+    embedding rows [B, k+1], KV positions [B, k+1], RoPE positions (clamped to K-1) [B, k+1], attention
+    lengths [B (k+1)] int32, head index of each output [B (k+1)] (codebook - 1, clamped)."""
+    B, k = draft.shape
+    emb = torch.empty(B, k + 1, dtype=torch.long, device=m.device)
+    wpos, rpos, heads = torch.empty_like(emb), torch.empty_like(emb), torch.empty_like(emb)
+    lengths = torch.empty(B, k + 1, dtype=torch.int32, device=m.device)
+    _prep_kernel[(B,)](m, codes, draft, emb, wpos, rpos, lengths, heads, codes.stride(0), V, K, KD=k, num_warps=1)
+    return emb, wpos, rpos, lengths.view(-1), heads.view(-1)
+
+
+@triton.jit
+def _verify_kernel(P, TOP, Q, DRAFT, M, DONE, CODES, COUNTS, J, DHEADS, DCB, TEMP, SEED, FRAME, ALPHA, stride_pb, stride_pt,
                    stride_qb, stride_qt, stride_c, V, K, KD: tl.constexpr, FORCE: tl.constexpr,
                    BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -155,17 +186,23 @@ def _verify_kernel(P, TOP, Q, DRAFT, M, DONE, CODES, COUNTS, J, TEMP, SEED, FRAM
     tl.store(M + b, m_next)
     tl.store(DONE + b, done | (m_next >= K - 1))
     tl.store(J + b, j)
+    for t in tl.static_range(KD):  # the next drafts: codebooks m_next+1.. and their heads
+        c = m_next + 1 + t
+        tl.store(DCB + b * KD + t, c)
+        tl.store(DHEADS + b * KD + t, tl.minimum(c, K - 1) - 1)
 
 
 def spec_verify(p: Tensor, top: Tensor, q: Tensor, draft: Tensor, m: Tensor, done: Tensor, codes: Tensor,
                 counts: Tensor, temperature: Tensor, seed: Tensor, frame: Tensor, K: int,
-                alpha: Tensor | None = None) -> Tensor:
-    """p [B, k+1, V], top [B, k+1], q [B, k, V], draft [B, k] -> j [B] (drafts accepted); updates codes
-    [B, >= K+k+1], m, done [B] and counts [4] in place."""
+                alpha: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """p [B, k+1, V], top [B, k+1], q [B, k, V], draft [B, k] -> j [B] (drafts accepted), the next drafts'
+    head indices and codebooks [B k]; updates codes [B, >= K+k+1], m, done [B] and counts [4] in place."""
     B, k1, V = p.shape
     j = torch.empty(B, dtype=torch.long, device=p.device)
-    _verify_kernel[(B,)](p, top, q, draft, m, done, codes, counts, j, temperature, seed, frame,
+    dheads, dcb = torch.empty(B * (k1 - 1), dtype=torch.long, device=p.device), torch.empty(
+        B * (k1 - 1), dtype=torch.long, device=p.device)
+    _verify_kernel[(B,)](p, top, q, draft, m, done, codes, counts, j, dheads, dcb, temperature, seed, frame,
                          alpha if alpha is not None else temperature, p.stride(0), p.stride(1), q.stride(0),
                          q.stride(1), codes.stride(0), V, K, KD=k1 - 1, FORCE=alpha is not None,
                          BLOCK=triton.next_power_of_2(V), num_warps=4)
-    return j
+    return j, dheads, dcb
