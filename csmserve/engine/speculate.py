@@ -238,7 +238,7 @@ class Speculator:
         if self.use_triton:
             self._verify_triton(st, params)
             return
-        m_, K, k, n, V = self.model, self.cfg.num_codebooks, self.k, self.n, self.cfg.audio_vocab_size
+        m_, K, n, V = self.model, self.cfg.num_codebooks, self.n, self.cfg.audio_vocab_size
         B = st.m.shape[0]
         m = st.m
         cb_in = m[:, None] + self.offsets  # [B, k+1] codebook of each input code
@@ -258,8 +258,8 @@ class Speculator:
         from ..kernels.heads import gathered_head_logits
         from ..kernels.speculate import spec_prep, spec_probs, spec_verify
 
-        m_, K, k, n, V = self.model, self.cfg.num_codebooks, self.k, self.n, self.cfg.audio_vocab_size
-        B, S = st.m.shape[0], k + 1
+        m_, K, n, V = self.model, self.cfg.num_codebooks, self.n, self.cfg.audio_vocab_size
+        B, S = st.m.shape[0], self.k + 1
         emb, wpos, rpos, lengths, heads = spec_prep(st.m, st.codes, st.draft, K, V)
         self.view.prepare(wpos.view(-1), lengths)
         out = m_.decoder(m_.projection(m_.audio_embeddings(emb)), rpos, self.view)  # [B, k+1, Dd]

@@ -1,13 +1,14 @@
-"""Speculation's sampling math (engine/speculate.py) as two Triton kernels; the torch code there is the
-reference and the CPU path.
+"""Speculation's sampling math and indices (engine/speculate.py) as three Triton kernels; the torch code
+there is the reference and the CPU path.
 
 `spec_probs`: a program per row of logits: the sampler's distribution (temperature, then the top-k /
 top-p cut found by bisection exactly as kernels/sampler.py finds it) written out as probabilities, the
 row's argmax, and optionally a Gumbel-max sample with the counter noise of a given draw (drafts).
 `spec_verify`: a program per batch row: the accept tests in order, the residual / bonus resample, the
 commit of the codes, the row's new position, the draft counters and the next drafts' indices.
-`spec_prep`: a verify pass's input, position and head indices (a dozen torch ops in one launch). Both agree with the torch
-reference except where two candidate logits tie at a cut-off (as the sampler kernel does).
+`spec_prep`: a verify pass's input, position and head indices (a dozen torch ops in one launch).
+They agree with the torch reference except where two candidate logits tie at a cut-off (as the
+sampler kernel does).
 """
 from __future__ import annotations
 
@@ -135,8 +136,8 @@ def spec_prep(m: Tensor, codes: Tensor, draft: Tensor, K: int, V: int) -> tuple[
 
 
 @triton.jit
-def _verify_kernel(P, TOP, Q, DRAFT, M, DONE, CODES, COUNTS, J, DHEADS, DCB, TEMP, SEED, FRAME, ALPHA, stride_pb, stride_pt,
-                   stride_qb, stride_qt, stride_c, V, K, KD: tl.constexpr, FORCE: tl.constexpr,
+def _verify_kernel(P, TOP, Q, DRAFT, M, DONE, CODES, COUNTS, J, DHEADS, DCB, TEMP, SEED, FRAME, ALPHA,
+                   stride_pb, stride_pt, stride_qb, stride_qt, stride_c, V, K, KD: tl.constexpr, FORCE: tl.constexpr,
                    BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     m = tl.load(M + b)

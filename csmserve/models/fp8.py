@@ -16,7 +16,6 @@ The embeddings, the codebook heads and the norms stay in the model's dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 FP8 = torch.float8_e4m3fn

@@ -18,7 +18,7 @@ from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
 from csmserve.engine.request import Request, SamplingParams
 from csmserve.engine.runner import ModelRunner
-from csmserve.engine.sampler import hash_uniform, hash_uniform_at, sample, sample_torch, sampling_logits
+from csmserve.engine.sampler import hash_uniform, hash_uniform_at, sample, sampling_logits
 from csmserve.engine.speculate import RowParams, Speculator
 from csmserve.models.csm import CSMConfig, CSMModel
 from csmserve.models.llama import LlamaConfig

@@ -97,7 +97,7 @@ def test_spec_greedy_equals_plain_on_gpu(k):
 def test_spec_triton_kernels_match_torch_reference(prm):
     model = model_on_gpu(torch.float32)
     model.prepare_heads()
-    B, K = 256, model.cfg.num_codebooks
+    B = 256
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(B, model.cfg.backbone.dim, device="cuda", generator=g)
     t = torch.full((B,), prm[0], device="cuda")
