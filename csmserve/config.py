@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -31,6 +33,14 @@ class EngineConfig:
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None
+    # draft/verify over codebooks inside the depth decoder (engine/speculate.py): k drafts per verify
+    # pass, 2..8; None or 0 = off. Exact (the codes' distribution is unchanged); pays off only when the
+    # heads' drafts are accepted often enough (`csmserve bench` prints the acceptance rate)
+    spec_depth: int | None = None
+    # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
+    # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere),
+    # fp8-all (the backbone too). models/fp8.py
+    weights: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
@@ -41,6 +51,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
+        if self.spec_depth not in (None, 0) and not 2 <= self.spec_depth <= 8:
+            raise ValueError(f"EngineConfig.spec_depth must be 2..8 (or 0 / None: off), got {self.spec_depth}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,12 @@ fi
 if [[ $what == ttfa ]]; then
   python bench/ttfa_breakdown.py ${TTFA_ARGS:-} 2>&1 | tee "$OUT/ttfa_breakdown.txt"
 fi
+if [[ $what == spec ]]; then  # draft/verify over codebooks: cost per k and batch, break-even acceptance
+  python bench/spec_depth.py ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec_depth.txt"
+fi
+if [[ $what == fp8 ]]; then  # FP8 weights: logits' error against bf16 (teacher forcing) and frame-step speed
+  python bench/fp8_error.py ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_error.txt"
+fi
 if [[ $what == profile ]]; then
   python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"
 fi

@@ -466,5 +466,6 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
     ring = OutputRing(ring_slots, cfg.max_slots, model.cfg.num_codebooks, fs, cuda=device.type == "cuda",
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
-                         max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring)
+                         max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
+                         spec_depth=cfg.spec_depth, weights=cfg.weights)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

@@ -20,11 +20,13 @@ import torch
 from torch import Tensor
 
 from ..models.csm import CSMModel
+from ..models.fp8 import quantize_weights
 from ..models.mimi import Mimi, MimiStream
 from .output_ring import OutputRing
 from .request import Admission, PrefillChunk, PrefixStore
 from .sampler import sample
 from .slots import DepthKV, SlotKV, SlotState
+from .speculate import RowParams, Speculator
 from .staging import Staging
 
 # admission staging columns: tokens [W], mask [W], then these
@@ -80,7 +82,8 @@ class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
                  max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
-                 max_prefill_chunk: int | None = None) -> None:
+                 max_prefill_chunk: int | None = None, spec_depth: int | None = None, weights: str = "bf16") -> None:
+        quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         cuda = self.device.type == "cuda"
@@ -100,7 +103,9 @@ class ModelRunner:
         self.prefix_kv: dict[bytes, tuple[Tensor, Tensor]] = {}
         self.state = SlotState(self.cfg, num_slots, self.device)
         self.buckets = buckets or default_buckets(num_slots)
-        self.depth_kv = DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
+        # draft/verify over codebooks (EngineConfig.spec_depth; it brings its own, longer depth KV)
+        self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
+        self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)
@@ -214,8 +219,11 @@ class ModelRunner:
         def sampler(logits: Tensor, codebook: int) -> Tensor:
             return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
-        codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         live = slot_ids != self.scratch
+        if self.spec is not None:
+            codes = self.spec.decode_frame(h, sampler, RowParams(temp, top_k, top_p, seed, frame), live)
+        else:
+            codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         s.next_tokens[slot_ids] = torch.cat([codes, torch.zeros_like(codes[:, :1])], 1)
         s.next_mask[slot_ids] = self.audio_mask.expand(len(slot_ids), -1)
         s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)

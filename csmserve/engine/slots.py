@@ -66,9 +66,11 @@ class DepthKV:
     """The depth decoder's one-frame cache k, v [L, B, Hkv, K, hd], rewritten every frame (batch-local:
     nothing crosses a frame boundary, so no slot indexing). One-query steps use the decode kernel."""
 
-    def __init__(self, cfg: CSMConfig, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: CSMConfig, batch: int, dtype: torch.dtype, device: torch.device,
+                 positions: int | None = None) -> None:
         d = cfg.decoder
-        shape = (d.n_layers, batch, d.n_kv_heads, cfg.num_codebooks, d.head_dim)
+        # positions: K, or more for speculation's verify passes (engine/speculate.py: K + k + 1)
+        shape = (d.n_layers, batch, d.n_kv_heads, positions or cfg.num_codebooks, d.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(batch, device=device)

@@ -87,6 +87,18 @@ class CSMModel(nn.Module):
             return F.linear(h_dec, self.head_t[codebook - 1])[:, : self.cfg.audio_vocab_size]
         return h_dec @ self.audio_head[codebook - 1]
 
+    def codebook_logits_at(self, codebooks: Tensor, h_dec: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Each output row its own codebook head: codebooks [N] in 1..K-1, h_dec [M, Dd], rows [N] (the
+        h_dec row of each output; None = arange(N)) -> logits [N, V] float32. One GEMV per row: the
+        heads' weights are read once per row (speculation's drafts and verify positions)."""
+        V = self.cfg.audio_vocab_size
+        if self.head_t is not None and h_dec.is_cuda:
+            from ..kernels.heads import gathered_head_logits
+
+            return gathered_head_logits(h_dec, self.head_t, codebooks - 1, rows, V)
+        x = h_dec if rows is None else h_dec[rows]
+        return torch.bmm(x[:, None], self.audio_head[codebooks - 1])[:, 0].float()  # [N, 1, Dd] @ [N, Dd, V]
+
     @torch.no_grad()
     def prepare_heads(self, multiple: int = 64) -> None:
         """Transposed codebook heads with the vocab padded to `multiple`: 2051 columns make GEMMs fall

@@ -1,0 +1,168 @@
+"""FP8 weights (EngineConfig.weights = fp8 / fp8-all) against bf16 on the real shape: the logits' error
+under teacher forcing and the frame step's speed.
+
+Error: the bf16 model samples a few utterances (its own codes, so the inputs are on its distribution);
+both models then read exactly those frames (teacher forcing: the backbone over the whole sequence,
+the depth decoder over [h, c_0 .. c_30] of every frame in one pass) and their logits are compared per
+codebook: top-1 agreement (over the 2048 real codes) and KL(p_bf16 || p_fp8) of the softmax at
+temperature 1. With `fp8` the backbone is bf16 in both, so codebook 0 agrees exactly. Random weights
+give flat distributions, where a small error flips the argmax more easily than in trained, peaked
+ones; KL is the more telling number. Speed: the graphed frame step at each batch, as bench/frame_step.py.
+
+    python bench/fp8_error.py                      # dummy weights (N(0, 1/fan_in))
+    python bench/fp8_error.py --hf-init            # transformers' random init (N(0, 0.02)), if installed
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+
+import numpy as np
+import torch
+
+from csmserve import reference
+from csmserve.engine.request import Admission, SamplingParams
+from csmserve.engine.runner import ModelRunner
+from csmserve.models.fp8 import quantize_weights
+
+
+def build(args) -> torch.nn.Module:
+    if args.hf_init:
+        from csmserve.bench import build_with_hf
+
+        model, _, hf = build_with_hf(argparse.Namespace(no_codec=True), torch.bfloat16)
+        del hf
+        return model
+    from csmserve.models.loader import load_csm
+
+    return load_csm(args.model, "cuda", torch.bfloat16)[0]
+
+
+def own_codes(model, utterances: int, frames: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, mask) [T, 33] sequences: a text prompt and the frames the model sampled after it."""
+    out = []
+    rng = np.random.default_rng(0)
+    K, W = model.cfg.num_codebooks, model.cfg.frame_width
+    for u in range(utterances):
+        n = 12
+        tok, mask = np.zeros((n, W), np.int64), np.zeros((n, W), bool)
+        tok[:, K], mask[:, K] = rng.integers(1000, 100_000, n), True
+        gen = reference.generate(model, tok, mask, SamplingParams(temperature=0.9, top_k=50, seed=u,
+                                                                  max_audio_length_ms=frames * 80)).codes
+        ftok = np.zeros((len(gen), W), np.int64)
+        ftok[:, :K] = gen
+        fmask = np.zeros((len(gen), W), bool)
+        fmask[:, :K] = True
+        out.append((np.concatenate([tok, ftok]), np.concatenate([mask, fmask]), n))
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model, tokens: np.ndarray, mask: np.ndarray, start: int) -> torch.Tensor:
+    """Logits [F, K, 2048] float32 of every codebook of the frames after the prompt, given the true codes."""
+    K, n = model.cfg.num_codebooks, model.cfg.sampleable_codes
+    t = torch.as_tensor(tokens, device="cuda")[None]
+    m = torch.as_tensor(mask, device="cuda")[None]
+    T = t.shape[1]
+    kv = model.backbone.new_kv(1, T, torch.bfloat16, "cuda")
+    h = model.forward_backbone(t, m, torch.arange(T, device="cuda")[None], kv)[0]  # [T, Db]
+    h = h[start - 1: T - 1]  # the state that predicts frame f is the one before it: [F, Db]
+    codes = t[0, start:, :K]  # [F, K]
+    F = codes.shape[0]
+    l0 = model.codebook0_head(h)[:, :n].float()  # [F, n]
+    x = torch.cat([h[:, None], model.audio_embeddings(codes[:, : K - 1] + model.codebook_offsets[: K - 1])], 1)
+    dkv = model.decoder.new_kv(F, K, torch.bfloat16, "cuda")
+    out = model.decoder(model.projection(x), torch.arange(K, device="cuda").expand(F, K), dkv)  # [F, K, Dd]
+    rest = [model.codebook_logits(i, out[:, i])[:, :n].float() for i in range(1, K)]
+    return torch.stack([l0] + rest, 1)
+
+
+def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """-> top-1 agreement [K], mean KL(ref || got) [K] (nats)."""
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean(0)
+    lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean(0)
+    return agree.cpu().numpy(), kl.cpu().numpy()
+
+
+def frame_ms(model, weights: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    runner = ModelRunner(model, num_slots=max(batches), max_seq_len=context + steps + 8, buckets=batches,
+                         weights=weights)
+    W = model.cfg.frame_width
+    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
+    mask[-1] = True
+    out = {}
+    for b in batches:
+        slots = list(range(b))
+        runner.admit([Admission(s, tok, mask, context, 0.9, 50, 1.0, s) for s in slots])
+        for _ in range(3):
+            runner.step(slots).wait()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        prev = None
+        for _ in range(steps):
+            o = runner.step(slots)
+            if prev is not None:
+                prev.wait()
+            prev = o
+        prev.wait()
+        out[b] = (time.perf_counter() - t) / steps * 1e3
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="dummy")
+    ap.add_argument("--hf-init", action="store_true", help="transformers' random init instead of --model")
+    ap.add_argument("--utterances", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=64, help="frames sampled per utterance")
+    ap.add_argument("--batches", default="1,64,2048")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    base = build(args)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"weights {'transformers random init' if args.hf_init else args.model}", flush=True)
+    seqs = own_codes(base, args.utterances, args.frames)
+    ref = torch.cat([teacher_forced_logits(base, *s) for s in seqs])  # [F, K, n]
+    K = ref.shape[1]
+    results = {}
+    for weights in ("fp8", "fp8-all"):
+        q = copy.deepcopy(base)
+        quantize_weights(q, weights)
+        got = torch.cat([teacher_forced_logits(q, *s) for s in seqs])
+        results[weights] = compare(ref, got)
+        del q, got
+        torch.cuda.empty_cache()
+    print(f"\nteacher forcing on {ref.shape[0]} frames ({args.utterances} utterances sampled by the bf16 model)")
+    print("\n| codebook | fp8: top-1 agreement | fp8: KL (nats) | fp8-all: top-1 agreement | fp8-all: KL (nats) |")
+    print("|---|---|---|---|---|")
+    for c in range(K):
+        a1, k1 = results["fp8"][0][c], results["fp8"][1][c]
+        a2, k2 = results["fp8-all"][0][c], results["fp8-all"][1][c]
+        print(f"| {c} | {a1:.2%} | {k1:.2e} | {a2:.2%} | {k2:.2e} |")
+    for w in ("fp8", "fp8-all"):
+        a, k = results[w]
+        print(f"| mean {w}, codebooks 1-{K - 1} | {a[1:].mean():.2%} | {k[1:].mean():.2e} | | |" if w == "fp8" else
+              f"| mean {w}, all codebooks | | | {a.mean():.2%} | {k.mean():.2e} |")
+    print("\n| batch | bf16 frame step (ms) | fp8 (ms) | fp8-all (ms) |\n|---|---|---|---|", flush=True)
+    speed = {}
+    for weights in ("bf16", "fp8", "fp8-all"):
+        model = base if weights == "bf16" else copy.deepcopy(base)
+        speed[weights] = frame_ms(model, weights, batches, args.context, args.steps)
+        if model is not base:
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    for b in batches:
+        print(f"| {b} | {speed['bf16'][b]:.2f} | {speed['fp8'][b]:.2f} | {speed['fp8-all'][b]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

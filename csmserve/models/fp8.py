@@ -1,0 +1,93 @@
+"""FP8 (e4m3) weights for the Llama GEMMs (EngineConfig.weights): per-output-channel weight scales,
+activations scaled per row when they enter a GEMM; everything between the GEMMs stays bf16.
+
+    w8[o, :] = w[o, :] / s_w[o],  s_w[o] = max|w[o, :]| / 448            (once, at load)
+    x8[r, :] = x[r, :] / s_x[r],  s_x[r] = max|x[r, :]| / 448            (every call: one kernel)
+    y[r, o]  = s_x[r] s_w[o] sum_i x8[r, i] w8[o, i]                      (fp32 accumulation)
+
+On Hopper that is `torch._scaled_mm` with row-wise scales (FP8 tensor cores, bf16 out). Why the
+activations are quantized too rather than kept bf16 in a weight-only GEMM: torch's only FP8 GEMM
+takes both operands in FP8, and a weight-only one would be our own dequantizing GEMM for every batch
+size. Why per row: a row's numbers then never depend on the other rows of its batch (a per-tensor
+scale would make a seeded request's codes depend on its neighbours). Elsewhere (CPU, float32
+models, older GPUs) the same quantized numbers are multiplied in float32: the CPU tests run this code.
+The embeddings, the codebook heads and the norms stay in the model's dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] float32): x ~ x8 * scale, each row scaled to its own max."""
+    if x.is_cuda:
+        from ..kernels.fp8 import quantize_rows_triton
+
+        return quantize_rows_triton(x)
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: Tensor) -> tuple[Tensor, Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def hopper_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class FP8Linear(nn.Module):
+    """nn.Linear without bias, its weight [N, K] in e4m3 with a scale per output channel."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        w8, scale = quantize_rows_torch(weight.detach())
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("weight8", w8)  # [N, K] e4m3
+        self.register_buffer("scale", scale.reshape(1, -1).contiguous())  # [1, N] float32
+        self.fast = hopper_fp8(weight.device) and weight.dtype == torch.bfloat16 and \
+            self.in_features % 16 == 0 and self.out_features % 16 == 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x8, sx = quantize_rows(x2)
+        if self.fast:
+            y = torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.scale, out_dtype=torch.bfloat16)
+        else:  # the same numbers in float32: products of e4m3 values are exact, the sums in fp32
+            y = (x8.float() @ self.weight8.float().t()) * sx * self.scale
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> Tensor:
+        return self.weight8.float() * self.scale.t()  # [N, K]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fast={self.fast}"
+
+
+GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_weights(model: nn.Module, weights: str) -> None:
+    """EngineConfig.weights, in place: "bf16" leaves the model as it is; "fp8" swaps the depth decoder's
+    GEMMs (4 per layer, and the backbone -> decoder projection) for FP8Linear; "fp8-all" the
+    backbone's too. Idempotent."""
+    if weights == "bf16":
+        return
+    if weights not in ("fp8", "fp8-all"):
+        raise ValueError(f"weights must be bf16, fp8 or fp8-all, got {weights!r}")
+    stacks = [model.decoder] + ([model.backbone] if weights == "fp8-all" else [])
+    for stack in stacks:
+        for block in stack.layers:
+            for parent in (block.self_attn, block.mlp):
+                for name in GEMMS:
+                    lin = getattr(parent, name, None)
+                    if isinstance(lin, nn.Linear):
+                        setattr(parent, name, FP8Linear(lin.weight))
+    if isinstance(model.projection, nn.Linear):
+        model.projection = FP8Linear(model.projection.weight)

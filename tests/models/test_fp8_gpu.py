@@ -1,0 +1,49 @@
+"""GPU (`pytest -m gpu`): FP8 weights on Hopper: the row-quantization kernel against torch, torch._scaled_mm
+against the dequantized fallback on the real GEMM shapes (the frame graphs with FP8 weights:
+tests/engine/test_speculate_gpu.py)."""
+import pytest
+import torch
+
+from csmserve.models.fp8 import FP8Linear, hopper_fp8, quantize_rows_torch
+
+pytestmark = pytest.mark.gpu
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or not hopper_fp8(torch.device("cuda")),
+                            reason="needs a Hopper GPU")
+
+
+@hopper
+@pytest.mark.parametrize("K", [16, 1024, 2048, 8192])
+def test_quantize_rows_kernel_matches_torch(K):
+    from csmserve.kernels.fp8 import quantize_rows_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(300, K, device="cuda", generator=g) * 5).to(torch.bfloat16)
+    x[7] = 0
+    q, s = quantize_rows_triton(x)
+    q2, s2 = quantize_rows_torch(x)
+    torch.testing.assert_close(s, s2, rtol=0, atol=0)
+    same = (q.float() == q2.float()).float().mean().item()
+    assert same > 0.999, same  # division rounding may move a value across a rounding boundary, rarely
+    ulp = (q2.float().abs() * 2 ** -3).clamp(min=2 ** -9)
+    assert ((q.float() - q2.float()).abs() <= ulp).all()
+
+
+@hopper
+@pytest.mark.parametrize("K,N", [(1024, 1536), (1024, 1024), (1024, 16384), (8192, 1024), (2048, 1024),
+                                 (2048, 3072), (2048, 16384)])
+@pytest.mark.parametrize("M", [1, 9, 64, 2048])
+def test_scaled_mm_matches_the_dequantized_fallback(M, K, N):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    lin = FP8Linear(w)
+    assert lin.fast
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    y = lin(x)
+    lin.fast = False
+    ref = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-2, err
+    exact = torch.nn.functional.linear(x.float(), w.float())
+    err = ((y.float() - exact).norm() / exact.norm()).item()
+    assert err < 0.06, err  # FP8 against bf16 weights: e4m3's 3 mantissa bits
