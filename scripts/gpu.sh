@@ -62,3 +62,11 @@ if [[ $what == probe ]]; then
     --warmup 2 --duration 10 --drain 20 --scenario closed:users=256 --scenario closed:users=2048 \
     --out "$OUT/serve_probe" 2>&1 | tee "$OUT/serve_probe.txt" | tail -30
 fi
+if [[ $what == probe2 ]]; then
+  # GPU tests of everything merged, then the step at 2,048 with the depthwise upsample, admissions
+  python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine tests/models -x 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
+  python bench/profile_mimi.py --batch 2048 --rows 12 2>&1 | tee "$OUT/profile_mimi.txt" | head -24
+  python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt" | tail -6
+  python bench/engine_bench.py --sweep 1,64,2048 --frames 60 --probes 8 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
+  python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -6
+fi
