@@ -101,6 +101,15 @@ def run(args: argparse.Namespace) -> dict:
     stop.set()
     th.join()
     t_end = time.perf_counter()
+    # the same step without arrivals at more rows: the frame step's cost per row, to compare the loaded
+    # step with an idle one of as many rows (arrivals add rows: their own frame steps)
+    more = [make(10**6 // 80, args.prompt) for _ in range(args.extra_streams)]
+    for r in more:
+        engine.submit(r)
+    while sum(1 for r in more if r.handle in probe.first) < len(more):
+        time.sleep(0.05)
+    time.sleep(1.0)  # the arrivals' requests have ended
+    base2 = _window(probe, engine, args.warmup, args.seconds / 2)
     lat = [probe.first[h] - t for h, t in submitted.items() if h in probe.first and t < t_end - 1.0]
     admitted = sum(1 for h, t in submitted.items() if h in probe.first and t_end - 1.0 - args.seconds < t < t_end - 1.0)
     engine.shutdown()
@@ -108,14 +117,19 @@ def run(args: argparse.Namespace) -> dict:
            "ttf_p50_ms": 1e3 * float(np.percentile(lat, 50)) if lat else float("nan"),
            "ttf_p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else float("nan"),
            "base_step_ms": base_steps[0], "base_rows": base_steps[1],
-           "load_step_ms": load_steps[0], "load_rows": load_steps[1]}
+           "load_step_ms": load_steps[0], "load_rows": load_steps[1],
+           "base2_step_ms": base2[0], "base2_rows": base2[1]}
+    per_row = (base2[0] - base_steps[0]) / max(1.0, base2[1] - base_steps[1])  # ms per extra row
+    res["same_rows_ms"] = base_steps[0] + per_row * (load_steps[1] - base_steps[1])
     print("| streams | arrivals/s | admitted/s | submit to first frame p50 / p99 (ms) | step alone (ms, rows) "
-          "| step with arrivals (ms, rows) | slower by |")
-    print("|---|---|---|---|---|---|---|")
+          "| step alone, more rows (ms, rows) | step with arrivals (ms, rows) | alone at as many rows (ms) "
+          "| slower by |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print(f"| {res['streams']} | {res['rate']:.0f} | {res['admitted_per_s']:.0f} | {res['ttf_p50_ms']:.1f} / "
           f"{res['ttf_p99_ms']:.1f} | {res['base_step_ms']:.2f} ({res['base_rows']:.0f}) | "
-          f"{res['load_step_ms']:.2f} ({res['load_rows']:.0f}) | "
-          f"{100 * (res['load_step_ms'] / res['base_step_ms'] - 1):+.1f}% |", flush=True)
+          f"{res['base2_step_ms']:.2f} ({res['base2_rows']:.0f}) | "
+          f"{res['load_step_ms']:.2f} ({res['load_rows']:.0f}) | {res['same_rows_ms']:.2f} | "
+          f"{100 * (res['load_step_ms'] / res['same_rows_ms'] - 1):+.1f}% |", flush=True)
     return res
 
 
@@ -146,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec-dtype", default=None)
     ap.add_argument("--streams", type=int, default=2000)
     ap.add_argument("--spare", type=int, default=512, help="slots beyond the long streams, for the arrivals")
+    ap.add_argument("--extra-streams", type=int, default=256, help="long streams added for the second baseline")
     ap.add_argument("--rate", type=float, default=1000.0)
     ap.add_argument("--frames", type=int, default=2, help="frames each arriving request generates")
     ap.add_argument("--prompt", type=int, default=16, help="prompt frames of every request")

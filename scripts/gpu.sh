@@ -70,3 +70,9 @@ if [[ $what == probe2 ]]; then
   python bench/engine_bench.py --sweep 1,64,2048 --frames 60 --probes 8 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
   python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -6
 fi
+if [[ $what == probe3 ]]; then
+  python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine tests/models 2>&1 | tee "$OUT/gpu_tests.txt" | tail -12
+  python bench/profile_mimi.py --batch 2048 --rows 10 2>&1 | tee "$OUT/profile_mimi.txt" | sed -n 3,4p
+  python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt" | tail -5
+  python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -6
+fi

@@ -29,7 +29,7 @@ class SlotKV:
         shape = (c.n_layers, num_slots + 1, c.n_kv_heads, max_seq_len, c.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.use_triton = device.type == "cuda"
+        self.use_triton = device.type == "cuda" and c.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
         self.slot_tok = self.pos = self.lengths = None
         self.kv_bound = max_seq_len  # torch path: keys read per row (host-known upper bound)
 
@@ -74,7 +74,7 @@ class DepthKV:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(batch, device=device)
-        self.use_triton = device.type == "cuda"
+        self.use_triton = device.type == "cuda" and d.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
         self.pos = self.lengths = self.mask = None
 
     def begin(self, pos: Tensor) -> None:

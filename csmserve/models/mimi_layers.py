@@ -127,6 +127,17 @@ class CausalConvTr(Stateful):
                 y[:, :, i:i + T] += full[:, :, :, i]
             y = y.view(B, C, (T + m - 1) * s)
             return y if self.bias is None else y + self.bias[:, None]
+        if self.groups == 1 and k % s == 0 and x.shape[-1] <= 8:
+            # a few steps in (streaming: 2 per frame): one GEMM and an overlap-add; cuDNN's transposed conv
+            # picked a 9 ms kernel for the 1024 -> 512 upsample at batch 2048 on the H200
+            B, T, m, cout = x.shape[0], x.shape[-1], k // s, self.weight.shape[1]
+            full = torch.matmul(x.transpose(1, 2), self.weight.reshape(C, cout * k))  # [B, T, Cout * k]
+            full = full.view(B, T, cout, m, s).permute(0, 2, 1, 3, 4)  # [B, Cout, T, m, s]
+            y = full.new_zeros(B, cout, T + m - 1, s)
+            for i in range(m):
+                y[:, :, i:i + T] += full[:, :, :, i]
+            y = y.view(B, cout, (T + m - 1) * s)
+            return y if self.bias is None else y + self.bias[:, None]
         return F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
 
     def forward(self, x: Tensor, st: RowView | None = None) -> Tensor:

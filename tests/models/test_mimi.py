@@ -409,7 +409,7 @@ def test_load_saved_transformers_dir(tmp_path) -> None:
         assert (ours.decode(codes) - hf.decode(codes).audio_values).abs().max().item() <= TOL
 
 
-def test_depthwise_transposed_conv_fast_path_equals_conv_transpose1d():
+def test_transposed_conv_fast_paths_equal_conv_transpose1d():
     """The upsample's depthwise ConvTranspose1d is a broadcast product and an overlap-add (cuDNN's grouped
     kernel is slow at large batch): the same numbers as F.conv_transpose1d, with and without bias."""
     import torch.nn.functional as F
@@ -425,3 +425,12 @@ def test_depthwise_transposed_conv_fast_path_equals_conv_transpose1d():
         x = torch.randn(3, C, T)
         torch.testing.assert_close(m._transposed(x), F.conv_transpose1d(x, m.weight, m.bias, s, groups=C),
                                    atol=1e-5, rtol=1e-5)
+    # and the dense ones over a few steps (streaming): one GEMM and an overlap-add
+    for cin, cout, k, s, T, bias in [(32, 16, 16, 8, 2, True), (16, 8, 12, 6, 1, False), (8, 4, 8, 4, 8, True)]:
+        m = CausalConvTr(cin, cout, k, stride=s, bias=bias)
+        torch.nn.init.normal_(m.weight)
+        if bias:
+            torch.nn.init.normal_(m.bias)
+        x = torch.randn(3, cin, T)
+        torch.testing.assert_close(m._transposed(x), F.conv_transpose1d(x, m.weight, m.bias, s),
+                                   atol=1e-4, rtol=1e-4)
