@@ -76,3 +76,14 @@ if [[ $what == probe3 ]]; then
   python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt" | tail -5
   python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -6
 fi
+if [[ $what == final ]]; then
+  # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
+  log="$OUT/final.log"
+  gemm=$(python bench/profile_mimi.py --batch 2048 --rows 8 2>&1 | tee -a "$log" | sed -n 's/.*kernels, \([0-9.]*\) ms GPU time.*/\1/p')
+  cudnn=$(CSMSERVE_MIMI_GEMM_MAX_T=0 python bench/profile_mimi.py --batch 2048 --rows 8 2>&1 | tee -a "$log" | sed -n 's/.*kernels, \([0-9.]*\) ms GPU time.*/\1/p')
+  echo "Mimi decode step at 2048: GEMM transposed convs $gemm ms, cuDNN $cudnn ms" | tee -a "$log"
+  if python -c "import sys; sys.exit(0 if float('$gemm') < float('$cudnn') else 1)"; then export CSMSERVE_MIMI_GEMM_MAX_T=512; else export CSMSERVE_MIMI_GEMM_MAX_T=0; fi
+  echo "using CSMSERVE_MIMI_GEMM_MAX_T=$CSMSERVE_MIMI_GEMM_MAX_T" | tee -a "$log"
+  python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee -a "$log" | tail -5
+  SERVE_RAMP=${SERVE_RAMP:-8} SERVE_DURATION=${SERVE_DURATION:-15} SERVE_DRAIN=${SERVE_DRAIN:-20} bash scripts/gpu.sh serve
+fi

@@ -5,6 +5,7 @@ whole-utterance mode). Assembled by `csmserve.models.mimi.Mimi`.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,6 +60,9 @@ class Stateful(nn.Module):
 
 
 # --------------------------------------------------------------------------- convolutions
+
+# transposed convs over at most this many input steps run as a GEMM (CSMSERVE_MIMI_GEMM_MAX_T; 0: cuDNN's)
+GEMM_TRANSPOSED_MAX_T = int(os.environ.get("CSMSERVE_MIMI_GEMM_MAX_T", "512"))
 
 
 class CausalConv(Stateful):
@@ -127,12 +131,13 @@ class CausalConvTr(Stateful):
                 y[:, :, i:i + T] += full[:, :, :, i]
             y = y.view(B, C, (T + m - 1) * s)
             return y if self.bias is None else y + self.bias[:, None]
-        if self.groups == 1 and k % s == 0 and x.shape[-1] <= 8:
-            # a few steps in (streaming: 2 per frame): one GEMM and an overlap-add; cuDNN's transposed conv
-            # picked a 9 ms kernel for the 1024 -> 512 upsample at batch 2048 on the H200
+        if self.groups == 1 and k % s == 0 and x.shape[-1] <= GEMM_TRANSPOSED_MAX_T:
+            # streaming (tens to hundreds of steps per call): one batched GEMM over the contiguous input and
+            # an overlap-add; cuDNN's transposed-conv kernels took ~11 ms of a 25 ms decode step at batch
+            # 2048 on the H200 (one of them 9 ms)
             B, T, m, cout = x.shape[0], x.shape[-1], k // s, self.weight.shape[1]
-            full = torch.matmul(x.transpose(1, 2), self.weight.reshape(C, cout * k))  # [B, T, Cout * k]
-            full = full.view(B, T, cout, m, s).permute(0, 2, 1, 3, 4)  # [B, Cout, T, m, s]
+            w = self.weight.permute(1, 2, 0).reshape(cout * k, C)  # [Cout * k, Cin] (a small copy)
+            full = torch.matmul(w, x).view(B, cout, m, s, T).permute(0, 1, 4, 2, 3)  # [B, Cout, T, m, s]
             y = full.new_zeros(B, cout, T + m - 1, s)
             for i in range(m):
                 y[:, :, i:i + T] += full[:, :, :, i]
