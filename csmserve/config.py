@@ -31,7 +31,9 @@ class EngineConfig:
     # the same frames/s; docs/benchmarks.md)
     late_launch: bool = True
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
-    # bytes at most; None = 2 GiB on CUDA, 64 MiB on the CPU; 0 disables
+    # bytes at most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB:
+    # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;
+    # 0 disables
     prefix_cache_bytes: int | None = None
     # draft/verify over codebooks inside the depth decoder (engine/speculate.py): k drafts per verify
     # pass, 2..8; None or 0 = off. Exact (the codes' distribution is unchanged); pays off only when the

@@ -84,8 +84,10 @@ class Engine:
                  emit: Emit | None = None, inbox: Inbox | None = None) -> None:
         self.runner, self.config = runner, config
         cache_bytes = config.prefix_cache_bytes
-        if cache_bytes is None:
+        if cache_bytes is None:  # the default, or half of what the slots and graphs left free on the device
             cache_bytes = default_prefix_cache_bytes(runner.device.type)
+            if runner.device.type == "cuda":
+                cache_bytes = max(cache_bytes, torch.cuda.mem_get_info(runner.device)[0] // 2)
         self.prefix_cache = PrefixCache(cache_bytes, runner.kv.bytes_per_position) if cache_bytes > 0 else None
         self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache)
         self.num_codebooks = runner.cfg.num_codebooks

@@ -61,8 +61,10 @@ class Stateful(nn.Module):
 
 # --------------------------------------------------------------------------- convolutions
 
-# transposed convs over at most this many input steps run as a GEMM (CSMSERVE_MIMI_GEMM_MAX_T; 0: cuDNN's)
-GEMM_TRANSPOSED_MAX_T = int(os.environ.get("CSMSERVE_MIMI_GEMM_MAX_T", "512"))
+# transposed convs over at most this many input steps run as a GEMM + overlap-add (CSMSERVE_MIMI_GEMM_MAX_T).
+# Off by default: measured on the H200 (docs/benchmarks.md) the Mimi step at batch 2048 took 29.9 ms with
+# it against 25.4 ms with cuDNN's kernels
+GEMM_TRANSPOSED_MAX_T = int(os.environ.get("CSMSERVE_MIMI_GEMM_MAX_T", "0"))
 
 
 class CausalConv(Stateful):
