@@ -51,7 +51,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # checked against `Authorization: Bearer <key>`; None = open
     model_name: str = "sesame/csm-1b"  # the id /v1/models reports
-    voices_db: str | None = None  # SQLite path; None = $XDG_DATA_HOME/csmserve/voices.db
+    voices_db: str | None = None  # SQLite path or postgresql:// URL; None = $XDG_DATA_HOME/csmserve/voices.db
     max_input_chars: int = 4096  # OpenAI's maxLength for `input`
     max_body_bytes: int = 32 * 2**20  # any request body (JSON with base64 context audio, multipart)
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ServerConfig
-from ..voices import VoiceStore
+from ..voices import VoiceBackend, open_voice_store
 from . import errors, models, speech, voices, ws
 from .errors import APIError, check_bearer
 from .state import ServerState
@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("csmserve.server")
 
 
-def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceStore | None = None,
+def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceBackend | None = None,
                load: Callable[[], CSM] | None = None) -> FastAPI:
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
-    state = ServerState(csm, config, store if store is not None else VoiceStore(config.voices_db))
+    state = ServerState(csm, config, store if store is not None else open_voice_store(config.voices_db))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

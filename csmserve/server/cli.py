@@ -27,7 +27,8 @@ _HELP = {
     "host": "address to listen on", "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on /v1 routes and the WebSocket",
     "model_name": "model id reported by /v1/models (default: --model)",
-    "voices_db": "SQLite file of stored voices (default: $XDG_DATA_HOME/csmserve/voices.db)",
+    "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
+                 "(default: $XDG_DATA_HOME/csmserve/voices.db)",
     "cors_origins": "comma-separated origins allowed by CORS",
 }
 

@@ -19,7 +19,7 @@ from ..audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from ..config import ServerConfig
 from ..engine.request import AudioChunk, Request, SamplingParams
 from ..engine.scheduler import SchedulerBusy
-from ..voices import ResolvedVoice, VoiceNotFoundError, VoiceStore
+from ..voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from .errors import APIError, bad_request
 from .metrics import Metrics
 from .schemas import ContextTurn, SamplingFields, VoiceRef, WsRequest
@@ -154,7 +154,7 @@ class Sessions:
 
 
 class ServerState:
-    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceStore) -> None:
+    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceBackend) -> None:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
