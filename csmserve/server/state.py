@@ -159,7 +159,7 @@ class ServerState:
         self.active = 0  # generations in flight, HTTP and WebSocket
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
         self.sessions = Sessions(config)  # WebSocket conversation sessions by context_id
-        self.metrics = Metrics(config.model_name, self._num_running, self._num_waiting)
+        self.metrics = Metrics(config.model_name, self._num_running, self._num_waiting, self._prefix_stats)
 
     # ---- readiness and limits
     @property
@@ -194,6 +194,11 @@ class ServerState:
     def _num_waiting(self) -> float:
         s = self._scheduler()
         return float(s.num_waiting) if s is not None else 0.0
+
+    def _prefix_stats(self) -> dict:
+        """The engine's prefix-cache counters (hits, misses, ...); {} without an engine or a cache."""
+        cache = getattr(self._engine(), "prefix_cache", None)
+        return dict(cache.stats) if cache is not None else {}
 
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
