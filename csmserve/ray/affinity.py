@@ -8,6 +8,8 @@ so the router sees only headers. This middleware, installed in every proxy throu
 bytes on to the replica, and puts the request's affinity key into the session header
 (`x-session-id`, Ray's `RAY_SERVE_SESSION_ID_HEADER_KEY`), which Ray passes to the router as
 `RequestMetadata.session_id` (csmserve/ray/router.py). A client that sends that header itself keeps it.
+The body it read also travels in the request itself (BODY_EXTENSION, when small): the replica uses it
+instead of fetching the body back from the proxy.
 
 The key (hashed: any characters are fine in a context_id):
 - WebSocket: `?context_id=` of the URL (a conversation reconnecting lands where its session lives);
@@ -26,6 +28,10 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PEEK_BYTES = 4 << 20  # larger bodies (context clips in base64) go unread: least loaded
+# bodies up to this ride along in the ASGI scope Ray pickles into its call to the replica, so the
+# replica need not call back to the proxy for them (one round trip less before the first audio; edge.py)
+INLINE_BYTES = 1 << 20
+BODY_EXTENSION = "csmserve.body"
 SESSION_HEADER = os.environ.get("RAY_SERVE_SESSION_ID_HEADER_KEY", "x-session-id").lower().encode()
 _ALIASES = frozenset(("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
                       "verse", "marin", "cedar"))  # csmserve.voices.OPENAI_VOICES (not imported: no numpy here)
@@ -81,6 +87,8 @@ class AffinityMiddleware:
                     key = speech_key(json.loads(body))
                 except (ValueError, UnicodeDecodeError):
                     key = None  # the replica answers a bad body
+                if len(body) <= INLINE_BYTES and messages[-1]["type"] == "http.request":
+                    scope = {**scope, "extensions": {**(scope.get("extensions") or {}), BODY_EXTENSION: body}}
         if key is not None:
             scope = {**scope, "headers": [*scope["headers"], (SESSION_HEADER, key.encode())]}
         await self.app(scope, receive, send)

@@ -4,7 +4,8 @@ the WebSocket), plus
 - an `x-csmserve-replica` header on every response and WebSocket accept (which replica served it);
 - `GET /ready` for the application: 200 while at least one replica is ready, with how many are
   (503 `no_replica_ready` otherwise); `GET /health` stays the answering replica's own;
-- `GET /metrics` for the application: every replica's metrics in one text, labelled `replica`.
+- `GET /metrics` for the application: every replica's metrics in one text, labelled `replica`;
+- a speech body the proxy sent along with the request (affinity.py) is the body: no call back for it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..server.errors import APIError
+from .affinity import BODY_EXTENSION
 from .directory import merge_metrics, readiness
 
 REPLICA_HEADER = b"x-csmserve-replica"
@@ -23,6 +25,24 @@ def _route(scope: Scope) -> str:
     """The path below the application's route prefix (Serve puts the prefix in root_path)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def _prefetched(body: bytes, receive: Receive) -> Receive:
+    """The body the proxy sent along (affinity.py), then the proxy's own messages without their copy of
+    it (http.disconnect)."""
+    sent = False
+
+    async def prefetched() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+
+    return prefetched
 
 
 class ReplicaEdge:
@@ -39,6 +59,9 @@ class ReplicaEdge:
             return await self._respond(send, 200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        body = (scope.get("extensions") or {}).get(BODY_EXTENSION)
+        if body is not None:
+            receive = _prefetched(body, receive)
 
         async def tagged(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.accept"):

@@ -7,9 +7,10 @@ key's prompt prefix are the ones that served it before, so a key has a fixed ord
 (rendezvous hashing: adding or losing a replica moves only the keys that were on it) and goes to the
 first one whose load is under the bound (consistent hashing with bounded loads): ongoing requests <
 load_factor x (the mean + 1). A hot voice therefore spills onto its second replica, then its third,
-rather than queueing on one. A named conversation (`ctx:` keys: a WebSocket's or a request's
-`context_id`) is stricter: its session lives on its replica, so it leaves only a replica Ray finds full
-(max_ongoing_requests). Without a key: the less loaded of two random replicas (power of two choices).
+rather than queueing on one. Every other key (a named conversation, `ctx:`: a WebSocket's or a
+request's `context_id`; a client's own x-session-id) is stricter: a session lives on its replica, so it
+leaves only a replica Ray finds full (max_ongoing_requests). Without a key: the less loaded of two
+random replicas (power of two choices).
 Replicas whose engine failed (routing stats `fatal`) get nothing while another is left.
 
 Replica loads are Ray's own counts of ongoing requests per replica (the router's queue-length cache,
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
-STICKY = "ctx:"  # a conversation session: state on its replica, not only a cache
+BOUNDED = ("voice:", "conv:")  # keys of a cache only (affinity.py): these spill past the load bound
 
 
 def _weight(key: str, replica: str) -> bytes:
@@ -39,8 +40,9 @@ def rendezvous(key: str, replicas: Sequence[str]) -> list[str]:
 
 def preference(key: str, replicas: Sequence[str], loads: Mapping[str, int], load_factor: float) -> list[str]:
     """The order in which a request with `key` tries the replicas: its rendezvous order, those at or
-    over the load bound moved to the end (still in that order); `ctx:` keys keep the plain order."""
-    if not replicas or key.startswith(STICKY):
+    over the load bound moved to the end (still in that order); keys of a session (not BOUNDED) keep
+    the plain order."""
+    if not replicas or not key.startswith(BOUNDED):
         return rendezvous(key, replicas)
     bound = math.ceil(load_factor * (sum(loads.get(r, 0) for r in replicas) + 1) / len(replicas))
     order = rendezvous(key, replicas)

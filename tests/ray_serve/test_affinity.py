@@ -6,7 +6,8 @@ import json
 import httpx
 import pytest
 
-from csmserve.ray.affinity import PEEK_BYTES, SESSION_HEADER, AffinityMiddleware, speech_key, websocket_key
+from csmserve.ray.affinity import (BODY_EXTENSION, INLINE_BYTES, PEEK_BYTES, SESSION_HEADER, AffinityMiddleware,
+                                   speech_key, websocket_key)
 
 
 def test_keys():
@@ -32,7 +33,8 @@ async def _through(body: bytes, headers: dict[str, str]) -> dict:
             chunks.append(m.get("body", b""))
             if not m.get("more_body"):
                 break
-        seen.update(headers=dict(scope["headers"]), body=b"".join(chunks))
+        seen.update(headers=dict(scope["headers"]), body=b"".join(chunks),
+                    inline=(scope.get("extensions") or {}).get(BODY_EXTENSION))
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
@@ -50,6 +52,24 @@ def test_middleware_sets_the_key_and_passes_the_body_on(headers):
     assert seen["body"] == body
     want = headers.get("x-session-id", speech_key(json.loads(body))).encode()
     assert seen["headers"][SESSION_HEADER] == want  # a client's own header wins
+    assert seen["inline"] == body  # and the body rides along in the scope to the replica
+
+
+def test_the_replica_takes_the_inlined_body_and_skips_the_proxied_copy():
+    pytest.importorskip("ray.serve")
+    from csmserve.ray.edge import _prefetched
+
+    proxied = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return proxied.pop(0)
+
+    async def read_all():
+        r = _prefetched(b"{}", receive)
+        return [await r(), await r()]
+
+    assert asyncio.run(read_all()) == [{"type": "http.request", "body": b"{}", "more_body": False},
+                                       {"type": "http.disconnect"}]
 
 
 def test_middleware_leaves_bad_and_large_bodies_alone():
@@ -57,4 +77,7 @@ def test_middleware_leaves_bad_and_large_bodies_alone():
     assert seen["body"] == b"{not json" and SESSION_HEADER not in seen["headers"]
     big = json.dumps({"voice": "voice_abc", "input": "x" * (PEEK_BYTES + 10)}).encode()
     seen = asyncio.run(_through(big, {"content-type": "application/json"}))
-    assert seen["body"] == big and SESSION_HEADER not in seen["headers"]
+    assert seen["body"] == big and SESSION_HEADER not in seen["headers"] and seen["inline"] is None
+    mid = json.dumps({"voice": "voice_abc", "input": "x" * (INLINE_BYTES + 10)}).encode()
+    seen = asyncio.run(_through(mid, {"content-type": "application/json"}))  # keyed, not inlined
+    assert seen["body"] == mid and SESSION_HEADER in seen["headers"] and seen["inline"] is None

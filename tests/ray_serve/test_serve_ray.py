@@ -196,9 +196,22 @@ def test_a_failed_engine_ends_its_streams_with_an_error_and_its_replica_is_repla
         ws.send(json.dumps({"context_id": cid, "text": "A long turn. " * 20, "flush": True,
                             "max_audio_length_ms": 20_000}))
         assert json.loads(ws.recv(timeout=60))["type"] == "audio"
+        # and a plain audio stream there (a session key that hashes to it)
+        key = on_replica("GET", f"{url}/v1/models", lambda rep: rep == victim).request.headers["x-session-id"]
+        client = httpx.Client(timeout=60)
+        pcm = client.send(client.build_request("POST", f"{url}/v1/audio/speech", headers={"x-session-id": key},
+                                               json={**long, "stream_format": "audio"}), stream=True)
+        assert pcm.headers[REPLICA] == victim
+        pcm_chunks = pcm.iter_bytes()
+        got = len(next(pcm_chunks))
         (cluster.faults / f"kill-{victim}").touch()  # the next frame step on that replica fails
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert events[-1]["type"] == "error" and "engine" in events[-1]["error"]["message"]
+    with pytest.raises(httpx.HTTPError):  # audio has no error event: the body ends short, the client says so
+        for chunk in pcm_chunks:
+            got += len(chunk)
+    pcm.close(), client.close()
+    assert got < 20_000 // 80 * 1920 * 2
     while True:
         msg = ws.recv(timeout=60)
         if isinstance(msg, str) and json.loads(msg)["type"] == "error":
