@@ -73,20 +73,22 @@ class AffinityMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or any(k == SESSION_HEADER for k, _ in scope["headers"]):
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        keyed = any(k == SESSION_HEADER for k, _ in scope["headers"])  # the client's own key wins
         key = None
         if scope["type"] == "websocket":
-            key = websocket_key(scope.get("query_string", b""))
+            key = None if keyed else websocket_key(scope.get("query_string", b""))
         elif scope["method"] == "POST" and scope["path"].endswith("/v1/audio/speech"):
             length = dict(scope["headers"]).get(b"content-length", b"")
             if length.isdigit() and int(length) <= PEEK_BYTES:
                 messages, body = await _read_body(receive)
                 receive = _replay(messages, receive)
-                try:
-                    key = speech_key(json.loads(body))
-                except (ValueError, UnicodeDecodeError):
-                    key = None  # the replica answers a bad body
+                if not keyed:
+                    try:
+                        key = speech_key(json.loads(body))
+                    except (ValueError, UnicodeDecodeError):
+                        key = None  # the replica answers a bad body
                 if len(body) <= INLINE_BYTES and messages[-1]["type"] == "http.request":
                     scope = {**scope, "extensions": {**(scope.get("extensions") or {}), BODY_EXTENSION: body}}
         if key is not None:
