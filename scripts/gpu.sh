@@ -30,3 +30,52 @@ fi
 if [[ $what == profile ]]; then
   python bench/profile_step.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.txt"
 fi
+if [[ $what == ray ]]; then
+  # Ray Serve (docs/scale-out.md). The GPU image lacks Ray and the server's packages: carry .bundle/ (built here by
+  # scripts/ray_bundle.sh: ray-cp312.tar.xz, av-cp312.tar.xz) and it is unpacked into $RAY_SITE (/tmp/site).
+  SITE=${RAY_SITE:-/tmp/site}
+  if [ ! -d "$SITE/ray" ]; then
+    mkdir -p "$SITE"
+    for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$SITE" -xJf "$a"; done
+  fi
+  export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0
+  python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
+    2>&1 | tee "$OUT/ray_env.txt"
+  MODEL_ARGS=${RAY_MODEL_ARGS:---model dummy}  # slots: sized from (the share of) GPU memory
+  # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
+  python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
+    --cpus-per-replica 4 ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
+  # 2. the load benchmark (bench/serve_bench.py; SERVE_BENCH_ARGS) against: the plain server, Ray with 1 replica,
+  #    Ray with 2 replicas of half the GPU each; one server at a time on port 8100
+  if [ -f bench/serve_bench.py ]; then
+    for setup in plain "1 1" "2 0.5"; do
+      if [[ $setup == plain ]]; then
+        name=plain; python -m csmserve serve $MODEL_ARGS --port 8100 > "$OUT/serve_$name.log" 2>&1 &
+        want=0
+      else
+        read -r n share <<< "$setup"; name="ray_${n}x${share}"
+        python -m csmserve serve --ray $MODEL_ARGS --port 8100 --num-replicas "$n" --gpus-per-replica "$share" \
+          --cpus-per-replica 4 ${RAY_SERVE_ARGS:-} > "$OUT/serve_$name.log" 2>&1 &
+        want=$n
+      fi
+      pid=$!
+      python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; kill -INT $pid; wait $pid; continue; }
+import sys, time, httpx
+want, deadline = int(sys.argv[1]), time.time() + 400
+while time.time() < deadline:
+    try:
+        r = httpx.get("http://127.0.0.1:8100/ready", timeout=5)
+        if r.status_code == 200 and (want == 0 or r.json()["replicas"]["ready"] >= want):
+            sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(2)
+sys.exit(1)
+PY
+      echo "== $name" | tee -a "$OUT/ray_bench.txt"
+      python bench/serve_bench.py --url http://127.0.0.1:8100 ${SERVE_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/ray_bench.txt"
+      kill -INT $pid; wait $pid
+      python -c "import ray.scripts.scripts as s; s.main()" stop --force > /dev/null 2>&1 || true  # no replica left on the GPU
+    done
+  fi
+fi
