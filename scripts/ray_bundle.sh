@@ -27,8 +27,9 @@ RAY_WHEELS=(
   ray==2.60.0
   # ray core: schema checks of runtime_env / configs
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
-  # ray[serve] and csmserve.server: the HTTP edge (uvloop + httptools: the proxy's event loop and parser)
-  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 pydantic==2.14.4 pydantic_core==2.50.5
+  # ray[serve] and csmserve.server: the HTTP edge (uvloop + httptools: the proxy's event loop and parser;
+  # fastapi imports opentelemetry-api's context)
+  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 pydantic==2.14.4 pydantic_core==2.50.5
   annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
   uvicorn==0.54.0 h11==0.16.0 httptools==0.9.0 uvloop==0.23.0 websockets==17.4 anyio==4.16.0 sniffio==1.3.1
   idna==3.20 python-multipart==0.0.34 colorful==0.5.8 aiohttp-cors==0.8.1 smart_open==9.0.2 wrapt==2.5.2
@@ -50,7 +51,7 @@ mkdir -p "$OUT" "$WHEEL_DIR"
 
 strip_tree() {  # what serving never loads: Ray's other libraries, the Java jar, the dashboard's web build, tests
   local S=$1
-  rm -rf "$S"/ray/{jars,rllib,tune,train,data,air,llm,workflow,widgets,util/dask,util/spark,util/collective,cpp} \
+  rm -rf "$S"/ray/{jars,rllib,tune,train,data,air,llm,workflow,util/dask,util/spark,util/collective,cpp} \
          "$S"/ray/dashboard/client/build "$S"/ray/serve/llm
   find "$S" -depth -type d \( -name tests -o -name test -o -name __pycache__ \) -exec rm -rf {} +
   find "$S" -type f \( -name "*.pyi" -o -name "*.pxd" -o -name "*.pyx" -o -name "*.c" -o -name "*.h" \
