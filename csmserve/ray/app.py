@@ -16,6 +16,8 @@ import argparse
 import logging
 import math
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,7 @@ def deployment_options(spec: ReplicaSpec, cfg: RayConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
         # Ray's default (5) would cap a replica far below its slots; past this Ray routes elsewhere
         "max_ongoing_requests": cfg.max_ongoing_requests or (slots or NO_SLOT_LIMIT) + waiting,
+        "logging_config": {"log_level": spec.log_level.upper()},  # Serve's logs in the replicas, as --log-level
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
         "request_router_config": RequestRouterConfig(
@@ -126,22 +129,34 @@ def run_ray(args: argparse.Namespace) -> int:
 
     ensure_importable()
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # body-based affinity in the proxies we start
-    if cfg.ray_address is None:
-        ray.init(include_dashboard=False)
-    else:
-        ray.init(address=cfg.ray_address)
-        log.info("joined a Ray cluster: routing by voice / conversation from the body needs %s=%s in the "
-                 "environment of `ray start` (headers and ?context_id= work without it)", PROXY_CALLBACK_ENV,
-                 PROXY_CALLBACK)
-    serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
-    serve.run(app, name=cfg.app_name, route_prefix="/", blocking=False)
-    log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,
-             f"{cfg.min_replicas}-{cfg.max_replicas} replicas" if cfg.autoscaling else f"{cfg.num_replicas} replicas")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local instance reports nothing anywhere
     try:
-        import time
-
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+        if cfg.ray_address is None:
+            ray.init(include_dashboard=False)
+        else:
+            ray.init(address=cfg.ray_address)
+            log.info("joined a Ray cluster: routing by voice / conversation from the body needs %s=%s in the "
+                     "environment of `ray start` (headers and ?context_id= work without it)", PROXY_CALLBACK_ENV,
+                     PROXY_CALLBACK)
+        serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
+        serve.run(app, name=cfg.app_name, route_prefix="/", blocking=False)
+        log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,
+                 f"{cfg.min_replicas}-{cfg.max_replicas} replicas" if cfg.autoscaling
+                 else f"{cfg.num_replicas} replicas")
+        stop = threading.Event()  # Ctrl-C / SIGTERM (a container's stop): take the application down
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:  # before the handlers: while starting
+        pass
+    finally:
+        log.info("stopping")
+        if ray.is_initialized():
+            try:
+                serve.delete(cfg.app_name)
+                if cfg.ray_address is None:
+                    serve.shutdown()
+            finally:
+                ray.shutdown()
     return 0

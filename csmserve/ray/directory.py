@@ -15,7 +15,7 @@ STALE_REPORTS = 4
 
 
 @serve.deployment(name="CSMServeDirectory", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  max_ongoing_requests=1000)
+                  max_ongoing_requests=1000, logging_config={"enable_access_log": False})
 class Directory:
     def __init__(self, report_interval_s: float = 0.5) -> None:
         self.stale_s = STALE_REPORTS * report_interval_s

@@ -14,19 +14,24 @@ random replicas (power of two choices).
 Replicas whose engine failed (routing stats `fatal`) get nothing while another is left.
 
 Replica loads are Ray's own counts of ongoing requests per replica (the router's queue-length cache,
-refreshed by its probes and by every request it sends); an open WebSocket counts as one.
+refreshed by its probes and by every request it sends), plus the keyed requests this router chose a
+replica for and has not sent yet (a burst is routed before the first of it is sent: without these, the
+whole burst of a hot voice would land on its one replica); an open WebSocket counts as one.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import random
+import time
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
 BOUNDED = ("voice:", "conv:")  # keys of a cache only (affinity.py): these spill past the load bound
+RESERVATION_S = 2.0  # a chosen-but-not-sent request counts on its replica until sent, or this long
 
 
 def _weight(key: str, replica: str) -> bytes:
@@ -55,8 +60,18 @@ class AffinityRouter(RequestRouter):
 
     load_factor = 1.25
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reserved: dict[str, deque[float]] = defaultdict(deque)  # replica -> when each was chosen
+
     def initialize_state(self, load_factor: float = 1.25, **kwargs) -> None:
         self.load_factor = float(load_factor)
+
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)  # Ray's count has it now
+        reserved = self._reserved.get(replica_id.unique_id)
+        if reserved:
+            reserved.popleft()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -70,8 +85,14 @@ class AffinityRouter(RequestRouter):
             return [random.sample(healthy, min(2, len(healthy)))]  # the less loaded of two wins
         by_id = {r.replica_id.unique_id: r for r in healthy}
         loads = {rid: self._load(r) for rid, r in by_id.items()}
-        return [[by_id[rid]] for rid in preference(key, list(by_id), loads, self.load_factor)]
+        order = preference(key, list(by_id), loads, self.load_factor)
+        if key.startswith(BOUNDED):
+            self._reserved[order[0]].append(time.monotonic())
+        return [[by_id[rid]] for rid in order]
 
     def _load(self, replica: RunningReplica) -> int:
         n = self.replica_queue_len_cache.get(replica.replica_id)
-        return 0 if n is None else int(n)
+        reserved = self._reserved[replica.replica_id.unique_id]
+        while reserved and reserved[0] < time.monotonic() - RESERVATION_S:
+            reserved.popleft()
+        return (0 if n is None else int(n)) + len(reserved)

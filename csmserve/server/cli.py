@@ -114,7 +114,7 @@ def _default(cls: type, name: str) -> Any:
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.ray:
-        from ..ray.serve import run_ray
+        from ..ray.app import run_ray
 
         return run_ray(args)
     import uvicorn
