@@ -1,5 +1,5 @@
-"""What Ray Serve adds to the first audio chunk: the same model served by the plain server (uvicorn, in
-this process) and by `csmserve serve --ray`'s application (1 replica, through Serve's proxy), one
+"""What Ray Serve adds to the first audio chunk: the same model served by the plain server (`csmserve
+serve`, its own process) and by `csmserve serve --ray`'s application (1 replica, through Serve's proxy), one
 request at a time, time from sending POST /v1/audio/speech to its first body byte. Ray's streaming
 path puts each ASGI message in the replica's queue and the proxy pulls whatever is there: no batching
 interval (unlike Ray Serve LLM's RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS / stream_batching_interval_ms,
@@ -14,6 +14,7 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -75,33 +76,31 @@ def flags(args) -> dict:
 
 @contextmanager
 def plain(args) -> Iterator[str]:
-    import uvicorn
-
-    from csmserve.api import CSM
-    from csmserve.config import EngineConfig, ServerConfig
-    from csmserve.server import create_app
-
-    import torch
-
-    # Ray gives a replica OMP_NUM_THREADS = its CPUs: the same intra-op threads here, for the same compute
-    torch.set_num_threads(max(1, int(args.cpus_per_replica)))
-    engine = EngineConfig(**{k: v for k, v in (("max_slots", args.max_slots), ("max_seq_len", args.max_seq_len))
-                             if v is not None})
-    csm = CSM(args.model, device=args.device, dtype=args.dtype, engine=True, engine_config=engine)
-    _ = csm.client
+    """`csmserve serve` in its own process (as the Ray replica is in its own), with the replica's threads."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(csm, ServerConfig(voices_db=":memory:", model_name=args.model)),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    cmd = [sys.executable, "-m", "csmserve", "serve", "--port", str(port), "--log-level", "warning"]
+    for name, value in flags(args).items():
+        cmd += ["--" + name.replace("_", "-"), str(value)]
+    threads = str(max(1, int(args.cpus_per_replica)))  # Ray gives a replica OMP_NUM_THREADS = its CPUs
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("the plain server did not start")
+            time.sleep(0.5)
+        yield url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        csm.close()
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @contextmanager

@@ -41,6 +41,13 @@ if [[ $what == ray ]]; then
   export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0
   python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
     2>&1 | tee "$OUT/ray_env.txt"
+  stop_server() {  # SIGTERM, 90 s, then SIGKILL and `ray stop`: no replica left on the GPU for the next setup
+    kill -TERM "$1" 2>/dev/null
+    for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$1" 2>/dev/null
+    wait "$1" 2>/dev/null
+    python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1 || true
+  }
   MODEL_ARGS=${RAY_MODEL_ARGS:---model dummy}  # slots: sized from (the share of) GPU memory
   # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
   python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
@@ -59,7 +66,7 @@ if [[ $what == ray ]]; then
         want=$n
       fi
       pid=$!
-      python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; kill -INT $pid; wait $pid; continue; }
+      python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; stop_server $pid; continue; }
 import sys, time, httpx
 want, deadline = int(sys.argv[1]), time.time() + 400
 while time.time() < deadline:
@@ -74,8 +81,7 @@ sys.exit(1)
 PY
       echo "== $name" | tee -a "$OUT/ray_bench.txt"
       python bench/serve_bench.py --url http://127.0.0.1:8100 ${SERVE_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/ray_bench.txt"
-      kill -INT $pid; wait $pid
-      python -c "import ray.scripts.scripts as s; s.main()" stop --force > /dev/null 2>&1 || true  # no replica left on the GPU
+      stop_server $pid
     done
   fi
 fi

@@ -130,6 +130,11 @@ def run_ray(args: argparse.Namespace) -> int:
     ensure_importable()
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # body-based affinity in the proxies we start
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local instance reports nothing anywhere
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C, while starting too
     try:
         if cfg.ray_address is None:
             ray.init(include_dashboard=False)
@@ -154,9 +159,10 @@ def run_ray(args: argparse.Namespace) -> int:
         log.info("stopping")
         if ray.is_initialized():
             try:
-                serve.delete(cfg.app_name)
                 if cfg.ray_address is None:
-                    serve.shutdown()
+                    serve.shutdown()  # then the local instance goes with ray.shutdown
+                else:
+                    serve.delete(cfg.app_name)  # a cluster's: only our application
             finally:
                 ray.shutdown()
     return 0

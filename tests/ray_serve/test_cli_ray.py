@@ -1,5 +1,5 @@
 """`csmserve serve --ray` itself: a subprocess that starts its own local Ray instance, serves on --port,
-and stops on Ctrl-C (SIGINT)."""
+and stops on SIGTERM or Ctrl-C."""
 import os
 import signal
 import subprocess
@@ -42,7 +42,7 @@ def test_serve_ray_cli(tmp_path):
             "max_audio_length_ms": 160})
         assert r.status_code == 200 and len(r.content) == 2 * 1920 * 2 and r.headers["x-csmserve-replica"]
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # a container stop (Ctrl-C: SIGINT, the same path)
         try:
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
