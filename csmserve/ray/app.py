@@ -134,7 +134,6 @@ def run_ray(args: argparse.Namespace) -> int:
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C, while starting too
     try:
         if cfg.ray_address is None:
             ray.init(include_dashboard=False)
@@ -143,6 +142,7 @@ def run_ray(args: argparse.Namespace) -> int:
             log.info("joined a Ray cluster: routing by voice / conversation from the body needs %s=%s in the "
                      "environment of `ray start` (headers and ?context_id= work without it)", PROXY_CALLBACK_ENV,
                      PROXY_CALLBACK)
+        signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C (after ray.init: its handler aborts)
         serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
         serve.run(app, name=cfg.app_name, route_prefix="/", blocking=False)
         log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,

@@ -94,8 +94,7 @@ class CSMServeReplica:
         self._reporter: asyncio.Task | None = None
         self.edge = ReplicaEdge(app, self.replica, self.cluster)
         self._start_reporting()
-        log.info("replica %s ready: %s, %s slots", self.replica, spec.model, self.csm.engine_config.max_slots
-                 if self.csm.engine_config else "default")
+        log.info("replica %s ready: %s", self.replica, spec.model)
 
     # ---- what Ray calls
     def __serve_build_asgi_app__(self) -> ReplicaEdge:
@@ -111,17 +110,21 @@ class CSMServeReplica:
         self._start_reporting()
         return {"fatal": self.state.engine_fatal() is not None}
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:  # Ray awaits it when it stops the replica
         if self._reporter is not None:
             self._reporter.cancel()
-        self.csm.close()
+        try:
+            await self.directory.forget.remote(self.replica)  # /ready stops counting it now, not in 4 reports
+        except Exception:
+            pass
+        await asyncio.to_thread(self.csm.close)
 
     # ---- the directory
     def _start_reporting(self) -> None:
         if self._reporter is None or self._reporter.done():
             try:
                 self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
-            except RuntimeError:  # no loop in this thread (an older Ray builds replicas off the loop)
+            except RuntimeError:  # constructed off the event loop: check_health starts it
                 pass
 
     def report(self) -> dict:

@@ -41,6 +41,7 @@ def test_serve_ray_cli(tmp_path):
             "model": "tts-1", "voice": "alloy", "input": "From the command line.", "response_format": "pcm",
             "max_audio_length_ms": 160})
         assert r.status_code == 200 and len(r.content) == 2 * 1920 * 2 and r.headers["x-csmserve-replica"]
+        # (/ready may answer before `serve.run` has returned: the signal then lands while it still waits)
     finally:
         proc.send_signal(signal.SIGTERM)  # a container stop (Ctrl-C: SIGINT, the same path)
         try:
