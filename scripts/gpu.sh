@@ -52,7 +52,8 @@ if [[ $what == ray ]]; then
   # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
   python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
     --cpus-per-replica 4 ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
-  # 2. the load benchmark (bench/serve_bench.py; SERVE_BENCH_ARGS) against: the plain server, Ray with 1 replica,
+  # 2. the load benchmark (SERVE_BENCH_CMD, default bench/serve_bench.py --url ...; + SERVE_BENCH_ARGS) against:
+  #    the plain server, Ray with 1 replica,
   #    Ray with 2 replicas of half the GPU each; one server at a time on port 8100
   if [ -f bench/serve_bench.py ]; then
     for setup in plain "1 1" "2 0.5"; do
@@ -80,7 +81,8 @@ while time.time() < deadline:
 sys.exit(1)
 PY
       echo "== $name" | tee -a "$OUT/ray_bench.txt"
-      python bench/serve_bench.py --url http://127.0.0.1:8100 ${SERVE_BENCH_ARGS:-} 2>&1 | tee -a "$OUT/ray_bench.txt"
+      ${SERVE_BENCH_CMD:-python bench/serve_bench.py --url http://127.0.0.1:8100} ${SERVE_BENCH_ARGS:-} 2>&1 |
+        tee -a "$OUT/ray_bench.txt"
       stop_server $pid
     done
   fi
