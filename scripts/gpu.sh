@@ -49,19 +49,20 @@ if [[ $what == ray ]]; then
     python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1 || true
   }
   MODEL_ARGS=${RAY_MODEL_ARGS:---model dummy}  # slots: sized from (the share of) GPU memory
+  PARTS=${RAY_PARTS:-ttfa load}  # one device call is 10 minutes at most: RAY_PARTS=ttfa, then RAY_PARTS=load
   # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
-  python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
+  [[ $PARTS == *ttfa* ]] && python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
     --cpus-per-replica 4 ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
   # 2. the load benchmark (SERVE_BENCH_CMD, default bench/serve_bench.py --url ...; + SERVE_BENCH_ARGS) against:
   #    the plain server, Ray with 1 replica,
   #    Ray with 2 replicas of half the GPU each; one server at a time on port 8100
-  if [ -f bench/serve_bench.py ]; then
-    for setup in plain "1 1" "2 0.5"; do
+  if [[ $PARTS == *load* && -f bench/serve_bench.py ]]; then
+    for setup in ${RAY_SETUPS:-plain 1x1 2x0.5}; do  # replicas x GPU share each
       if [[ $setup == plain ]]; then
         name=plain; python -m csmserve serve $MODEL_ARGS --port 8100 > "$OUT/serve_$name.log" 2>&1 &
         want=0
       else
-        read -r n share <<< "$setup"; name="ray_${n}x${share}"
+        n=${setup%%x*}; share=${setup#*x}; name="ray_$setup"
         python -m csmserve serve --ray $MODEL_ARGS --port 8100 --num-replicas "$n" --gpus-per-replica "$share" \
           --cpus-per-replica 4 ${RAY_SERVE_ARGS:-} > "$OUT/serve_$name.log" 2>&1 &
         want=$n
