@@ -88,7 +88,8 @@ def _speak_parser(sub: argparse._SubParsersAction) -> None:
     voice.add_argument("--voice", default=None,
                        help="a stored voice's id or name (or an OpenAI voice name); with --url the server's")
     voice.add_argument("--voices-db", default=None,
-                       help="SQLite file of stored voices (default: $XDG_DATA_HOME/csmserve/voices.db)")
+                       help="stored voices: an SQLite file or a postgresql:// URL "
+                            "(default: $XDG_DATA_HOME/csmserve/voices.db)")
     voice.add_argument("--ref-audio", metavar="FILE", default=None,
                        help="a one-off reference clip (any common audio file) to speak like")
     voice.add_argument("--ref-text", default=None, help="what --ref-audio says (required with it)")
@@ -384,9 +385,9 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
     context: list[Segment] = []
     speaker = args.speaker
     if args.voice is not None and args.lines is None:  # (a script casts its voices itself)
-        from .voices import VoiceNotFoundError, VoiceStore
+        from .voices import VoiceNotFoundError, open_voice_store
 
-        with VoiceStore(args.voices_db) as store:
+        with open_voice_store(args.voices_db) as store:
             try:
                 resolved = store.resolve(args.voice)
             except VoiceNotFoundError:

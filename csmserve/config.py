@@ -69,7 +69,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # checked against `Authorization: Bearer <key>`; None = open
     model_name: str = "sesame/csm-1b"  # the id /v1/models reports
-    voices_db: str | None = None  # SQLite path; None = $XDG_DATA_HOME/csmserve/voices.db
+    voices_db: str | None = None  # SQLite path or postgresql:// URL; None = $XDG_DATA_HOME/csmserve/voices.db
     max_input_chars: int = 4096  # OpenAI's maxLength for `input`
     max_body_bytes: int = 32 * 2**20  # any request body (JSON with base64 context audio, multipart)
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
@@ -141,3 +141,47 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """`csmserve serve --ray`: the Ray Serve application (csmserve/ray/). One replica = one engine;
+    every field is a `csmserve serve` flag and a CSMSERVE_<FIELD> variable, like the others."""
+
+    ray_address: str | None = None  # None: start a local Ray instance; "auto": join the running cluster
+    app_name: str = "csmserve"
+    num_replicas: int = 1  # fixed replica count (ignored when min/max_replicas autoscale)
+    min_replicas: int | None = None  # either of min/max set: autoscale between them
+    max_replicas: int | None = None
+    # autoscaling target of ongoing requests (streams + open WebSockets) per replica; None: 3/4 of --max-slots
+    target_ongoing_requests: float | None = None
+    # Ray's own cap per replica (it routes elsewhere past it); None: --max-slots + --max-waiting (no cap: 5120)
+    max_ongoing_requests: int | None = None
+    gpus_per_replica: float | None = None  # fractions share a GPU; None: 1, or 0 with --device cpu
+    cpus_per_replica: float = 1.0
+    health_check_period_s: float = 2.0  # Ray calls each replica's check_health this often
+    health_check_timeout_s: float = 30.0
+    # bounded-load affinity: a request with a voice / conversation key goes to its preferred replica while
+    # that replica's ongoing requests are under load_factor x the mean (+1); then to the next in its order
+    affinity_load_factor: float = 1.25
+    report_interval_s: float = 0.5  # each replica's state + metrics -> the directory (/ready, /metrics)
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < (0 if name == "min_replicas" else 1):
+                raise ValueError(f"RayConfig.{name} must be >= {0 if name == 'min_replicas' else 1}, "
+                                 f"got {getattr(self, name)}")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("RayConfig needs min_replicas <= max_replicas")
+        for name in ("target_ongoing_requests", "cpus_per_replica", "health_check_period_s",
+                     "health_check_timeout_s", "report_interval_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"RayConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
+            raise ValueError(f"RayConfig.gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
+        if self.affinity_load_factor < 1:
+            raise ValueError(f"RayConfig.affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None

@@ -1,4 +1,7 @@
-"""Cloned voices: a clip's Mimi codes + its transcript, stored once in SQLite.
+"""Cloned voices: a clip's Mimi codes + its transcript, stored once: `VoiceBackend` is the interface,
+`VoiceStore` its SQLite backend (one machine; the default) and `PostgresVoiceStore` (voices_postgres.py)
+its PostgreSQL backend (a cluster: every replica sees a voice as soon as it is created, and none once
+deleted). `open_voice_store(where)` picks one: a `postgresql://` URL, else an SQLite path.
 
 Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string
 resolves, in order: stored id, stored name (the newest with that name), OpenAI voice alias.
@@ -15,6 +18,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +92,77 @@ def _check_codes(codes: np.ndarray) -> np.ndarray:
     return codes.astype("<i2")
 
 
-class VoiceStore:
+class VoiceBackend(ABC):
+    """Where voices live. Backends store rows; validation, ids and `resolve` are shared here. Every
+    method is safe to call from several threads; every write is one transaction."""
+
+    path: object  # where (shown in messages): a file path or a URL without its password
+
+    def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
+               sample_rate: int = 24_000) -> Voice:
+        if not name or not name.strip():
+            raise ValueError("voice name must not be empty")
+        codes16 = _check_codes(codes)
+        voice = Voice(id=f"voice_{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
+                      speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
+                      created_at=time.time(), codes=codes16.astype(np.int64))
+        self._insert(voice, codes16.tobytes())
+        return voice
+
+    @abstractmethod
+    def _insert(self, voice: Voice, codes: bytes) -> None:
+        """Store one row (codes: [num_frames, 32] int16 little-endian, row-major)."""
+
+    @abstractmethod
+    def get(self, id_or_name: str) -> Voice | None:
+        """By id, else the newest voice with that name; None if neither exists."""
+
+    @abstractmethod
+    def list(self) -> list[VoiceInfo]:
+        """All voices, oldest first, without their codes."""
+
+    @abstractmethod
+    def delete(self, voice_id: str) -> bool:
+        """Delete by id (names may repeat, so not by name). False if no such id."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def resolve(self, voice: str | dict) -> ResolvedVoice:
+        """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""
+        key = voice.get("id") if isinstance(voice, dict) else voice
+        if not isinstance(key, str) or not key:
+            raise VoiceNotFoundError(f"invalid voice {voice!r}")
+        if (stored := self.get(key)) is not None:
+            return ResolvedVoice(speaker=stored.speaker, voice=stored)
+        if key.lower() in ALIASES:
+            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)
+        raise VoiceNotFoundError(f"voice {key!r} not found")
+
+    def __enter__(self) -> VoiceBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _voice(row: tuple) -> Voice:
+    # (id, name, transcript, speaker, sample_rate, num_frames, created_at, codes bytes) -> Voice
+    codes = np.frombuffer(bytes(row[-1]), dtype="<i2").reshape(-1, NUM_CODEBOOKS).astype(np.int64)
+    return Voice(*row[:-1], codes=codes)
+
+
+def open_voice_store(where: str | Path | None = None) -> VoiceBackend:
+    """`postgresql://user:pass@host/db` (or `postgres://`) -> PostgresVoiceStore; else an SQLite file
+    (None: the default path; ":memory:" for a private in-memory store)."""
+    if isinstance(where, str) and where.startswith(("postgresql://", "postgres://")):
+        from .voices_postgres import PostgresVoiceStore
+
+        return PostgresVoiceStore(where)
+    return VoiceStore(where)
+
+
+class VoiceStore(VoiceBackend):
     """SQLite-backed store. One connection guarded by a lock (safe across threads); WAL and a
     busy timeout let several processes share the file; every write is one transaction."""
 
@@ -103,20 +177,12 @@ class VoiceStore:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.executescript(_SCHEMA)
 
-    def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
-               sample_rate: int = 24_000) -> Voice:
-        if not name or not name.strip():
-            raise ValueError("voice name must not be empty")
-        codes16 = _check_codes(codes)
-        voice = Voice(id=f"voice_{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
-                      speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
-                      created_at=time.time(), codes=codes16.astype(np.int64))
+    def _insert(self, voice: Voice, codes: bytes) -> None:
         with self._lock, self._conn:
             self._conn.execute(
                 f"INSERT INTO voices ({_INFO_COLUMNS}, codes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
-                 voice.num_frames, voice.created_at, codes16.tobytes()))
-        return voice
+                 voice.num_frames, voice.created_at, codes))
 
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""
@@ -124,10 +190,7 @@ class VoiceStore:
         with self._lock:
             row = self._conn.execute(sql.format("id"), (id_or_name,)).fetchone()
             row = row or self._conn.execute(sql.format("name"), (id_or_name,)).fetchone()
-        if row is None:
-            return None
-        codes = np.frombuffer(row[-1], dtype="<i2").reshape(-1, NUM_CODEBOOKS).astype(np.int64)
-        return Voice(*row[:-1], codes=codes)
+        return None if row is None else _voice(row)
 
     def list(self) -> list[VoiceInfo]:
         """All voices, oldest first, without their codes."""
@@ -140,23 +203,6 @@ class VoiceStore:
         with self._lock, self._conn:
             return self._conn.execute("DELETE FROM voices WHERE id = ?", (voice_id,)).rowcount > 0
 
-    def resolve(self, voice: str | dict) -> ResolvedVoice:
-        """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""
-        key = voice.get("id") if isinstance(voice, dict) else voice
-        if not isinstance(key, str) or not key:
-            raise VoiceNotFoundError(f"invalid voice {voice!r}")
-        if (stored := self.get(key)) is not None:
-            return ResolvedVoice(speaker=stored.speaker, voice=stored)
-        if key.lower() in ALIASES:
-            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)
-        raise VoiceNotFoundError(f"voice {key!r} not found")
-
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-    def __enter__(self) -> VoiceStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

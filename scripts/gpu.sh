@@ -86,4 +86,61 @@ if [[ $what == final ]]; then
   echo "using CSMSERVE_MIMI_GEMM_MAX_T=$CSMSERVE_MIMI_GEMM_MAX_T" | tee -a "$log"
   python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee -a "$log" | tail -5
   SERVE_RAMP=${SERVE_RAMP:-8} SERVE_DURATION=${SERVE_DURATION:-15} SERVE_DRAIN=${SERVE_DRAIN:-20} bash scripts/gpu.sh serve
+if [[ $what == ray ]]; then
+  # Ray Serve (docs/scale-out.md). The GPU image lacks Ray and the server's packages: carry .bundle/ (built here by
+  # scripts/ray_bundle.sh: ray-cp312.tar.xz, av-cp312.tar.xz) and it is unpacked into $RAY_SITE (/tmp/site).
+  SITE=${RAY_SITE:-/tmp/site}
+  if [ ! -d "$SITE/ray" ]; then
+    mkdir -p "$SITE"
+    for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$SITE" -xJf "$a"; done
+  fi
+  export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0
+  python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
+    2>&1 | tee "$OUT/ray_env.txt"
+  stop_server() {  # SIGTERM, 90 s, then SIGKILL and `ray stop`: no replica left on the GPU for the next setup
+    kill -TERM "$1" 2>/dev/null
+    for _ in $(seq 90); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$1" 2>/dev/null
+    wait "$1" 2>/dev/null
+    python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1 || true
+  }
+  MODEL_ARGS=${RAY_MODEL_ARGS:---model dummy}  # slots: sized from (the share of) GPU memory
+  PARTS=${RAY_PARTS:-ttfa load}  # one device call is 10 minutes at most: RAY_PARTS=ttfa, then RAY_PARTS=load
+  # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
+  [[ $PARTS == *ttfa* ]] && python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
+    --cpus-per-replica 4 ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
+  # 2. the load benchmark (SERVE_BENCH_CMD, default bench/serve_bench.py --url ...; + SERVE_BENCH_ARGS) against:
+  #    the plain server, Ray with 1 replica,
+  #    Ray with 2 replicas of half the GPU each; one server at a time on port 8100
+  if [[ $PARTS == *load* && -f bench/serve_bench.py ]]; then
+    for setup in ${RAY_SETUPS:-plain 1x1 2x0.5}; do  # replicas x GPU share each
+      if [[ $setup == plain ]]; then
+        name=plain; python -m csmserve serve $MODEL_ARGS --port 8100 > "$OUT/serve_$name.log" 2>&1 &
+        want=0
+      else
+        n=${setup%%x*}; share=${setup#*x}; name="ray_$setup"
+        python -m csmserve serve --ray $MODEL_ARGS --port 8100 --num-replicas "$n" --gpus-per-replica "$share" \
+          --cpus-per-replica 4 ${RAY_SERVE_ARGS:-} > "$OUT/serve_$name.log" 2>&1 &
+        want=$n
+      fi
+      pid=$!
+      python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; stop_server $pid; continue; }
+import sys, time, httpx
+want, deadline = int(sys.argv[1]), time.time() + 400
+while time.time() < deadline:
+    try:
+        r = httpx.get("http://127.0.0.1:8100/ready", timeout=5)
+        if r.status_code == 200 and (want == 0 or r.json()["replicas"]["ready"] >= want):
+            sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(2)
+sys.exit(1)
+PY
+      echo "== $name" | tee -a "$OUT/ray_bench.txt"
+      ${SERVE_BENCH_CMD:-python bench/serve_bench.py --url http://127.0.0.1:8100} ${SERVE_BENCH_ARGS:-} 2>&1 |
+        tee -a "$OUT/ray_bench.txt"
+      stop_server $pid
+    done
+  fi
 fi

@@ -3,17 +3,38 @@ import threading
 import numpy as np
 import pytest
 
-from csmserve.voices import ALIASES, OPENAI_VOICES, VoiceNotFoundError, VoiceStore
+from csmserve.voices import ALIASES, OPENAI_VOICES, VoiceBackend, VoiceNotFoundError, VoiceStore, open_voice_store
 
 
 def codes(t: int = 25, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2048, (t, 32))  # [T, 32]
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request, tmp_path) -> str:
+    """Where a store lives: an SQLite file, or a fresh database on the test PostgreSQL server."""
+    if request.param == "postgres":
+        return request.getfixturevalue("pg_url")
+    return str(tmp_path / "sub" / "voices.db")
+
+
 @pytest.fixture
-def store(tmp_path):
-    with VoiceStore(tmp_path / "voices.db") as s:
+def store(where):
+    with open_voice_store(where) as s:
         yield s
+
+
+def test_open_picks_the_backend(where):
+    with open_voice_store(where) as s:
+        assert isinstance(s, VoiceBackend)
+        assert type(s).__name__ == ("PostgresVoiceStore" if where.startswith("postgresql://") else "VoiceStore")
+
+
+def test_postgres_url_shown_without_password():
+    pytest.importorskip("psycopg")
+    from csmserve.voices_postgres import display_url
+
+    assert display_url("postgresql://csm:s3cret@db.internal:5433/voices") == "postgresql://csm@db.internal:5433/voices"
 
 
 def test_crud(store):
@@ -27,7 +48,8 @@ def test_crud(store):
     assert store.get(v.id) is None and store.list() == []
 
 
-def test_codes_stored_as_int16(store):
+def test_codes_stored_as_int16(tmp_path):
+    store = VoiceStore(tmp_path / "voices.db")
     v = store.create("me", "x", codes(10))
     blob = store._conn.execute("SELECT codes FROM voices WHERE id = ?", (v.id,)).fetchone()[0]
     assert len(blob) == 10 * 32 * 2
@@ -49,19 +71,17 @@ def test_rejects_bad_input(store):
         store.create(" ", "t", codes())
 
 
-def test_survives_reopen(tmp_path):
-    path = tmp_path / "sub" / "voices.db"
-    with VoiceStore(path) as s:
+def test_survives_reopen(where):
+    with open_voice_store(where) as s:
         v = s.create("keep", "Kept.", codes(40))
-    with VoiceStore(path) as s:
+    with open_voice_store(where) as s:
         assert np.array_equal(s.get("keep").codes, codes(40)) and s.get(v.id).transcript == "Kept."
 
 
-def test_concurrent_writes(tmp_path):
-    path = tmp_path / "voices.db"
-    shared, other = VoiceStore(path), VoiceStore(path)  # one store across threads + a second connection
+def test_concurrent_writes(where):
+    shared, other = open_voice_store(where), open_voice_store(where)  # one store across threads + a second one
 
-    def work(store: VoiceStore, k: int) -> None:
+    def work(store: VoiceBackend, k: int) -> None:
         for i in range(20):
             v = store.create(f"t{k}-{i}", "text", codes(5, seed=k))
             assert store.get(v.id) is not None
@@ -95,3 +115,13 @@ def test_in_memory_store():
     with VoiceStore(":memory:") as s:
         s.create("a", "b", codes())
         assert len(s.list()) == 1
+
+
+def test_created_in_one_store_seen_by_another_at_once(where):
+    """Two stores over one database (two replicas): a voice one creates, the other resolves at once;
+    once deleted, neither has it."""
+    with open_voice_store(where) as a, open_voice_store(where) as b:
+        v = a.create("shared", "Shared.", codes(8))
+        assert b.resolve(v.id).voice.id == v.id and b.get("shared").id == v.id
+        assert b.delete(v.id)
+        assert a.get(v.id) is None and a.list() == [] and not a.delete(v.id)

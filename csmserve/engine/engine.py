@@ -144,7 +144,8 @@ class Engine:
         st = pc.stats if pc is not None else {}
         return EngineStats(s.num_running + s.num_prefilling, s.num_waiting, s.num_idle, s.num_free_slots,
                            s.max_slots, st.get("hits", 0), st.get("misses", 0), st.get("hit_positions", 0),
-                           self.stats["steps"], self.stats["frames"], self.fatal)
+                           st.get("stores", 0), st.get("evictions", 0), self.stats["steps"], self.stats["frames"],
+                           self.fatal)
 
     # ---- the loop
     def _run(self) -> None:

@@ -47,6 +47,8 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_hit_positions: int = 0
+    prefix_stores: int = 0
+    prefix_evictions: int = 0
     steps: int = 0
     frames: int = 0
     fatal: str | None = None  # the device error that stopped the engine

@@ -115,9 +115,10 @@ class SlotState:
 
 
 def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len: int,
-               memory_fraction: float = 0.85, cap: int = 4096, reserve_bytes: int = 0) -> int:
-    """Slots that fit in free device memory (CUDA), leaving room for graphs' activations and
-    `reserve_bytes` (the prefix cache); 8 on the CPU."""
+               memory_fraction: float = 0.85, cap: int = 4096, reserve_bytes: int = 0,
+               free_bytes: int | None = None) -> int:
+    """Slots that fit in free device memory (CUDA; `free_bytes` if given: a share of the GPU), leaving room
+    for graphs' activations and `reserve_bytes` (the prefix cache); 8 on the CPU."""
     p = next(model.parameters())
     if p.device.type != "cuda":
         return 8
@@ -129,6 +130,6 @@ def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len
         from ..models.mimi import MimiStream
 
         codec = sum(b[0].numel() * b.element_size() for b in MimiStream(mimi, 1, "decode", 1).bufs.values())
-    free, _ = torch.cuda.mem_get_info(p.device)
+    free = torch.cuda.mem_get_info(p.device)[0] if free_bytes is None else free_bytes
     free = max(0, free - reserve_bytes)
     return max(1, min(cap, int(free * memory_fraction) // (kv + codec + 64 * 1024)))

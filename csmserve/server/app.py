@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ServerConfig
-from ..voices import VoiceStore
+from ..voices import VoiceBackend, open_voice_store
 from . import errors, models, openapi, speech, voices, ws
 from .errors import APIError, check_bearer
 from .state import ServerState
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("csmserve.server")
 
 
-def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceStore | None = None,
+def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceBackend | None = None,
                load: Callable[[], CSM] | None = None, sessions_path: str | None = None,
                worker: int | None = None) -> FastAPI:
     """sessions_path: a SQLite file holding the WebSocket conversation sessions, shared by the API
@@ -40,7 +40,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     the `X-Csmserve-Worker` response header)."""
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
-    state = ServerState(csm, config, store if store is not None else VoiceStore(config.voices_db), sessions_path)
+    state = ServerState(csm, config, store if store is not None else open_voice_store(config.voices_db), sessions_path)
     state.worker = worker
 
     @asynccontextmanager

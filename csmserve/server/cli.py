@@ -3,6 +3,7 @@ CSMSERVE_<FIELD> environment variable (flag > environment > default).
 
     csmserve serve --model sesame/csm-1b --port 8000 --api-key secret --max-slots 64
     CSMSERVE_API_KEY=secret CSMSERVE_MAX_SLOTS=64 csmserve serve
+    csmserve serve --ray --num-replicas 2 --gpus-per-replica 0.5 --max-slots 512   # Ray Serve (csmserve/ray/)
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..config import EngineConfig, ServerConfig
+from ..config import EngineConfig, RayConfig, ServerConfig
 
 ENV_PREFIX = "CSMSERVE_"
 _MODEL_FLAGS = {  # name -> (default, help)
@@ -29,8 +30,18 @@ _HELP = {
     "host": "address to listen on", "port": "port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on /v1 routes and the WebSocket",
     "model_name": "model id reported by /v1/models (default: --model)",
-    "voices_db": "SQLite file of stored voices (default: $XDG_DATA_HOME/csmserve/voices.db)",
+    "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
+                 "(default: $XDG_DATA_HOME/csmserve/voices.db)",
     "cors_origins": "comma-separated origins allowed by CORS",
+    "ray_address": "Ray cluster to join ('auto': the running one; default: start a local Ray instance)",
+    "num_replicas": "replicas (engines) when not autoscaling",
+    "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",
+    "target_ongoing_requests": "autoscale: ongoing requests per replica to aim at; None: 3/4 of --max-slots",
+    "max_ongoing_requests": "Ray's cap of ongoing requests per replica; None: --max-slots + --max-waiting",
+    "gpus_per_replica": "GPUs per replica, fractions share one; None: 1 (0 with --device cpu)",
+    "affinity_load_factor": "a voice / conversation stays on its replica while that one's load is under "
+                            "this x the mean (+1)",
+    "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
 }
 
 
@@ -71,7 +82,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     for name, (default, help_) in _MODEL_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=_env_default(name, default, str),
                        help=f"{help_} [env {ENV_PREFIX}{name.upper()}]")
-    for title, cls in (("server", ServerConfig), ("engine", EngineConfig)):
+    p.add_argument("--ray", action="store_true", default=_env_default("ray", False, _bool),
+                   help="serve on Ray Serve: replicas of the engine behind one port (the 'ray' flags; "
+                        f"pip install 'csmserve[ray]'; docs/scale-out.md) [env {ENV_PREFIX}RAY]")
+    for title, cls in (("server", ServerConfig), ("engine", EngineConfig), ("ray (with --ray)", RayConfig)):
         group = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
             parse = _parser_for(str(f.type))
@@ -84,6 +98,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                help=f"{help_} (default: {default}) [env {ENV_PREFIX}{f.name.upper()}]")
     p.set_defaults(func=run_serve)
     return p
+
+
+def ray_config(args: argparse.Namespace) -> RayConfig:
+    return RayConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RayConfig)})
 
 
 def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
@@ -99,6 +117,10 @@ def _default(cls: type, name: str) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from ..ray.app import run_ray
+
+        return run_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = configs(args)
     if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it

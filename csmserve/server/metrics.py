@@ -31,12 +31,16 @@ class _EngineCollector:
                  "their next text).", None if s is None else s.running + s.idle, GaugeMetricFamily),
                 ("num_requests_waiting", "Requests queued for a slot.", None if s is None else s.waiting,
                  GaugeMetricFamily),
-                ("prefix_cache_hits", "Requests whose prompt prefix (voice, conversation) was cached.",
+                ("prefix_cache_hits", "Admissions that reused a cached prompt prefix (voice, conversation).",
                  None if s is None else s.prefix_hits, CounterMetricFamily),
-                ("prefix_cache_queries", "Requests that looked a prompt prefix up.",
-                 None if s is None else s.prefix_hits + s.prefix_misses, CounterMetricFamily),
+                ("prefix_cache_misses", "Admissions with a prefix that found none of it cached.",
+                 None if s is None else s.prefix_misses, CounterMetricFamily),
                 ("prefix_cache_hit_positions", "Prompt positions whose prefill a cached prefix saved.",
-                 None if s is None else s.prefix_hit_positions, CounterMetricFamily)]
+                 None if s is None else s.prefix_hit_positions, CounterMetricFamily),
+                ("prefix_cache_stores", "Prompt prefixes stored in the prefix cache.",
+                 None if s is None else s.prefix_stores, CounterMetricFamily),
+                ("prefix_cache_evictions", "Prompt prefixes evicted from the prefix cache (LRU by bytes).",
+                 None if s is None else s.prefix_evictions, CounterMetricFamily)]
         for name, doc, value, family in rows:
             m = family(f"csmserve:{name}", doc, labels=["model_name"])
             m.add_metric([self.model_name], float(value or 0))

@@ -18,7 +18,7 @@ from ..audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from ..config import ServerConfig
 from ..engine.request import AudioChunk, Request, SamplingParams
 from ..engine.scheduler import SchedulerBusy
-from ..voices import ResolvedVoice, VoiceNotFoundError, VoiceStore
+from ..voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from .errors import APIError, bad_request
 from .metrics import Metrics
 from .schemas import ContextTurn, SamplingFields, VoiceRef
@@ -32,7 +32,7 @@ FRAME_SECONDS = 0.08
 
 
 class ServerState:
-    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceStore,
+    def __init__(self, csm: CSM | None, config: ServerConfig, store: VoiceBackend,
                  sessions_path: str | None = None) -> None:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
@@ -70,6 +70,11 @@ class ServerState:
         if fmt == "opus":
             return {"compression_level": str(self.config.opus_complexity)}
         return None
+
+    def _prefix_stats(self) -> dict:
+        """The engine's prefix-cache counters (hits, misses, ...); {} without an engine or a cache."""
+        cache = getattr(self._engine(), "prefix_cache", None)
+        return dict(cache.stats) if cache is not None else {}
 
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():

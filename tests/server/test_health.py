@@ -69,6 +69,23 @@ def test_metrics_names(server):
 
 
 @pytest.mark.inproc
+def test_metrics_count_prefix_cache_hits(server, csm):
+    """The engine's PrefixCache counters are Prometheus counters: a conversation's second request with
+    the same earlier turn hits the prefix its first one stored."""
+    def value(name: str) -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(next(line for line in text.splitlines() if line.startswith(name + "{")).split()[-1])
+
+    hits, stores = value("csmserve:prefix_cache_hits_total"), value("csmserve:prefix_cache_stores_total")
+    body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "max_audio_length_ms": 160,
+            "context": [{"speaker": 1, "text": "An earlier turn that only this test says, for the cache."}]}
+    for text in ("First.", "Second."):
+        assert httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={**body, "input": text}).status_code == 200
+    assert value("csmserve:prefix_cache_stores_total") >= stores + 1
+    assert value("csmserve:prefix_cache_hits_total") >= hits + 1
+    assert "csmserve:prefix_cache_misses_total" in httpx.get(f"{server.url}/metrics").text
+
+
 def test_a_lost_device_turns_ready_and_health_503_and_refuses_in_the_error_shape(server, csm, monkeypatch):
     """After the engine lost its device (Engine.fatal; the engine side is tests/engine/test_engine.py),
     an orchestrator sees 503 on /health and /ready (and restarts the process); requests get a 503 in

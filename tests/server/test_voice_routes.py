@@ -1,4 +1,5 @@
-"""Voices: create, list, use, delete; stored voices survive a restart and condition the prompt."""
+"""Voices: create, list, use, delete; stored voices survive a restart and condition the prompt. Each test
+runs on both voice-store backends: an SQLite file and a PostgreSQL database (tests/pg.py)."""
 import httpx
 import numpy as np
 import openai
@@ -18,6 +19,16 @@ def audio_rows(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return tokens[mask[:, :32].any(axis=1), :32]
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def voices_db(request, tmp_path) -> str:
+    return request.getfixturevalue("pg_url") if request.param == "postgres" else str(tmp_path / "persist.db")
+
+
+@pytest.fixture
+def server(serve, voices_db):
+    return serve(voices_db=voices_db)
+
+
 def test_create_list_get_delete(server):
     r = create(server.url, speaker="1")
     assert r.status_code == 200, r.text
@@ -34,14 +45,14 @@ def test_create_list_get_delete(server):
     assert v["id"] not in {x["id"] for x in httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]}
 
 
-def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, tmp_path):
-    db = str(tmp_path / "persist.db")
+def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, voices_db):
+    db = voices_db
     first = serve(voices_db=db)
     v = create(first.url, name="keeper", transcript="Keep this voice.").json()
     stored = first.state.store.get(v["id"]).codes
     first.stop()
 
-    second = serve(voices_db=db)  # a new app over the same SQLite file
+    second = serve(voices_db=db)  # a new app over the same SQLite file / database
     assert v["id"] in {x["id"] for x in httpx.get(f"{second.url}/v1/audio/voices").json()["voices"]}
     c = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
     cache = csm.client.engine.prefix_cache

@@ -1,0 +1,90 @@
+"""A local Ray instance (no dashboard, no usage reporting, no network) and csmserve's Ray Serve
+application on it: `cluster.use(**flags)` deploys `dummy-tiny` replicas with those `csmserve serve`
+flags (again only when they change) -> the base URL of Serve's one port."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "server"))  # server_helpers: wav_bytes, decode_24k, free_port
+
+BASE_FLAGS = {"model": "dummy-tiny", "device": "cpu", "dtype": "float32", "num_replicas": 2,
+              "cpus_per_replica": 0.5, "max_slots": 8, "max_seq_len": 512, "first_chunk_frames": 1,
+              "chunk_frames": 2, "default_audio_length_ms": 400, "health_check_period_s": 1.0,
+              "report_interval_s": 0.25, "log_level": "warning"}
+
+
+def _require_ray():
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("no ray[serve] (pip install 'csmserve[ray]')")
+
+
+class Cluster:
+    def __init__(self, url: str, faults: Path) -> None:
+        self.url, self.faults, self.flags = url, faults, None
+
+    def use(self, **flags) -> str:
+        from ray import serve
+
+        from csmserve.ray.app import application, parse_flags, spec_from_args
+
+        flags = {**BASE_FLAGS, "voices_db": str(self.faults / "voices.db"), **flags}
+        if flags != self.flags:
+            spec, cfg = spec_from_args(parse_flags(flags))
+            spec = dataclasses.replace(spec, csm_factory="ray_faults:faulty_csm")
+            serve.run(application(spec, cfg), name="csmserve", route_prefix="/")
+            self.flags = flags
+            self.wait_ready(flags["num_replicas"])
+        return self.url
+
+    def wait_ready(self, n: int, timeout: float = 120.0, exclude: set[str] = frozenset()) -> dict:
+        """Until /ready counts n ready replicas (none of `exclude`) -> its body."""
+        import httpx
+
+        deadline = time.time() + timeout
+        while True:
+            try:
+                body = httpx.get(f"{self.url}/ready", timeout=10).json()
+                states = body.get("replicas", {}).get("replicas", {})
+                ready = [r for r, s in states.items() if s == "ready" and r not in exclude]
+                if len(ready) == n and len(states) == n:
+                    return body
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"{n} replicas not ready in {timeout} s")
+            time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    _require_ray()
+    from server_helpers import free_port
+
+    from csmserve.ray.app import PROXY_CALLBACK, PROXY_CALLBACK_ENV, ensure_importable
+
+    faults = Path(tempfile.mkdtemp(prefix="csmserve-faults-"))
+    os.environ.update({PROXY_CALLBACK_ENV: PROXY_CALLBACK, "CSMSERVE_TEST_FAULTS": str(faults),
+                       "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"})
+    ensure_importable()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])  # ray_faults
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=True)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield Cluster(f"http://127.0.0.1:{port}", faults)
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,55 @@
+"""From `csmserve serve` flags (or Serve's builder args, or the RayService manifest) to the deployment's
+Ray options: replicas or autoscaling, GPU shares, Ray's per-replica cap, health checks, the router."""
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve")
+import yaml  # noqa: E402
+
+from csmserve.ray.app import build_app, deployment_options, parse_flags, spec_from_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def options(**flags) -> dict:
+    return deployment_options(*spec_from_args(parse_flags(flags)))
+
+
+def test_fixed_replicas_with_fractional_gpus():
+    o = options(model="dummy", num_replicas=2, gpus_per_replica=0.5, max_slots=256)
+    assert o["num_replicas"] == 2 and "autoscaling_config" not in o
+    assert o["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert o["max_ongoing_requests"] == 256 + 1024  # slots + --max-waiting: Ray never caps below the engine
+    assert o["health_check_period_s"] == 2.0
+    router = o["request_router_config"]
+    assert router.request_router_class.endswith("AffinityRouter")
+    assert router.request_router_kwargs == {"load_factor": 1.25}
+
+
+def test_autoscaling_target_from_the_slots():
+    o = options(model="dummy", min_replicas=1, max_replicas=8, max_slots=512)
+    assert "num_replicas" not in o
+    assert o["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 384}
+    o = options(model="dummy", max_replicas=3, target_ongoing_requests=100)
+    assert o["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 100}
+    with pytest.raises(ValueError, match="max-slots"):
+        options(model="dummy", min_replicas=1, max_replicas=2)  # no slots to derive the target from
+
+
+def test_cpu_device_takes_no_gpu_and_flags_reach_the_replicas():
+    spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "device": "cpu", "api_key": "k",
+                                            "max_seq_len": 512, "late_launch": False}))
+    assert spec.gpu_share == 0.0 and spec.model == "dummy-tiny" and spec.device == "cpu"
+    assert spec.server.api_key == "k" and spec.server.model_name == "dummy-tiny"
+    assert spec.engine.max_seq_len == 512 and spec.engine.late_launch is False
+
+
+def test_the_rayservice_manifest_builds():
+    manifest = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    app = serve_config["applications"][0]
+    assert app["import_path"] == "csmserve.ray:build_app"
+    assert build_app(app["args"]) is not None
+    o = options(**app["args"])
+    assert o["autoscaling_config"]["target_ongoing_requests"] == 384 and o["ray_actor_options"]["num_gpus"] == 1
