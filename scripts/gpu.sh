@@ -3,7 +3,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then  # the server's wheels (scripts/gpu_wheels.sh; carry .whl)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -86,6 +86,7 @@ if [[ $what == final ]]; then
   echo "using CSMSERVE_MIMI_GEMM_MAX_T=$CSMSERVE_MIMI_GEMM_MAX_T" | tee -a "$log"
   python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee -a "$log" | tail -5
   SERVE_RAMP=${SERVE_RAMP:-8} SERVE_DURATION=${SERVE_DURATION:-15} SERVE_DRAIN=${SERVE_DRAIN:-20} bash scripts/gpu.sh serve
+fi
 if [[ $what == ray ]]; then
   # Ray Serve (docs/scale-out.md). The GPU image lacks Ray and the server's packages: carry .bundle/ (built here by
   # scripts/ray_bundle.sh: ray-cp312.tar.xz, av-cp312.tar.xz) and it is unpacked into $RAY_SITE (/tmp/site).
@@ -143,4 +144,15 @@ PY
       stop_server $pid
     done
   fi
+fi
+if [[ $what == final2 ]]; then
+  # the load benchmark again with the new defaults (API workers, prefix cache), then Ray Serve (carry .bundle)
+  SITE=${RAY_SITE:-/tmp/site}; mkdir -p "$SITE"
+  for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$SITE" -xJf "$a"; done
+  export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0 RAY_SITE=$SITE
+  SERVE_SCENARIOS="closed:users=256 closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024" \
+    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve
+  RAY_PARTS="ttfa load" RAY_SETUPS="1x1 2x0.5" RAY_TTFA_REQUESTS=100 \
+    SERVE_BENCH_ARGS="--client-procs 4 --ramp 6 --warmup 2 --duration 12 --drain 15 --scenario closed:users=256 --out $OUT/ray_load" \
+    bash scripts/gpu.sh ray
 fi
