@@ -56,7 +56,7 @@ def test_each_line_sees_the_earlier_lines_codes_with_their_speaker_ids(csm):
     lines = parse_tagged(SCRIPT)
     script = [(ln.speaker, ln.text) for ln in lines]
     segs = segments(lines, [s for s, _ in script])
-    sampling = dict(temperature=0.0, max_audio_length_ms=MS)
+    sampling = dict(temperature=0.0, max_segment_length_ms=MS)  # per segment; the whole has no cap
     chunks = list(csm.dialogue(script, context=clips, **sampling))
     assert chunks[-1].final and [c.frame_start for c in chunks] == list(
         np.cumsum([0] + [len(c.codes) for c in chunks[:-1]]))  # one continuous stream

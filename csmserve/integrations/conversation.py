@@ -88,14 +88,14 @@ class Conversation:
                  context_id: str | None = None, speaker: int | None = None, user_speaker: int = 1,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, max_audio_length_ms: int | None = None,
-                 max_user_seconds: float = 30.0) -> None:
+                 max_segment_length_ms: int | None = None, max_user_seconds: float = 30.0) -> None:
         base = url.rstrip("/")
         base = base[:-3] if base.endswith("/v1") else base
         self.ws_url = base.replace("https://", "wss://").replace("http://", "ws://") + "/v1/audio/speech/stream"
         self.api_key, self.user_speaker, self.max_user_seconds = api_key, user_speaker, max_user_seconds
         self.context_id = context_id or f"conv-{uuid.uuid4().hex}"
         given = dict(voice=voice, speaker=speaker, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                     max_audio_length_ms=max_audio_length_ms)
+                     max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
         self.settings = {k: v for k, v in given.items() if v is not None}
         self.replies: deque[Reply] = deque()  # not yet finished (flush_done), oldest first: the server's order
         self._open: Reply | None = None  # the reply still taking text

@@ -62,11 +62,12 @@ class TTS(tts.TTS):
     def __init__(self, *, base_url: str = "http://localhost:8000", voice: str = "alloy", api_key: str | None = None,
                  context_id: str | None = None, speaker: int | None = None, user_speaker: int = 1,
                  temperature: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 max_audio_length_ms: int | None = None) -> None:
+                 max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = None) -> None:
         super().__init__(capabilities=tts.TTSCapabilities(streaming=True), sample_rate=SAMPLE_RATE, num_channels=1)
         self.conversation = Conversation(base_url, voice=voice, api_key=api_key, context_id=context_id,
                                          speaker=speaker, user_speaker=user_speaker, temperature=temperature,
-                                         top_k=top_k, seed=seed, max_audio_length_ms=max_audio_length_ms)
+                                         top_k=top_k, seed=seed, max_audio_length_ms=max_audio_length_ms,
+                                         max_segment_length_ms=max_segment_length_ms)
         self.cuts: list[dict] = []  # each interruption's cut: {"request_id", "played_ms", "num_frames"}
         self._heard: deque[_Heard] = deque()  # replies sent to the agent whose playback is not reported yet
         self._capturing: bool | None = None  # None: the STT sends no speech events (keep all audio)

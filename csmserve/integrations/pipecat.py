@@ -60,7 +60,7 @@ class CSMTTSService(TTSService):
     def __init__(self, *, url: str = "http://localhost:8000", voice: str = "alloy", api_key: str | None = None,
                  context_id: str | None = None, speaker: int | None = None, user_speaker: int = 1,
                  llm_context: Any = None, temperature: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, max_audio_length_ms: int | None = None,
+                 seed: int | None = None, max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = None,
                  clock: Callable[[], float] = time.monotonic, **kwargs) -> None:
         # sentences arrive stripped: csmserve's own splitter needs the space after each one
         kwargs.setdefault("append_trailing_space", True)
@@ -69,7 +69,8 @@ class CSMTTSService(TTSService):
                          **kwargs)
         self.conversation = Conversation(url, voice=voice, api_key=api_key, context_id=context_id, speaker=speaker,
                                          user_speaker=user_speaker, temperature=temperature, top_k=top_k, seed=seed,
-                                         max_audio_length_ms=max_audio_length_ms)
+                                         max_audio_length_ms=max_audio_length_ms,
+                                         max_segment_length_ms=max_segment_length_ms)
         self.playout = Playout(clock)
         self.llm_context = llm_context
         self.cuts: list[dict] = []  # each interruption's cut: {"key", "request_id", "played_ms", "num_frames"}

@@ -61,8 +61,11 @@ async def build_dialogue(state: ServerState, body: SpeechRequest) -> tuple[Reque
     context = clips + await state.context_segments(body.context)
     segs = segments(filled, c.speakers)
     first_line, first_speaker, first_text = segs[0]
+    # the whole script's text sizes the response's cap; each line's sentences get the sentence cap
     request, _ = await state.build_request(first_text, None, body.model_copy(update={"speaker": first_speaker}),
-                                           (), context)
+                                           (), context, long_form=True, split=False,
+                                           total_chars=sum(len(t) for _, _, t in segs),
+                                           segment_chars=max(len(t) for _, _, t in segs))
     from ..tokenizer import segment_ids, text_frames
 
     csm, k = state.require_ready(), request.tokens.shape[1] - 1

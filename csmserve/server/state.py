@@ -168,8 +168,8 @@ class ServerState:
 
     async def build_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
                             turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
-                            long_form: bool = False, split: bool = True, total_chars: int | None = None
-                            ) -> tuple[Request, int]:
+                            long_form: bool = False, split: bool = True, total_chars: int | None = None,
+                            segment_chars: int | None = None) -> tuple[Request, int]:
         """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
         the context turns, then `extra`, then `text`. long_form: text of several sentences is spoken
         sentence by sentence in one slot (each seeing the earlier ones), max_audio_length_ms capping the
@@ -184,7 +184,8 @@ class ServerState:
         texts = await asyncio.to_thread(split_sentences, text) if long_form and split else []
         if len(texts) > 1:
             request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False,
-                                                        total_chars=len(text))
+                                                        total_chars=len(text),
+                                                        segment_chars=max(len(t) for t in texts))
             csm, k = self.require_ready(), request.tokens.shape[1] - 1
             frames = await asyncio.to_thread(lambda: [text_frames(segment_ids(csm.tokenizer, speaker, t), k)
                                                       for t in texts])
@@ -197,8 +198,12 @@ class ServerState:
             total_chars = len(text) if split or not long_form else self.config.max_input_chars
         max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
         seg_ms = None
-        if long_form and not split:  # one segment of several (or of a WebSocket turn): the sentence cap
-            seg_ms = min(max_ms, getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms)
+        if long_form and not split:  # one segment of several (or of a WebSocket turn): the sentence cap,
+            # unless asked: enough for the longest sentence (as the whole is sized), at most --max-segment-ms
+            seg_ms = getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms
+            if segment_chars is not None and getattr(fields, "max_segment_length_ms", None) is None:
+                seg_ms = min(seg_ms, max(1000, self.config.audio_ms_per_char * segment_chars))
+            seg_ms = min(max_ms, seg_ms)
         resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
         segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
             if resolved is not None and resolved.voice is not None else []

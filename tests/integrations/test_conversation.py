@@ -13,7 +13,7 @@ from server_helpers import free_port
 
 def test_a_reply_streams_audio_and_exact_segment_times(server, csm):
     async def main():
-        conv = Conversation(server.url, voice="alloy", temperature=0, max_audio_length_ms=160)
+        conv = Conversation(server.url, voice="alloy", temperature=0, max_segment_length_ms=160)
         await conv.connect()
         conv.add_user_audio(tone(0.05), 16_000)  # under 0.1 s: the turn goes as text only
         assert conv.end_user_turn("  Hi   there. ")["text"] == "Hi there." and "audio" not in conv._user_turns[0]

@@ -78,7 +78,7 @@ def test_replies_hear_the_users_audio_and_the_earlier_replies(server, csm, fake_
     user1, user2, early = tone(0.8), tone(0.48, hz=330), tone(0.24, hz=500)
 
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=240)
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_segment_length_ms=240)
         agent = ConversationAgent(instructions="Be brief.", tts=tts)
         await user_says(agent, user1, "How are you?")
         a1 = await speak(tts, "I am fine. ", "Thanks for ", "asking!")
@@ -139,7 +139,7 @@ def test_interruption_cuts_the_reply_at_the_playback_position(server, csm):
 
 def test_a_reply_played_to_the_end_is_kept_whole(server, csm):
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=240)
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_segment_length_ms=240)
         await speak(tts, "All of it.")
         tts.playback_finished(PlaybackFinishedEvent(playback_position=0.24, interrupted=False))
         await speak(tts, "Next.")

@@ -49,7 +49,7 @@ class StepClock:
 
 
 def service(server, **kw) -> CSMTTSService:
-    kw.setdefault("max_audio_length_ms", 240)
+    kw.setdefault("max_segment_length_ms", kw.get("max_audio_length_ms", 240))  # per sentence
     return CSMTTSService(url=server.url, voice="alloy", temperature=0, **kw)
 
 
@@ -108,7 +108,7 @@ def test_interruption_while_generating_keeps_exactly_the_played_frames(server, c
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
     (cut,) = tts.cuts
     generated = server.built[0].frames
-    assert server.built[0].reason == "closed"  # cancelled while generating: the slot was given back
+    assert server.built[0].reason == "closed", (server.built[0].reason, server.built[0].frames)  # cancelled while generating: the slot was given back
     assert cut["played_ms"] == 160 and cut["num_frames"] == 2 < generated < 30, (cut, generated)
     np.testing.assert_array_equal(session_codes(server, tts.conversation.context_id, index=0),
                                   greedy(csm, text, 0, [], 2))  # the first two frames, as generated
