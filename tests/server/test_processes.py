@@ -91,7 +91,7 @@ def test_killing_one_api_worker_leaves_the_other_serving(procs):
 def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_streams(procs):
     server = procs()
     out: dict = {}
-    t = threading.Thread(target=_stream, args=(server.url, out, 0, 60_000))
+    t = threading.Thread(target=_stream, args=(server.url, out, 0, 20_000))  # fits --max-seq-len 512
     t.start()
     time.sleep(1.0)
     os.kill(server.pids()["engine"], signal.SIGKILL)
