@@ -89,6 +89,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="the users' random choices (default 0)")
     o = ap.add_argument_group("measuring")
     o.add_argument("--window", type=float, default=30.0, help="TTFA per window of this many s (default 30)")
+    o.add_argument("--warmup", type=float, default=None,
+                   help="s after the ramp before memory's `start` point (default min(60, duration / 4))")
     o.add_argument("--sample-every", type=float, default=None,
                    help="s between memory samples (default duration / 40, 1..15)")
     o.add_argument("--settle", type=float, default=30.0, help="s to wait for the slots to free after the stop (30)")
@@ -341,7 +343,9 @@ def run(args: argparse.Namespace) -> dict:
                      "client_cpu_max": max((r["cpu_s"] / r["wall_s"] for r in soak.results if r["wall_s"]), default=None),
                      "client_lag_max_ms": max((r["loop_lag_max_ms"] for r in soak.results), default=None)},
             "slots_after": slots, "voices": voices, "crashes": crashes,
-            "memory": memory_points(soak.samples, ramp, load_s) | {"samples": soak.samples},
+            "memory": memory_points(soak.samples, ramp + (args.warmup if args.warmup is not None
+                                                          else min(60.0, args.duration / 4)), load_s)
+            | {"samples": soak.samples},
             "server_5xx": None, "server_ttfa_ms": {"p50": None, "p99": None},
             "clients": [{k: v for k, v in r.items() if k != "voices"} for r in soak.results],
         })

@@ -3,8 +3,9 @@
 Records are soak_users.RECORD lists. TTFA: request sent -> first audio byte (HTTP speech read to its end,
 `voice-use` included), flush sent -> first binary audio (WebSocket turns); per window of `window_s`
 from the load's start. Memory: every server process's RSS (tree.py) and GPU memory sampled through the
-run; `start` is the first sample after the ramp (the load is on), `middle` the one nearest the load's
-midpoint, `end` the last before the stop, `after` once the slots are free again; growth = end - start.
+run; `start` is the first sample after the ramp and a warm-up (allocators and caches filling: the engine's
+RSS climbs for its first ~30 s on the CPU), `middle` the one nearest the midpoint of start..end, `end` the
+last before the stop, `after` once the slots are free again; growth = end - start (and end - middle).
 """
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def ttfa_windows(records: list[list], t0: float, t1: float, window_s: float) -> 
     return out
 
 
-def memory_points(samples: list[dict], ramp_end: float, load_end: float) -> dict:
+def memory_points(samples: list[dict], warm_s: float, load_end: float) -> dict:
     """samples: {"t": s since the load's start, "phase": idle|load|after, "rss": {...}, "gpu": {...}|None}."""
     load = [s for s in samples if s["phase"] == "load"]
-    warm = [s for s in load if s["t"] >= ramp_end] or load
+    warm = [s for s in load if s["t"] >= warm_s] or load
     points = {"idle": next((s for s in samples if s["phase"] == "idle"), None),
               "start": warm[0] if warm else None,
               "middle": min(warm, key=lambda s: abs(s["t"] - (warm[0]["t"] + load_end) / 2)) if warm else None,
@@ -69,7 +70,7 @@ def memory_points(samples: list[dict], ramp_end: float, load_end: float) -> dict
                                        if gb.get("device_used_mb") is not None and ga.get("device_used_mb") is not None
                                        else None)
             growth["gpu_processes_mb"] = round(gb["processes_mb"] - ga["processes_mb"], 1)
-    return {"points": points, "growth_mb": growth}
+    return {"points": points, "growth_mb": growth, "warm_s": warm_s}
 
 
 def summarize(records: list[list], t0: float, t1: float, window_s: float, num_cases: int) -> dict:
@@ -150,7 +151,8 @@ def markdown(s: dict) -> str:
     if names:
         cols = [p for p in ("idle", "start", "middle", "end", "after")]
         when = " | ".join(f"{c}" + (f" ({pts[c]['t']:.0f} s)" if pts.get(c) else "") for c in cols)
-        lines += ["Resident memory (MB; start = first sample after the ramp):", "",
+        lines += [f"Resident memory (MB; start = the first sample {s['memory']['warm_s']:.0f} s into the load, after "
+                  "the ramp and a warm-up):", "",
                   f"| process | {when} | growth end - start | end - middle |", "|---" * (len(cols) + 3) + "|"]
         for n in names:
             vals = " | ".join(_f((pts[c] or {}).get("rss", {}).get(n), "{:.0f}") if pts.get(c) else "-" for c in cols)
