@@ -51,6 +51,14 @@ if [[ $what == serve ]]; then
     --duration ${SERVE_DURATION:-20} --drain ${SERVE_DRAIN:-30} $(printf -- '--scenario %s ' $scenarios) \
     --out "$OUT/serve_bench" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
 fi
+if [[ $what == soak ]]; then
+  # the soak (issue 13; needs the wheels: bash scripts/gpu_wheels.sh, carry .whl): 1,000 users for 8 minutes,
+  # disconnects, hostile requests, voice churn, conversations. Start (~30-60 s) + 480 s + checks fit one
+  # 10-minute device call; SOAK_DURATION shortens it, SOAK_ARGS adds soak flags (e.g. "--users 2000")
+  python bench/soak.py --model dummy --max-seq-len 512 --users ${SOAK_USERS:-1000} --max-slots ${SOAK_SLOTS:-2100} \
+    --client-procs ${SOAK_PROCS:-4} --duration ${SOAK_DURATION:-480} --out "$OUT/soak" ${SOAK_ARGS:-} 2>&1 \
+    | tee "$OUT/soak.txt"
+fi
 if [[ $what == probe ]]; then
   # a first look after the data-plane rewrite: the graphs on CUDA, one stream and 2,048, admissions, Mimi
   python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_runner_gpu.py tests/kernels 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5

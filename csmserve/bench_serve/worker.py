@@ -7,6 +7,9 @@ running its share of a scenario's users. JSON lines on stdin/stdout talk to the 
     worker -> {"event": "result", "records": [...], "cpu_s": ..., "wall_s": ..., "lag_ms": {...}}
     parent -> {"cmd": "exit"}
 
+or, for the soak (soak.py, soak_users.py): parent -> {"cmd": "soak", ...}; worker -> {"event": "records", ...}
+every few seconds; parent -> {"cmd": "stop"}; worker -> {"event": "result", ...}.
+
 Besides the users it measures itself: its CPU time, and the event loop's lag (how late a 50 ms
 ticker wakes) in the window, which bounds how late it timestamps an arrival.
 """
@@ -89,6 +92,10 @@ async def main_async() -> None:
         cmd = await commands.get()
         if cmd.get("cmd") == "run":
             _send(await run_scenario(cmd, commands))
+        elif cmd.get("cmd") == "soak":  # bench/soak.py: the soak's users (soak_users.py) until "stop"
+            from .soak_users import run_soak
+
+            _send(await run_soak(cmd, commands, _send))
         elif cmd.get("cmd") == "exit":
             return
 

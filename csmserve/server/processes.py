@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -70,14 +71,27 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
+def run_named(name: str, target, *args) -> None:
+    """A child's main under its own process name (/proc/PID/comm, what ps and top show; 15 bytes):
+    csmserve-engine, csmserve-api-N. bench_serve's soak tells the server tree's processes apart by it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME (Linux; elsewhere a no-op)
+    except (OSError, AttributeError):
+        pass
+    target(*args)
+
+
 class Supervisor:
     def __init__(self, args, server: ServerConfig, engine: EngineConfig, workers: int) -> None:
         from ..engine.core import EngineSpec
 
         self.server, self.workers_n = server, workers
         self.log_level = args.log_level
-        self.rundir = Path(tempfile.mkdtemp(prefix="csmserve-"))
         shm = Path("/dev/shm")
+        sweep_stale(shm, Path(tempfile.gettempdir()))
+        self.rundir = Path(tempfile.mkdtemp(prefix=f"csmserve-{os.getpid()}-"))
         self.ring_path = str((shm if shm.is_dir() else self.rundir) / f"csmserve-{os.getpid()}-{secrets.token_hex(4)}")
         self.address = str(self.rundir / "engine.sock")
         self.authkey = secrets.token_bytes(16)
@@ -102,7 +116,8 @@ class Supervisor:
         from ..engine.core import serve_engine
 
         self._ready_r, ready_w = self.ctx.Pipe(duplex=False)
-        self.engine = self.ctx.Process(target=serve_engine, args=(self.spec, ready_w), name="csmserve-engine")
+        self.engine = self.ctx.Process(target=run_named, args=("csmserve-engine", serve_engine, self.spec, ready_w),
+                                       name="csmserve-engine")
         self.engine.start()
         for i in range(self.workers_n):
             self._start_worker(i)
@@ -113,7 +128,8 @@ class Supervisor:
         spec = WorkerSpec(i, self._next_client, self.server, self.address, self.authkey, self.sessions_db,
                           self.log_level)
         self._next_client += 1
-        p = self.ctx.Process(target=run_worker, args=(spec, self.sock), name=f"csmserve-worker-{i}")
+        p = self.ctx.Process(target=run_named, args=(f"csmserve-api-{i}", run_worker, spec, self.sock),
+                             name=f"csmserve-worker-{i}")
         p.start()
         self.workers[i] = p
         log.info("API worker %d started (pid %d)", i, p.pid)
@@ -160,6 +176,43 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+_STALE = re.compile(r"csmserve-(\d+)-[^/]+")  # the ring (/dev/shm) and run directory (tmp) of the server of pid
+
+
+def sweep_stale(*dirs: Path) -> list[Path]:
+    """Remove what a server killed with SIGKILL left behind (its shutdown never ran): the output ring's
+    shared-memory file (hundreds of MB at thousands of slots, held in RAM by tmpfs) and its run directory,
+    each named after the parent's pid; only those whose pid no longer runs."""
+    removed = []
+    for d in dirs:
+        try:
+            entries = list(d.iterdir())
+        except OSError:
+            continue
+        for path in entries:
+            m = _STALE.fullmatch(path.name)
+            if m is None or _pid_alive(int(m.group(1))):
+                continue
+            try:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    if removed:
+        log.info("removed what killed servers left: %s", ", ".join(map(str, removed)))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def _mark_dead(pid: int) -> None:

@@ -117,7 +117,9 @@ class ProcServer:
     """`csmserve serve --api-workers N` as users run it: a subprocess tree (parent, engine-core process,
     N API workers) on 127.0.0.1:<free port>; flags from ServerConfig / EngineConfig field names."""
 
-    def __init__(self, tmp_path, workers: int = 2, model: str = "dummy-tiny", **flags) -> None:
+    def __init__(self, tmp_path, workers: int = 2, model: str = "dummy-tiny", new_session: bool = False,
+                 **flags) -> None:
+        """new_session: the tree in a process group of its own (os.killpg(server.proc.pid, SIGKILL) ends it all)."""
         import os
         import subprocess
         import sys
@@ -134,7 +136,8 @@ class ProcServer:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         self.state = None  # nothing in-process to look into: tests use the public API only
 
     def start(self, timeout: float = 120.0) -> "ProcServer":

@@ -37,8 +37,9 @@ def procs(tmp_path):
         s.stop()
 
 
-def _stream(url: str, out: dict, key: int, ms: int) -> None:
-    """One streaming request; out[key] = (status, bytes received, completed, worker)."""
+def _stream(url: str, out: dict, key: int, ms: int, started: threading.Event | None = None) -> None:
+    """One streaming request; out[key] = (status, bytes received, completed, worker); `started` is set at
+    its first audio."""
     n, done, worker, status = 0, False, None, None
     try:
         with httpx.stream("POST", f"{url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": ms},
@@ -46,6 +47,8 @@ def _stream(url: str, out: dict, key: int, ms: int) -> None:
             status, worker = r.status_code, r.headers.get("x-csmserve-worker")
             for part in r.iter_bytes():
                 n += len(part)
+                if started is not None and n:
+                    started.set()
             done = True
     except httpx.HTTPError:
         pass
@@ -91,9 +94,10 @@ def test_killing_one_api_worker_leaves_the_other_serving(procs):
 def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_streams(procs):
     server = procs()
     out: dict = {}
-    t = threading.Thread(target=_stream, args=(server.url, out, 0, 60_000))
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(server.url, out, 0, 20_000, started))  # fits --max-seq-len 512
     t.start()
-    time.sleep(1.0)
+    assert started.wait(30)  # audio is streaming (a kill before the first audio is a 500 instead)
     os.kill(server.pids()["engine"], signal.SIGKILL)
     t0 = time.time()
     while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
