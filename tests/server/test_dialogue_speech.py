@@ -3,12 +3,15 @@ speaker's stored clip first as the id it has in the dialogue, each line with its
 import base64
 
 import httpx
+import pytest
 import numpy as np
 
 from csmserve.api import Segment
 from server_helpers import error_of
 from test_speech import sse_events
 from test_voice_routes import create
+
+pytestmark = pytest.mark.inproc  # reads the prompts the routes built in server.state
 
 MS = 3 * 80
 
@@ -30,7 +33,7 @@ def capture(server) -> list[Built]:
 
 def post(server, **body):
     body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "temperature": 0,
-            "max_audio_length_ms": MS, **body}
+            "max_segment_length_ms": MS, **body}
     return httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
 
 
@@ -51,7 +54,7 @@ def test_lines_with_stored_voices_build_one_request_with_each_speaker(server, cs
     clips = [Segment(0, "I am Ann.", codes=store.get(ann["id"]).codes),  # ann: id 0, bob: id 1 (distinct)
              Segment(1, "I am Bob.", codes=store.get(bob["id"]).codes)]
     want = csm.long_request(["Hi Bob.", "How are you?", "Fine!", "Good."], context=clips, speakers=[0, 0, 1, 0],
-                            max_audio_length_ms=MS)
+                            max_segment_length_ms=MS)
     np.testing.assert_array_equal(req.tokens, want.tokens)  # the clips, then the first line's first sentence
     assert [text_of(t) for t, _ in req.segments] == ["[0]How are you?", "[1]Fine!", "[0]Good."]
     assert req.context_len == want.context_len and len(r.content) % (1920 * 2) == 0 and r.content
@@ -63,7 +66,7 @@ def test_tagged_script_with_voices_streams_segment_events_per_line(server):
     with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60, json={
             "model": "tts-1", "voice": "alloy", "input": "[S1] Hello there. [S2] Hi! [S1] Bye.",
             "voices": ["narrator"], "response_format": "pcm", "stream_format": "sse", "temperature": 0,
-            "max_audio_length_ms": MS, "add_timestamps": True}) as r:
+            "max_segment_length_ms": MS, "add_timestamps": True}) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     segs = [e for e in events if e["type"] == "speech.audio.segment"]

@@ -86,6 +86,7 @@ def test_metrics_count_prefix_cache_hits(server, csm):
     assert "csmserve:prefix_cache_misses_total" in httpx.get(f"{server.url}/metrics").text
 
 
+@pytest.mark.inproc
 def test_a_lost_device_turns_ready_and_health_503_and_refuses_in_the_error_shape(server, csm, monkeypatch):
     """After the engine lost its device (Engine.fatal; the engine side is tests/engine/test_engine.py),
     an orchestrator sees 503 on /health and /ready (and restarts the process); requests get a 503 in

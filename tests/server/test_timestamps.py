@@ -12,7 +12,7 @@ from test_ws import FRAME_BYTES, turn, ws_url
 
 TEXT = "Hello there,  my friend. This is a test\nof timestamps! Does it work? Yes."
 BODY = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", "stream_format": "sse",
-        "temperature": 0, "max_audio_length_ms": 4 * 80, "add_timestamps": True}
+        "temperature": 0, "max_segment_length_ms": 4 * 80, "add_timestamps": True}
 
 
 def sse(server, body: dict) -> list[dict]:
@@ -56,7 +56,7 @@ def test_speed_scales_the_timestamps(server):
 def test_ws_segment_done_equals_the_audio_frames_of_each_segment(server):
     with connect(ws_url(server)) as ws:
         ws.send(json.dumps({"context_id": "ts", "text": TEXT, "flush": True, "temperature": 0,
-                            "max_audio_length_ms": 4 * 80, "add_timestamps": True}))
+                            "max_segment_length_ms": 4 * 80, "add_timestamps": True}))
         audio, msgs = turn(ws)
     frames: dict[int, list[int]] = {}  # segment -> frame indices its audio messages carried
     for m in msgs:

@@ -3,17 +3,19 @@ turn in the session; `truncate` cuts a finished one (OpenAI Realtime's conversat
 import json
 
 import numpy as np
+import pytest
 from websockets.sync.client import connect
 
 from server_helpers import wait_slots_free
 from test_ws import recv_json, turn, ws_url
 from test_ws_stream import turn_codes
 
+pytestmark = pytest.mark.inproc  # reads the sessions and prompts in server.state
 GREEDY = {"voice": "alloy", "temperature": 0}
 
 
 def full_codes(server, ws, cid: str, text: str, ms: int) -> np.ndarray:
-    ws.send(json.dumps({"context_id": cid, "text": text, "flush": True, "max_audio_length_ms": ms, **GREEDY}))
+    ws.send(json.dumps({"context_id": cid, "text": text, "flush": True, "max_segment_length_ms": ms, **GREEDY}))
     turn(ws)
     return turn_codes(server, cid)
 

@@ -231,7 +231,7 @@ setInterval(updateStats, 200);
 
 function settings() {
   const s = { temperature: parseFloat($("temperature").value || "0.9"), top_k: parseInt($("top-k").value || "50", 10),
-              max_audio_length_ms: parseInt($("max-ms").value || "20000", 10), output_format: "pcm_f32le" };
+              max_segment_length_ms: parseInt($("max-ms").value || "20000", 10), output_format: "pcm_f32le" };
   if ($("seed").value !== "") s.seed = parseInt($("seed").value, 10);
   return s;
 }
