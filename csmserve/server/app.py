@@ -49,6 +49,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
         if loader is None and state.csm is not None and not state.ready:
             loader = partial(_start_engine, state.csm)
         task = asyncio.create_task(_load(state, loader)) if loader is not None else None
+        _bind(state.csm)
         try:
             yield
         finally:
@@ -98,12 +99,17 @@ def _start_engine(csm: CSM) -> CSM:
     return csm
 
 
+def _bind(csm: CSM | None) -> None:
+    """An engine in another process delivers on this event loop (never starts an in-process engine)."""
+    bind = getattr(getattr(csm, "_client", None), "bind", None)
+    if bind is not None:
+        bind(asyncio.get_running_loop())
+
+
 async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
     try:
         csm = await asyncio.to_thread(load)
-        bind = getattr(csm.client, "bind", None)  # an engine in another process delivers on this loop
-        if bind is not None:
-            bind(asyncio.get_running_loop())
+        _bind(csm)
         state.csm = csm
         log.info("model %s loaded; ready", state.config.model_name)
     except (ValueError, RuntimeError, OSError) as e:  # no such model, offline, gated, disk full: why and what to do

@@ -66,7 +66,12 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     def load() -> CSM:  # waits for the engine (it may still be loading the model and capturing graphs)
         return CSM.attach(RemoteEngineClient(spec.address, spec.authkey, spec.client_id, timeout=24 * 3600))
 
-    app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index)
+    # worker 0 answers at once (/health 200, /ready and the routes 503 while the engine loads); the others
+    # accept connections only once attached, so no request lands on a worker still connecting
+    if spec.index == 0:
+        app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index)
+    else:
+        app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     uvicorn.Server(config).run(sockets=[sock])
 
