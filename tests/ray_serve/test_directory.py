@@ -15,9 +15,11 @@ def test_readiness():
 
 
 def test_merged_metrics_are_valid_and_labelled_by_replica():
+    from csmserve.engine.outputs import EngineStats
+
     texts = {}
     for name, frames in (("r1", 3), ("r2", 5)):
-        m = Metrics("dummy-tiny", lambda: 1.0, lambda: 0.0, lambda: {"hits": frames})
+        m = Metrics("dummy-tiny", lambda: EngineStats(running=1, prefix_hits=frames))
         m.frames.inc(frames)
         m.ttfa.observe(0.05)
         texts[name] = m.render().decode()
