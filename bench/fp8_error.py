@@ -22,15 +22,16 @@ import time
 import numpy as np
 import torch
 
-from csmserve import reference
-from csmserve.engine.request import Admission, SamplingParams
+from csmserve.models import reference
+from csmserve.engine.request import Admission
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.fp8 import quantize_weights
 
 
 def build(args) -> torch.nn.Module:
     if args.hf_init:
-        from csmserve.bench import build_with_hf
+        from csmserve.apps.bench.engine import build_with_hf
 
         model, _, hf = build_with_hf(argparse.Namespace(no_codec=True), torch.bfloat16)
         del hf

@@ -6,13 +6,13 @@ per-stream audio rate and how many streams' playback ran dry with a 100 ms / 300
     python bench/serve_bench.py --scenario closed:users=1024,format=mp3 --scenario ws:users=1024 --out out/serve
     python bench/serve_bench.py --url http://localhost:8000 --users 64    # an already running server
 
-Also `csmserve bench --serve ...`. The code is csmserve/bench_serve/.
+Also `csmserve bench --serve ...`. The code is csmserve/apps/bench/serve/.
 """
 from __future__ import annotations
 
 import sys
 
-from csmserve.bench_serve import main
+from csmserve.apps.bench.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

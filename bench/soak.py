@@ -8,13 +8,13 @@ time. Exit status 1 if any of those is not as it must be.
         --duration 100 --audio-ms 240,800                                                             # CPU
     python bench/soak.py --url http://localhost:8000 --server-pid 1234 --users 64                     # running
 
-The code is csmserve/bench_serve/soak.py.
+The code is csmserve/apps/bench/serve/soak.py.
 """
 from __future__ import annotations
 
 import sys
 
-from csmserve.bench_serve.soak import main
+from csmserve.apps.bench.serve.soak import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,17 +11,17 @@ __version__ = "0.1.0"
 __all__ = ["CSM", "GenerationResult", "Segment", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from .api import CSM, GenerationResult, Segment
-    from .engine.request import SamplingParams
+    from csmserve.api import CSM, GenerationResult, Segment
+    from csmserve.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name in ("CSM", "GenerationResult", "Segment"):
-        from . import api
+        from csmserve import api
 
         return getattr(api, name)
     if name == "SamplingParams":
-        from .engine.request import SamplingParams
+        from csmserve.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'csmserve' has no attribute {name!r}")

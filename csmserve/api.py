@@ -2,7 +2,7 @@
 `encode_audio`.
 
 `speak` is long-form: text of any length (or text streamed in, piece by piece) is cut into sentences
-(csmserve/text.py) and spoken in one slot, each sentence seeing the earlier ones as context, as one
+(csmserve/prompt/segments.py) and spoken in one slot, each sentence seeing the earlier ones as context, as one
 continuous audio stream.
 
 Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
@@ -22,19 +22,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import reference
-from .config import EngineConfig
-from .engine.request import AudioChunk, Request, SamplingParams
-from .models.codec import load_codec
-from .models.loader import load_csm
-from .text import SentenceSplitter, split_sentences
-from .tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames_and_boundaries, segment_ids, text_frames
+from csmserve.models import reference
+from csmserve.config import EngineConfig
+from csmserve.engine.request import AudioChunk, Request
+from csmserve.sampling import SamplingParams
+from csmserve.models.codec import load_codec
+from csmserve.models.loader import load_csm
+from csmserve.prompt.segments import SentenceSplitter, split_sentences
+from csmserve.prompt.tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames_and_boundaries, segment_ids, text_frames
+from csmserve.config import SAMPLE_RATE
 
 if TYPE_CHECKING:
-    from .engine.engine import EngineClient
+    from csmserve.engine.client import EngineClient
 
 log = logging.getLogger("csmserve")
-SAMPLE_RATE = 24_000
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -103,7 +104,7 @@ class CSM:
         """A CSM without weights over an engine in another process (an API worker's): prompts are built
         here with the model's tokenizer; generation and audio encoding run in the engine process.
         `client` is an engine.remote.RemoteEngineClient (its `info` describes the model)."""
-        from .models.csm import CSMConfig
+        from csmserve.models.csm import CSMConfig
 
         info = client.info
         self = cls.__new__(cls)
@@ -123,7 +124,8 @@ class CSM:
     @property
     def client(self) -> "EngineClient":
         if self._client is None:
-            from .engine.engine import EngineClient, build_engine
+            from csmserve.engine.client import EngineClient
+            from csmserve.engine.engine import build_engine
 
             self._engine = build_engine(self.model, self.mimi, self.engine_config or EngineConfig())
             self._client = EngineClient(self._engine)
@@ -314,7 +316,7 @@ class CSM:
         """A multi-speaker script, `[(speaker, text), ...]`, as one stream of AudioChunks: every line (cut
         into sentences) in one slot, each seeing the earlier lines' text and generated audio with their
         speaker ids. `context` goes first (e.g. each speaker's voice clip). chunk.text: its sentence."""
-        from .dialogue import Line, segments
+        from csmserve.prompt.dialogue import Line, segments
 
         segs = segments([Line(t) for _, t in lines], [s for s, _ in lines])
         texts = [t for _, _, t in segs]

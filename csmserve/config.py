@@ -1,10 +1,13 @@
-"""Frozen configuration records, built once at the edge (cli / server) and copied field by field.
-
-ModelConfig (backbone / depth / codec dims) and ServerConfig live here too.
+"""Frozen configuration records, built once at the edge (the command line) and passed down whole:
+EngineConfig, ServerConfig, RayConfig; and the codec's fixed units every layer counts in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+SAMPLE_RATE = 24_000  # Hz: Mimi's audio (and OpenAI's pcm)
+FRAME_MS = 80  # one Mimi frame (12.5 Hz)
+FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000  # 1920
 
 WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
 

@@ -44,7 +44,7 @@ def test_the_default_install_has_the_server():
     assert extras["server"] == []  # kept as an alias for old install commands
     assert {"pipecat", "livekit", "test"} <= set(extras)
     assert not any(d.startswith("torch==") for d in meta["dependencies"])  # any installed build is kept
-    assert meta["scripts"]["csmserve"] == "csmserve.cli:main"
+    assert meta["scripts"]["csmserve"] == "csmserve.apps.cli.main:main"
 
 
 def test_a_missing_extra_names_its_pip_install(monkeypatch):

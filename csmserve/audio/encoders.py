@@ -22,8 +22,8 @@ import av
 import numpy as np
 
 from csmserve.audio.tempo import TimeStretch, check_speed
+from csmserve.config import SAMPLE_RATE
 
-SAMPLE_RATE = 24_000  # CSM/Mimi and OpenAI's pcm
 
 
 class Encoder:

@@ -1,6 +1,6 @@
 """The engine-core process: the engine loop alone in its own interpreter, API workers on connections.
 
-    serve_engine(spec, ready)        # process entry: load the model, start listening, loop forever
+    serve_engine(spec, load, ready)  # process entry: load(spec) the model, start listening, loop forever
 
 Typed messages in (engine/messages.py) from every API worker's connection, polled by the loop itself
 (no other Python thread competes for this process's GIL on the frame path: accepting connections
@@ -21,17 +21,19 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import EngineConfig
-from . import messages as m
-from .engine import ABORT, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
-from .outputs import EngineStats, EngineStep
-from .runner import StepOutput
+from csmserve.config import EngineConfig
+from csmserve.engine import messages as m
+from csmserve.engine.engine import ABORT, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
+from csmserve.engine.outputs import EngineStats, EngineStep
+from csmserve.engine.output_ring import StepOutput
 
 log = logging.getLogger("csmserve.engine")
 RING_SLOTS = 12  # steps a worker may lag before its rows are overwritten (~1 s at 2,048 streams)
@@ -196,14 +198,14 @@ class CoreLoop:
                                            np.zeros(0, bool), [], stats), None)
 
 
-def serve_engine(spec: EngineSpec, ready: Connection | None = None) -> None:
-    """The engine-core process's main: load, listen on spec.address, loop until killed."""
-    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    from ..api import CSM
+def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Connection | None = None) -> None:
+    """The engine-core process's main: load, listen on spec.address, loop until killed.
 
+    load(spec): the loaded model, engine-less (the server's `CSM`: .model, .mimi, .encode_audio, .config,
+    .device, .model_name, .model_dir, .frame_size); a module-level function, so that it pickles."""
+    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     try:
-        csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec,
-                  codec_dtype=spec.codec_dtype, engine_config=spec.engine)
+        csm = load(spec)
         engine = build_engine(csm.model, csm.mimi, spec.engine, start=False, ring_path=spec.ring_path,
                               ring_slots=RING_SLOTS)
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())

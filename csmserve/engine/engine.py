@@ -5,7 +5,7 @@ runner.admit/prefill/step (launched, not waited) -> read the PREVIOUS step's res
 buffer of that step) -> Scheduler.update (vectorised StepRows) -> one `EngineStep` per client to
 `emit(client, EngineStep, codes, pcm)`.
 
-Where it runs: on a thread inside the caller's process (`EngineClient`, the `CSM` Python API), or
+Where it runs: on a thread inside the caller's process (client.py `EngineClient`, the `CSM` Python API), or
 alone in the engine-core process (engine/core.py), where the inbox is the API workers' connections
 and `emit` writes one message per worker. A client is named by the high bits of each request's
 handle (`client_of`).
@@ -17,40 +17,34 @@ names it, every later request is refused at once with that reason, and the serve
 """
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..config import EngineConfig
-from .outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
-                      error_payload)
-from .pacing import LaunchPacer
-from .prefix_cache import PrefixCache, default_prefix_cache_bytes
-from .request import AudioChunk, Request
-from .runner import ModelRunner, StepOutput
-from .scheduler import Scheduler, StepRows
+from csmserve.config import EngineConfig
+from csmserve.engine.outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
+                                     CLIENT_SHIFT, client_of, error_payload)
+from csmserve.engine.pacing import LaunchPacer
+from csmserve.engine.prefix_cache import PrefixCache, default_prefix_cache_bytes
+from csmserve.engine.request import Request
+from csmserve.engine.output_ring import StepOutput
+from csmserve.engine.runner import ModelRunner
+from csmserve.engine.scheduler import Scheduler, StepRows
 
 log = logging.getLogger("csmserve.engine")
 DEVICE_LOST = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                "CUDA-capable device", "cudaErrorLaunchFailure")
-CLIENT_SHIFT = 40  # Request.handle = client << CLIENT_SHIFT | n
 
 
 def device_lost(error: BaseException) -> bool:
     """An error after which the CUDA context cannot run anything again (only a new process can)."""
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(error, accel)) or any(s in str(error) for s in DEVICE_LOST)
-
-
-def client_of(handle: int) -> int:
-    return handle >> CLIENT_SHIFT
 
 
 # inbox messages: (kind, request_id | Request, payload)
@@ -298,7 +292,7 @@ class Engine:
 
     def _emit_events(self) -> None:
         if self._events:
-            from .scheduler import empty_rows
+            from csmserve.engine.scheduler import empty_rows
 
             self._emit_rows(empty_rows(0, self.num_codebooks), None)
 
@@ -318,146 +312,15 @@ class Engine:
                     self._event(req.handle, EV_ERROR, payload)
 
 
-class _ClientBase:
-    """What every engine client does: a Router of its own requests, chunks to sinks, sync and async."""
-
-    def __init__(self, router: Router, client_id: int = 0) -> None:
-        self.router = router
-        self.client_id = client_id
-        self._n = itertools.count()
-
-    # ---- to implement: how messages reach the engine
-    def _submit(self, request: Request) -> None:
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
-        """Another segment (text frames [n, 33]) for an open long-form request; ignored once it ended."""
-        raise NotImplementedError
-
-    def close(self, request_id: str) -> None:
-        """No more segments for an open long-form request."""
-        raise NotImplementedError
-
-    # ---- shared
-    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
-               progress: Progress | None = None) -> None:
-        """Register the request's sink with the router, then send it (a client in another process)."""
-        request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
-        request.arrival_time = request.arrival_time or time.perf_counter()
-        self.router.open(request.handle, request.request_id, sink, max_lag_s, progress)
-        self._submit(request)
-
-    def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        self._start(request, q.put)
-        if on_submit is not None:
-            on_submit()
-        done = False
-        try:
-            for item in _until_final(q):
-                done = item.final
-                yield item
-        except Exception:  # an engine error ended it (GeneratorExit, an early close, is not one)
-            done = True
-            raise
-        finally:
-            if not done:  # the caller stopped iterating: free the slot
-                self.abort(request.request_id)
-
-    async def astream(self, request: Request, on_submit: Callable[[], None] | None = None,
-                      max_lag_s: float | None = None) -> AsyncIterator[AudioChunk]:
-        """max_lag_s: abort the request (SlowReaderError) once this consumer is that far behind real time."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        progress = Progress()
-        self._start(request, self._async_sink(loop, q), max_lag_s, progress)
-        if on_submit is not None:
-            on_submit()
-        done = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.final
-                progress.frames += len(item.codes)
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:  # client went away: free the slot at the next frame boundary
-                self.abort(request.request_id)
-
-    def _async_sink(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable:
-        return lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
-
-    def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
-        """Submit all, wait for all; chunks per request in order."""
-        queues = []
-        for r in requests:
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            self._start(r, q.put)
-            queues.append(q)
-        return [list(_until_final(q)) for q in queues]
-
-    def stats(self) -> EngineStats:
-        """The engine's counters as of its last step (running, waiting, prefix-cache hits, fatal)."""
-        return self.router.stats
-
-
-class EngineClient(_ClientBase):
-    """The engine on a thread of this process (the `CSM` Python API, tests): submit, abort, append,
-    close through its inbox; chunks come back through the engine's router, on the engine's thread."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine.router)
-        self.engine = engine
-
-    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
-               progress: Progress | None = None) -> None:
-        self.engine.submit(request, sink, max_lag_s, progress)
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
-        self.engine.append(request_id, tokens, mask)
-
-    def close(self, request_id: str) -> None:
-        self.engine.close(request_id)
-
-    def stats(self) -> EngineStats:
-        return self.engine.engine_stats()
-
-    @property
-    def fatal(self) -> str | None:
-        return self.engine.fatal
-
-
-def _until_final(q: queue.SimpleQueue) -> Iterator[AudioChunk]:
-    """A request's chunks from its queue, through the final one; an engine error is raised here."""
-    while True:
-        item = q.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if item.final:
-            return
-
-
 def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Emit | None = None,
                  inbox: Inbox | None = None, ring_path: str | None = None, ring_slots: int = 2) -> Engine:
     """The engine for a loaded model (and codec): slots sized from free memory unless config.max_slots,
     the runner (graphs on CUDA), the output ring (in a shared-memory file when ring_path is given)."""
     import dataclasses
 
-    from .output_ring import OutputRing
-    from .prefix_cache import default_prefix_cache_bytes
-    from .slots import size_slots
+    from csmserve.engine.output_ring import OutputRing
+    from csmserve.engine.prefix_cache import default_prefix_cache_bytes
+    from csmserve.engine.slots import size_slots
 
     device = next(model.parameters()).device
     cfg = config

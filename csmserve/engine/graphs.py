@@ -2,24 +2,27 @@
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
-if TYPE_CHECKING:
-    from .runner import ModelRunner, StepOutput
+from csmserve.engine.output_ring import OutputRing, StepOutput
 
 
 class FrameGraphs:
-    def __init__(self, runner: "ModelRunner") -> None:
-        self.runner = runner
-        self.buckets = runner.buckets
-        dev, n = runner.device, runner.buckets[-1]
-        self.slot_ids = torch.full((n,), runner.scratch, dtype=torch.long, device=dev)  # static input
+    """step(slot_ids [b]) -> (codes [b, K], pcm [b, frame] | None): the runner's frame step, captured at
+    every bucket b; its results copied into `ring` (host) after each replay."""
+
+    def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
+                 device: torch.device) -> None:
+        self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
+        n = buckets[-1]
+        self.slot_ids = torch.full((n,), scratch, dtype=torch.long, device=device)  # static input
         # two host id buffers: the one written now was last read by the step before the previous one,
         # whose results the host has already waited for
-        self.host_ids = [torch.full((n,), runner.scratch, dtype=torch.long).pin_memory() for _ in range(2)]
+        self.host_ids = [torch.full((n,), scratch, dtype=torch.long).pin_memory() for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}
         self.flip = 0
@@ -27,7 +30,6 @@ class FrameGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        r = self.runner
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -35,28 +37,26 @@ class FrameGraphs:
             for b in sorted(self.buckets, reverse=True):
                 ids = self.slot_ids[:b]
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    r.frame_step(ids, r.max_seq_len)
+                    self.step(ids)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self.outputs[b] = r.frame_step(ids, r.max_seq_len)
+                    self.outputs[b] = self.step(ids)
                 pool = g.pool() if pool is None else pool
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, slots: np.ndarray, ring: int) -> "StepOutput":
-        from .runner import StepOutput
-
+    def run(self, slots: np.ndarray, ring: int) -> StepOutput:
         n, i = len(slots), self.flip
         self.flip ^= 1
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         ids = self.host_ids[i]
         ids.numpy()[:n] = slots
-        ids[n:b] = self.runner.scratch
+        ids[n:b] = self.scratch
         self.slot_ids[:b].copy_(ids[:b], non_blocking=True)
         self.graphs[b].replay()
         codes, pcm = self.outputs[b]
-        out = self.runner.ring
+        out = self.ring
         host_codes = out.codes[ring]
         host_pcm = out.pcm[ring] if pcm is not None else None
         host_codes[:n].copy_(codes[:n], non_blocking=True)

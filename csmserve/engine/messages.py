@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import EngineConfig
-from .request import Request
+from csmserve.config import EngineConfig
+from csmserve.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Submit:
-    request: Request  # its handle names the worker (engine.CLIENT_SHIFT)
+    request: Request  # its handle names the worker (outputs.CLIENT_SHIFT)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import mmap
 import os
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from torch import Tensor
 
 
 def _layout(slots: int, rows: int, K: int, frame_size: int) -> list[tuple[str, tuple, np.dtype]]:
@@ -96,3 +99,24 @@ def _views(mm: mmap.mmap, layout) -> dict[str, np.ndarray]:
         out[name] = np.frombuffer(mm, dtype=dt, count=n, offset=off).reshape(shape)
         off += n * dt.itemsize
     return out
+
+
+@dataclass
+class StepOutput:
+    """A frame step's results in host memory (ring buffer `ring`); valid once `event` has completed."""
+
+    slots: np.ndarray  # [B] the decode slots, in row order
+    codes: Tensor  # [B, K] int64 (host)
+    pcm: Tensor | None  # [B, frame_size] float32
+    event: torch.cuda.Event | None
+    ring: int = -1
+
+    def done(self) -> bool:
+        """Finished already (reading it will not wait)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        n = len(self.slots)
+        return self.codes[:n].numpy(), None if self.pcm is None else self.pcm[:n].numpy()

@@ -19,11 +19,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .request import AudioChunk
+from csmserve.engine.request import AudioChunk
 
 FRAME_S = 0.08
 
 # Event.kind
+CLIENT_SHIFT = 40  # Request.handle = client << CLIENT_SHIFT | n: a step's rows are routed by client
+
+
+def client_of(handle: int) -> int:
+    return handle >> CLIENT_SHIFT
+
+
 EV_FINAL = 0  # the request ended without a row this step (aborted, closed while idle); payload: reason
 EV_ERROR = 1  # the request was refused or failed; payload: (exception class name, message)
 EV_ADMITTED = 2  # the request got a slot; payload: seconds it waited (metrics)
@@ -199,7 +206,7 @@ def error_payload(e: BaseException) -> tuple[str, str]:
 
 def error_from(payload: tuple[str, str]) -> BaseException:
     """An engine-side error, rebuilt on the client side as the same kind (busy / bad request / failure)."""
-    from .scheduler import SchedulerBusy
+    from csmserve.engine.scheduler import SchedulerBusy
 
     name, message = payload
     if name == "SchedulerBusy":

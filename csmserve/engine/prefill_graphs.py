@@ -10,13 +10,10 @@ replayed from a graph it costs its weight reads and compute.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
 
 
 def token_buckets(max_tokens: int, smallest: int = 16, step: int = 256) -> list[int]:
@@ -34,12 +31,15 @@ def token_buckets(max_tokens: int, smallest: int = 16, step: int = 256) -> list[
 
 
 class PrefillGraphs:
-    def __init__(self, runner: "ModelRunner", max_tokens: int) -> None:
-        self.runner = runner
+    """forward(packed [T, 2W + 2]): the runner's packed prefill, captured at every token bucket T over
+    `packed_input` (the staging buffer's device side, the graphs' static input)."""
+
+    def __init__(self, forward: Callable[[Tensor], None], packed_input: Tensor, scratch: int, max_tokens: int) -> None:
+        self.forward = forward
         self.buckets = token_buckets(max_tokens)
-        self.input = runner.prefill_in.dev  # static input [max_tokens, 2W + 2]: the staging buffer itself
+        self.input = packed_input  # static input [max_tokens, 2W + 2]
         self.input.zero_()
-        self.input[:, -1] = runner.scratch  # warm-up and capture write only the scratch slot
+        self.input[:, -1] = scratch  # warm-up and capture write only the scratch slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture()
 
@@ -48,16 +48,15 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        r = self.runner
         pool, stream = None, torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for T in sorted(self.buckets, reverse=True):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    r.prefill_forward(self.input[:T], r.max_seq_len)
+                    self.forward(self.input[:T])
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    r.prefill_forward(self.input[:T], r.max_seq_len)
+                    self.forward(self.input[:T])
                 pool = g.pool() if pool is None else pool
                 self.graphs[T] = g
         torch.cuda.current_stream().wait_stream(stream)

@@ -22,11 +22,11 @@ from multiprocessing.connection import Client
 
 import numpy as np
 
-from . import messages as m
-from .engine import _ClientBase
-from .output_ring import OutputRing
-from .outputs import EV_ERROR, EngineStats, EngineStep, Event, Router, error_from, error_payload
-from .request import Request
+from csmserve.engine import messages as m
+from csmserve.engine.client import ClientBase
+from csmserve.engine.output_ring import OutputRing
+from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStats, EngineStep, Event, Router, error_from, error_payload
+from csmserve.engine.request import Request
 
 log = logging.getLogger("csmserve.engine")
 
@@ -35,7 +35,7 @@ class EngineGone(RuntimeError):
     """The engine-core process is gone."""
 
 
-class RemoteEngineClient(_ClientBase):
+class RemoteEngineClient(ClientBase):
     def __init__(self, address: str, authkey: bytes, client_id: int, timeout: float = 0.0) -> None:
         """Connect (retrying up to `timeout` seconds while the engine starts) and read its Welcome."""
         deadline = time.monotonic() + timeout
@@ -78,8 +78,6 @@ class RemoteEngineClient(_ClientBase):
             raise EngineGone(f"the engine process is gone ({e})") from None
 
     def _start(self, request: Request, sink, max_lag_s=None, progress=None) -> None:
-        from .engine import CLIENT_SHIFT
-
         request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
         request.arrival_time = request.arrival_time or time.perf_counter()
         self._on_loop(self.router.open, request.handle, request.request_id, sink, max_lag_s, progress)

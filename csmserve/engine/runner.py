@@ -12,22 +12,21 @@ count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.csm import CSMModel
-from ..models.fp8 import quantize_weights
-from ..models.mimi import Mimi, MimiStream
-from .output_ring import OutputRing
-from .request import Admission, PrefillChunk, PrefixStore
-from .sampler import sample
-from .slots import DepthKV, SlotKV, SlotState
-from .speculate import RowParams, Speculator
-from .staging import Staging
+from csmserve.models.csm import CSMModel
+from csmserve.models.fp8 import quantize_weights
+from csmserve.models.mimi import Mimi, MimiStream
+from csmserve.engine.output_ring import OutputRing, StepOutput
+from csmserve.engine.request import Admission, PrefillChunk, PrefixStore
+from csmserve.models.sampler import sample
+from csmserve.engine.slots import DepthKV, SlotKV, SlotState
+from csmserve.engine.speculate import RowParams, Speculator
+from csmserve.engine.staging import Staging
 
 # admission staging columns: tokens [W], mask [W], then these
 _POS, _TOPK, _SEED, _SLOT, _RESET, _TEMP, _TOPP = range(7)
@@ -39,27 +38,6 @@ class StreamingCodec(Protocol):
     def decode_step(self, codes: Tensor, rows: Tensor) -> Tensor: ...  # [B, K, 1], [B] -> [B, frame_size]
 
     def reset(self, rows: Tensor) -> None: ...
-
-
-@dataclass
-class StepOutput:
-    """A frame step's results in host memory (ring buffer `ring`); valid once `event` has completed."""
-
-    slots: np.ndarray  # [B] the decode slots, in row order
-    codes: Tensor  # [B, K] int64 (host)
-    pcm: Tensor | None  # [B, frame_size] float32
-    event: torch.cuda.Event | None
-    ring: int = -1
-
-    def done(self) -> bool:
-        """Finished already (reading it will not wait)."""
-        return self.event is None or self.event.query()
-
-    def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.event is not None:
-            self.event.synchronize()
-        n = len(self.slots)
-        return self.codes[:n].numpy(), None if self.pcm is None else self.pcm[:n].numpy()
 
 
 def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -> np.ndarray:
@@ -93,7 +71,7 @@ class ModelRunner:
         if cuda:
             model.prepare_heads()
             if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
-                from ..models.llama import fuse_elementwise
+                from csmserve.models.llama import fuse_elementwise
 
                 fuse_elementwise()
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -118,11 +96,13 @@ class ModelRunner:
         self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
         self.graphs = self.prefill_graphs = None
         if use_graphs if use_graphs is not None else cuda:
-            from .graphs import FrameGraphs
-            from .prefill_graphs import PrefillGraphs
+            from csmserve.engine.graphs import FrameGraphs
+            from csmserve.engine.prefill_graphs import PrefillGraphs
 
-            self.graphs = FrameGraphs(self)
-            self.prefill_graphs = PrefillGraphs(self, self.max_prefill_tokens)
+            self.graphs = FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets,
+                                      self.scratch, self.ring, self.device)
+            self.prefill_graphs = PrefillGraphs(lambda packed: self.prefill_forward(packed, self.max_seq_len),
+                                                self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission]) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.decode_attention import decode_attention_torch, decode_attention_triton
-from ..models.csm import CSMConfig
+from csmserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from csmserve.models.csm import CSMConfig
 
 
 def store_kv_triton(k_cache: Tensor, v_cache: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-    from ..kernels.elementwise import store_kv_triton as store  # lazy: triton comes with CUDA builds only
+    from csmserve.kernels.elementwise import store_kv_triton as store  # lazy: triton comes with CUDA builds only
 
     store(k_cache, v_cache, rows, pos, k, v)
 
@@ -127,7 +127,7 @@ def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len
     kv = 2 * c.n_layers * c.n_kv_heads * max_seq_len * c.head_dim * p.element_size()
     codec = 0
     if mimi is not None:
-        from ..models.mimi import MimiStream
+        from csmserve.models.mimi import MimiStream
 
         codec = sum(b[0].numel() * b.element_size() for b in MimiStream(mimi, 1, "decode", 1).bufs.values())
     free = torch.cuda.mem_get_info(p.device)[0] if free_bytes is None else free_bytes

@@ -38,9 +38,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..models.csm import CSMModel
-from .sampler import GREEDY_BELOW, hash_uniform_at, sampling_logits
-from .slots import DepthKV
+from csmserve.models.csm import CSMModel
+from csmserve.models.sampler import GREEDY_BELOW, hash_uniform_at, sampling_logits
+from csmserve.engine.slots import DepthKV
 
 DRAW_PLAIN, DRAW_DRAFT, DRAW_ACCEPT, DRAW_RESIDUAL = 0, 1, 2, 3
 SPEC_DEPTHS = range(2, 9)  # EngineConfig.spec_depth
@@ -113,8 +113,8 @@ class _WriteAt:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if not self.use_triton:
             return self.kv.attend(layer, q, k, v)
-        from ..kernels.decode_attention import decode_attention_triton
-        from .slots import store_kv_triton
+        from csmserve.kernels.decode_attention import decode_attention_triton
+        from csmserve.engine.slots import store_kv_triton
 
         B, S, Hq, hd = q.shape
         kc, vc = self.kv.k[layer], self.kv.v[layer]
@@ -217,8 +217,8 @@ class Speculator:
             cb = (st.m[:, None] + 1 + self.offsets[:k]).flatten()  # drafted codebooks (> K-1: unused)
             heads = cb.clamp(max=K - 1) - 1
         if self.use_triton:
-            from ..kernels.heads import gathered_head_logits
-            from ..kernels.speculate import spec_probs
+            from csmserve.kernels.heads import gathered_head_logits
+            from csmserve.kernels.speculate import spec_probs
 
             logits = gathered_head_logits(h_m, self.model.head_t, heads, rows, self.cfg.audio_vocab_size)
             spec_probs(logits[:, :n], *params.fields(), per=k, probs=st.qprob.view(B * k, n),
@@ -255,8 +255,8 @@ class Speculator:
 
     def _verify_triton(self, st: _Frame, params: RowParams) -> None:
         """_verify on CUDA: indices, the accept/resample/commit and the drafts' sampling in Triton kernels."""
-        from ..kernels.heads import gathered_head_logits
-        from ..kernels.speculate import spec_prep, spec_probs, spec_verify
+        from csmserve.kernels.heads import gathered_head_logits
+        from csmserve.kernels.speculate import spec_prep, spec_probs, spec_verify
 
         m_, K, n, V = self.model, self.cfg.num_codebooks, self.n, self.cfg.audio_vocab_size
         B, S = st.m.shape[0], self.k + 1

@@ -32,8 +32,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("csmserve.integrations")
-SAMPLE_RATE = 24_000
-FRAME_MS = 80
 MIN_USER_SECONDS = 0.1  # shorter user audio goes as text only (the server refuses clips under one frame)
 
 

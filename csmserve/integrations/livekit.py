@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncGenerator
 from dataclasses import dataclass, field
 
-from ..extras import require
+from csmserve.extras import require
 
 require("livekit.agents", "livekit", "csmserve.integrations.livekit", package="livekit-agents")
 
@@ -42,9 +42,9 @@ from livekit.agents import (  # noqa: E402
     tts,
 )
 
-from .conversation import SAMPLE_RATE, Conversation, ConversationError, ReplyAudio  # noqa: E402
+from csmserve.config import FRAME_MS, SAMPLE_RATE  # noqa: E402
+from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio  # noqa: E402
 
-FRAME_MS = 80
 PREROLL_S = 0.5  # user audio kept from before START_OF_SPEECH (the VAD confirms speech late)
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from ..extras import require
+from csmserve.extras import require
 
 require("pipecat", "pipecat", "csmserve.integrations.pipecat", package="pipecat-ai")
 
@@ -48,8 +48,9 @@ from pipecat.processors.frame_processor import FrameDirection  # noqa: E402
 from pipecat.services.settings import TTSSettings  # noqa: E402
 from pipecat.services.tts_service import TTSService  # noqa: E402
 
-from .conversation import SAMPLE_RATE, Conversation, ConversationError, Reply, ReplyAudio  # noqa: E402
-from .playout import Playout  # noqa: E402
+from csmserve.config import SAMPLE_RATE  # noqa: E402
+from csmserve.integrations.conversation import Conversation, ConversationError, Reply, ReplyAudio  # noqa: E402
+from csmserve.integrations.playout import Playout  # noqa: E402
 
 PREROLL_S = 0.5  # user audio kept from before UserStartedSpeakingFrame (the VAD confirms speech late)
 

@@ -1,4 +1,4 @@
-"""The sampler of engine/sampler.py as one Triton kernel: a program per row, the vocab in registers.
+"""The sampler of models/sampler.py as one Triton kernel: a program per row, the vocab in registers.
 
 No sort: the top-k cut-off is the k-th largest logit found by bisection over the logits' order-
 preserving integer keys (32 counting passes), and the top-p cut-off the smallest logit whose
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..engine import sampler as ref
+from csmserve import sampling as ref
 
 MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
@@ -67,7 +67,7 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
             hi = tl.where(ok, mid, hi)
             lo = tl.where(ok, lo, mid + 1)
         cut = lo
-    # counter-based noise, bit-identical to engine.sampler.hash_uniform
+    # counter-based noise, bit-identical to models.sampler.hash_uniform
     seed = tl.load(SEED + b)
     frame = tl.load(FRAME + b)
     h = _mix32((i + codebook * V).to(tl.uint32))

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..engine import sampler as ref
+from csmserve import sampling as ref
 
 MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
@@ -36,7 +36,7 @@ def _mix32(x):
 
 @triton.jit
 def _uniform(tok, draw, frame, seed):
-    """engine.sampler.hash_uniform_at for token index `tok` (= token + codebook * vocab), bit for bit."""
+    """models.sampler.hash_uniform_at for token index `tok` (= token + codebook * vocab), bit for bit."""
     d = tl.zeros_like(frame) + draw  # an int64 tensor whether draw is a constant or not
     h = _mix32(tok.to(tl.uint32))
     h = tl.where(d != 0, _mix32(h ^ (d * DRAW_MIX).to(tl.uint32)), h)

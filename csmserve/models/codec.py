@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .mimi import Mimi, MimiConfig
-from .mimi_loader import load_mimi
+from csmserve.models.mimi import Mimi, MimiConfig
+from csmserve.models.mimi_loader import load_mimi
 
 log = logging.getLogger("csmserve")
 MOSHI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"  # what Sesame's own code loads

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .llama import KVView, Llama, LlamaConfig
+from csmserve.models.llama import KVView, Llama, LlamaConfig
 
 
 def llama_1b() -> LlamaConfig:
@@ -93,7 +93,7 @@ class CSMModel(nn.Module):
         heads' weights are read once per row (speculation's drafts and verify positions)."""
         V = self.cfg.audio_vocab_size
         if self.head_t is not None and h_dec.is_cuda:
-            from ..kernels.heads import gathered_head_logits
+            from csmserve.kernels.heads import gathered_head_logits
 
             return gathered_head_logits(h_dec, self.head_t, codebooks - 1, rows, V)
         x = h_dec if rows is None else h_dec[rows]

@@ -25,7 +25,7 @@ FP8_MAX = 448.0  # largest finite e4m3fn
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] float32): x ~ x8 * scale, each row scaled to its own max."""
     if x.is_cuda:
-        from ..kernels.fp8 import quantize_rows_triton
+        from csmserve.kernels.fp8 import quantize_rows_triton
 
         return quantize_rows_triton(x)
     return quantize_rows_torch(x)

@@ -104,7 +104,7 @@ add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
 def fuse_elementwise() -> None:
     """Replace the elementwise pieces with fused Triton kernels (CUDA): far fewer kernels per frame."""
     global add_rms_norm, rope_qk, silu_mul
-    from ..kernels.elementwise import add_rms_norm_triton, rope_qk_triton, silu_mul_triton
+    from csmserve.kernels.elementwise import add_rms_norm_triton, rope_qk_triton, silu_mul_triton
 
     add_rms_norm, rope_qk, silu_mul = add_rms_norm_triton, rope_qk_triton, silu_mul_triton
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .csm import CSMConfig, CSMModel, llama_100m, llama_1b
-from .llama import LlamaConfig, rope_tables
+from csmserve.models.csm import CSMConfig, CSMModel, llama_100m, llama_1b
+from csmserve.models.llama import LlamaConfig, rope_tables
 
 DUMMY_MODELS = ("dummy", "dummy-tiny")
 HF_IGNORED = (re.compile(r"^codec_model\."), re.compile(r"rotary_emb\.inv_freq$"))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from csmserve.models.mimi import MimiConfig
+    from csmserve.models.mimi_config import MimiConfig
 
 
 # --------------------------------------------------------------------------- streaming state

@@ -19,15 +19,15 @@ __all__ = ["application", "build_app", "ReplicaSpec", "app"]
 
 def __getattr__(name: str) -> Any:
     if name in ("application", "build_app"):
-        from . import app as _app
+        from csmserve.ray import app as _app
 
         return getattr(_app, name)
     if name == "ReplicaSpec":
-        from .replica import ReplicaSpec
+        from csmserve.ray.replica import ReplicaSpec
 
         return ReplicaSpec
     if name == "app":  # `serve run csmserve.ray:app`: everything from CSMSERVE_* variables and the defaults
-        from .app import build_app
+        from csmserve.ray.app import build_app
 
         return build_app({})
     raise AttributeError(f"module 'csmserve.ray' has no attribute {name!r}")

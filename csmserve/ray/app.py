@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import RayConfig
-from ..server.cli import add_serve_parser, configs, ray_config
-from .replica import ReplicaSpec
+from csmserve.config import RayConfig
+from csmserve.server.flags import add_serve_parser, configs, ray_config
+from csmserve.ray.replica import ReplicaSpec
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -51,7 +51,7 @@ def deployment_options(spec: ReplicaSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServe deployment's Ray options (replicas, resources, limits, health checks, routing)."""
     from ray.serve.config import RequestRouterConfig
 
-    from .router import AffinityRouter
+    from csmserve.ray.router import AffinityRouter
 
     slots, waiting = spec.engine.max_slots, spec.engine.max_waiting
     opts: dict[str, Any] = {
@@ -81,8 +81,8 @@ def deployment_options(spec: ReplicaSpec, cfg: RayConfig) -> dict[str, Any]:
 
 
 def application(spec: ReplicaSpec, cfg: RayConfig = RayConfig()) -> Application:
-    from .directory import Directory
-    from .replica import CSMServeReplica
+    from csmserve.ray.directory import Directory
+    from csmserve.ray.replica import CSMServeReplica
 
     directory = Directory.bind(cfg.report_interval_s)
     return CSMServeReplica.options(**deployment_options(spec, cfg)).bind(spec, directory, cfg.report_interval_s)

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..server.errors import APIError
-from .affinity import BODY_EXTENSION
-from .directory import merge_metrics, readiness
+from csmserve.server.errors import APIError
+from csmserve.ray.affinity import BODY_EXTENSION
+from csmserve.ray.directory import merge_metrics, readiness
 
 REPLICA_HEADER = b"x-csmserve-replica"
 

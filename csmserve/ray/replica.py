@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
-from ..config import EngineConfig, ServerConfig
-from .edge import ReplicaEdge
+from csmserve.config import EngineConfig, ServerConfig
+from csmserve.ray.edge import ReplicaEdge
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from ..api import CSM
+    from csmserve.api import CSM
 
 log = logging.getLogger("csmserve.ray")
 
@@ -46,7 +46,7 @@ class ReplicaSpec:
 
 def build_csm(spec: ReplicaSpec) -> CSM:
     """The replica's engine, started (graphs captured) before Ray routes anything to it."""
-    from ..api import CSM
+    from csmserve.api import CSM
 
     csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, engine=True,
               engine_config=spec.engine)
@@ -61,8 +61,8 @@ def slots_in_share(csm: CSM, spec: ReplicaSpec) -> int:
     against all of its free memory): share x total, less what this process holds (the weights)."""
     import torch
 
-    from ..engine.prefix_cache import default_prefix_cache_bytes
-    from ..engine.slots import size_slots
+    from csmserve.engine.prefix_cache import default_prefix_cache_bytes
+    from csmserve.engine.slots import size_slots
 
     total = torch.cuda.mem_get_info(csm.device)[1]
     free = int(total * spec.gpu_share) - torch.cuda.memory_allocated(csm.device)
@@ -72,7 +72,7 @@ def slots_in_share(csm: CSM, spec: ReplicaSpec) -> int:
 
 
 def build_replica(spec: ReplicaSpec) -> tuple[CSM, FastAPI]:
-    from ..server import create_app
+    from csmserve.server import create_app
 
     if spec.csm_factory:
         module, _, name = spec.csm_factory.partition(":")

@@ -1,6 +1,6 @@
 """FastAPI server: OpenAI speech routes, voices, WebSocket, metrics, health. `create_app(csm, config)`.
 
-`create_app` is imported on first use, so `csmserve.server.cli` (the `serve` flags) loads no server module."""
+`create_app` is imported on first use, so `csmserve.server.flags` (the `serve` flags) loads no server module."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..config import ServerConfig
-from ..voices import VoiceBackend, open_voice_store
-from . import errors, models, openapi, speech, voices, ws
-from .errors import APIError, check_bearer
-from .state import ServerState
+from csmserve.config import ServerConfig
+from csmserve.voices import VoiceBackend, open_voice_store
+from csmserve.server import errors, models, openapi, speech, voices, ws
+from csmserve.server.errors import APIError, check_bearer
+from csmserve.server.state import ServerState
 
 if TYPE_CHECKING:
-    from ..api import CSM
+    from csmserve.api import CSM
 
 log = logging.getLogger("csmserve.server")
 
@@ -113,7 +113,7 @@ async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
         state.csm = csm
         log.info("model %s loaded; ready", state.config.model_name)
     except (ValueError, RuntimeError, OSError) as e:  # no such model, offline, gated, disk full: why and what to do
-        from ..models.loader import ModelUnavailableError
+        from csmserve.models.loader import ModelUnavailableError
 
         if not isinstance(e, (ModelUnavailableError, ValueError)):
             log.exception("loading the model failed; /ready stays 503")

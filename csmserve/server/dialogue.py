@@ -2,17 +2,17 @@
 string tagged `[S1] ... [S2] ...` (with `voices`: [S1]'s voice, [S2]'s, ...) -> ONE long-form Request:
 each voice's clip first (as the speaker id it has in the dialogue), then `context`, then every line cut
 into sentences, each segment with its line's speaker, so each line sees the earlier lines' text and
-generated audio (csmserve/dialogue.py has the casting rules)."""
+generated audio (csmserve/prompt/dialogue.py has the casting rules)."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from ..dialogue import Line, cast, is_tagged, parse_tagged, segments
-from ..engine.request import Request
-from .errors import bad_request
-from .schemas import SpeechRequest, VoiceRef
-from .state import ServerState
+from csmserve.prompt.dialogue import Line, cast, is_tagged, parse_tagged, segments
+from csmserve.engine.request import Request
+from csmserve.server.errors import bad_request
+from csmserve.server.schemas import SpeechRequest, VoiceRef
+from csmserve.server.state import ServerState
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ async def build_dialogue(state: ServerState, body: SpeechRequest) -> tuple[Reque
     if len(c.voices) + len(body.context) > limit:
         raise bad_request(f"the dialogue's {len(c.voices)} voices and {len(body.context)} context turns are more "
                           f"than {limit} context turns (--max-context-turns)", "input", "context_too_long")
-    from ..api import Segment
+    from csmserve.api import Segment
 
     clips = []
     for voice, speaker in c.voices.items():  # each voice's clip, as the id it speaks with here
@@ -66,7 +66,7 @@ async def build_dialogue(state: ServerState, body: SpeechRequest) -> tuple[Reque
                                            (), context, long_form=True, split=False,
                                            total_chars=sum(len(t) for _, _, t in segs),
                                            segment_chars=max(len(t) for _, _, t in segs))
-    from ..tokenizer import segment_ids, text_frames
+    from csmserve.prompt.tokenizer import segment_ids, text_frames
 
     csm, k = state.require_ready(), request.tokens.shape[1] - 1
     frames = [text_frames(segment_ids(csm.tokenizer, spk, text), k) for _, spk, text in segs]

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .errors import APIError
-from .state import ServerState
+from csmserve.server.errors import APIError
+from csmserve.server.state import ServerState
 
 router = APIRouter()
 # OpenAI's TTS model ids, listed so unmodified clients (Open WebUI, Pipecat) find a model they know

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from ..audio import MEDIA_TYPES
+from csmserve.audio import MEDIA_TYPES
 
 _REF = "#/components/schemas/{model}"
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import EngineConfig, ServerConfig
+from csmserve.config import EngineConfig, ServerConfig
 
 log = logging.getLogger("csmserve.server")
 
@@ -58,10 +58,10 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     import uvicorn
 
-    from ..api import CSM
-    from ..engine.remote import RemoteEngineClient
-    from .app import create_app
-    from .timeouts import uvicorn_config
+    from csmserve.api import CSM
+    from csmserve.engine.remote import RemoteEngineClient
+    from csmserve.server.app import create_app
+    from csmserve.server.timeouts import uvicorn_config
 
     def load() -> CSM:  # waits for the engine (it may still be loading the model and capturing graphs)
         return CSM.attach(RemoteEngineClient(spec.address, spec.authkey, spec.client_id, timeout=24 * 3600))
@@ -74,6 +74,14 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
         app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def load_engine_model(spec):
+    """The engine-core process's model: CSM without an engine of its own (weights, codec, tokenizer)."""
+    from csmserve.api import CSM
+
+    return CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
+               engine_config=spec.engine)
 
 
 def run_named(name: str, target, *args) -> None:
@@ -90,7 +98,7 @@ def run_named(name: str, target, *args) -> None:
 
 class Supervisor:
     def __init__(self, args, server: ServerConfig, engine: EngineConfig, workers: int) -> None:
-        from ..engine.core import EngineSpec
+        from csmserve.engine.core import EngineSpec
 
         self.server, self.workers_n = server, workers
         self.log_level = args.log_level
@@ -118,10 +126,10 @@ class Supervisor:
         self._stopping = False
 
     def start(self) -> None:
-        from ..engine.core import serve_engine
+        from csmserve.engine.core import serve_engine
 
         self._ready_r, ready_w = self.ctx.Pipe(duplex=False)
-        self.engine = self.ctx.Process(target=run_named, args=("csmserve-engine", serve_engine, self.spec, ready_w),
+        self.engine = self.ctx.Process(target=run_named, args=("csmserve-engine", serve_engine, self.spec, load_engine_model, ready_w),
                                        name="csmserve-engine")
         self.engine.start()
         for i in range(self.workers_n):

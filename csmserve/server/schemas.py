@@ -10,8 +10,8 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, StrictStr, ValidationError,
                       model_validator)
 
-from ..audio import MAX_SPEED, MIN_SPEED
-from .errors import APIError, validation_error
+from csmserve.audio import MAX_SPEED, MIN_SPEED
+from csmserve.server.errors import APIError, validation_error
 
 M = TypeVar("M", bound=BaseModel)
 

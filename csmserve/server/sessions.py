@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import ServerConfig
-from .schemas import SamplingFields, VoiceRef, WsRequest
+from csmserve.config import ServerConfig
+from csmserve.server.schemas import SamplingFields, VoiceRef, WsRequest
 
 _SETTINGS = ("voice", "speaker", "temperature", "top_k", "top_p", "seed", "max_audio_length_ms",
              "max_segment_length_ms", "output_format", "add_timestamps")

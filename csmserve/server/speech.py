@@ -19,15 +19,15 @@ from starlette.requests import ClientDisconnect
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..audio import MEDIA_TYPES, Encoder, make_encoder
-from ..engine.request import AudioChunk
-from . import openapi
-from ..text import segment_spans, split_sentences
-from .dialogue import Script, build_dialogue, is_dialogue
-from .errors import APIError
-from .schemas import SpeechRequest, parse_body
-from .state import ServerState
-from .timestamps import SegmentClock
+from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
+from csmserve.engine.request import AudioChunk
+from csmserve.server import openapi
+from csmserve.prompt.segments import segment_spans, split_sentences
+from csmserve.server.dialogue import Script, build_dialogue, is_dialogue
+from csmserve.server.errors import APIError
+from csmserve.server.schemas import SpeechRequest, parse_body
+from csmserve.server.state import ServerState
+from csmserve.server.timestamps import SegmentClock
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()

@@ -14,18 +14,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
-from ..config import ServerConfig
-from ..engine.request import AudioChunk, Request, SamplingParams
-from ..engine.scheduler import SchedulerBusy
-from ..voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
-from .errors import APIError, bad_request
-from .metrics import Metrics
-from .schemas import ContextTurn, SamplingFields, VoiceRef
-from .sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
+from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
+from csmserve.config import ServerConfig
+from csmserve.engine.request import AudioChunk, Request
+from csmserve.sampling import SamplingParams
+from csmserve.engine.scheduler import SchedulerBusy
+from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
+from csmserve.server.errors import APIError, bad_request
+from csmserve.server.metrics import Metrics
+from csmserve.server.schemas import ContextTurn, SamplingFields, VoiceRef
+from csmserve.server.sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
 
 if TYPE_CHECKING:
-    from ..api import CSM, Segment
+    from csmserve.api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
 FRAME_SECONDS = 0.08
@@ -121,7 +122,7 @@ class ServerState:
         return await asyncio.to_thread(csm.encode_audio, pcm)
 
     async def context_segments(self, turns: Sequence[ContextTurn], param: str = "context") -> list[Segment]:
-        from ..api import Segment
+        from csmserve.api import Segment
 
         if len(turns) > self.config.max_context_turns:
             raise bad_request(f"'{param}' has {len(turns)} turns; the limit is {self.config.max_context_turns}",
@@ -176,9 +177,9 @@ class ServerState:
         whole and max_segment_length_ms (or --max-segment-ms) each sentence; split=False: `text` is
         the first segment of an open request (the WebSocket's turns), not cut here, whose whole text is
         not known yet (its cap, unless asked, is sized for --max-input-chars)."""
-        from ..api import Segment
-        from ..text import split_sentences
-        from ..tokenizer import segment_ids, text_frames
+        from csmserve.api import Segment
+        from csmserve.prompt.segments import split_sentences
+        from csmserve.prompt.tokenizer import segment_ids, text_frames
 
         # tokenizing runs in a thread, never on the event loop (every stream and /health share it)
         texts = await asyncio.to_thread(split_sentences, text) if long_form and split else []

@@ -9,8 +9,8 @@ import asyncio
 import json
 from typing import Any
 
-from ..config import ServerConfig
-from .errors import APIError
+from csmserve.config import ServerConfig
+from csmserve.server.errors import APIError
 
 
 def raw_response(status: int, reason: str, error: APIError) -> bytes:

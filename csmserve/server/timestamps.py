@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.request import AudioChunk
+from csmserve.engine.request import AudioChunk
+from csmserve.config import FRAME_MS
 
-FRAME_MS = 80
 
 
 @dataclass(frozen=True)

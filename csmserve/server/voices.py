@@ -5,9 +5,9 @@ import asyncio
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
-from ..voices import ALIASES, VoiceInfo
-from .errors import APIError, bad_request
-from .state import ServerState
+from csmserve.voices import ALIASES, VoiceInfo
+from csmserve.server.errors import APIError, bad_request
+from csmserve.server.state import ServerState
 
 router = APIRouter()
 

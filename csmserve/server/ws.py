@@ -32,13 +32,13 @@ import pydantic_core
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from ..audio.encoders import to_s16le
-from ..engine.request import AudioChunk
-from ..text import SentenceSplitter
-from .errors import APIError, check_bearer, validation_error
-from .schemas import WsRequest
-from .state import ServerState, Session, SessionTurn
-from .timestamps import FRAME_MS, SegmentClock, SegmentSpan
+from csmserve.audio.encoders import to_s16le
+from csmserve.engine.request import AudioChunk
+from csmserve.prompt.segments import SentenceSplitter
+from csmserve.server.errors import APIError, check_bearer, validation_error
+from csmserve.server.schemas import WsRequest
+from csmserve.server.state import ServerState, Session, SessionTurn
+from csmserve.server.timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
@@ -298,8 +298,8 @@ class Connection:
                     del self.open[job.context_id]
 
     async def generate(self, turn: Turn) -> None:
-        from ..api import Segment
-        from ..tokenizer import segment_ids, text_frames
+        from csmserve.api import Segment
+        from csmserve.prompt.tokenizer import segment_ids, text_frames
 
         arrival = time.perf_counter()
         session, csm = turn.session, self.state.require_ready()
@@ -397,7 +397,7 @@ class Connection:
 
 def _played(speaker: int, texts: list[str], codes: dict[int, list[np.ndarray]], frames: int) -> list:
     """The first `frames` frames of a turn as context Segments (a segment partly played keeps its text)."""
-    from ..api import Segment
+    from csmserve.api import Segment
 
     out = []
     for i, parts in sorted(codes.items()):

@@ -18,7 +18,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwr
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 sys.path.insert(0, str(ROOT))
 from server_helpers import Server, free_port, wav_bytes  # noqa: E402
-from tests.test_talk import REPLY, TRANSCRIPTS, StandIns  # noqa: E402
+from tests.apps.test_talk import REPLY, TRANSCRIPTS, StandIns  # noqa: E402
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -3,12 +3,13 @@ import numpy as np
 import pytest
 import torch
 
-from csmserve import reference
+from csmserve.models import reference
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
-from csmserve.engine.request import Request, SamplingParams
+from csmserve.engine.request import Request
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
-from csmserve.engine.sampler import hash_uniform
+from csmserve.models.sampler import hash_uniform
 from csmserve.models.loader import load_csm
 
 

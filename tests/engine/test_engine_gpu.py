@@ -12,7 +12,8 @@ import torch
 
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
-from csmserve.engine.request import Request, SamplingParams
+from csmserve.engine.request import Request
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
 

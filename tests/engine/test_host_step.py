@@ -5,7 +5,7 @@ worker's router (a quarter of the rows) at 2,048 rows with 80 admissions per ste
 The bound is generous (loaded CI machines) but a per-row Python loop creeping back into the engine
 step (tens of microseconds per row) would pass it.
 """
-from csmserve.bench_host import measure
+from csmserve.apps.bench.host_step import measure
 
 
 def test_host_time_per_step_at_2048_rows_is_bounded():

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from csmserve import reference
+from csmserve.models import reference
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
-from csmserve.engine.request import Request, RequestStatus, SamplingParams
+from csmserve.engine.request import Request, RequestStatus
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
 

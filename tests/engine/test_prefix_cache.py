@@ -3,11 +3,12 @@ a cache hit gives the same greedy codes as a miss and as the reference generator
 import numpy as np
 import pytest
 
-from csmserve import reference
+from csmserve.models import reference
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
 from csmserve.engine.prefix_cache import PrefixCache, prefix_key, prefix_keys
-from csmserve.engine.request import Request, RequestStatus, SamplingParams
+from csmserve.engine.request import Request, RequestStatus
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.engine.scheduler import Scheduler
 from csmserve.models.loader import load_csm

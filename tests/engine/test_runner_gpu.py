@@ -81,7 +81,7 @@ def test_graph_replay_equals_eager_every_bucket(n):
 @pytest.mark.parametrize("V", [64, 2051])
 @pytest.mark.parametrize("B", [64, 200])
 def test_triton_sampler_matches_torch(V, B):
-    from csmserve.engine.sampler import sample_torch
+    from csmserve.models.sampler import sample_torch
     from csmserve.kernels.sampler import sample_triton
 
     torch.manual_seed(0)

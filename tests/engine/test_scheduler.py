@@ -12,7 +12,8 @@ def upd(sched, step, codes):
     return sched.update(step, codes).outputs()
 
 from csmserve.config import EngineConfig
-from csmserve.engine.request import Batch, Request, RequestStatus, SamplingParams
+from csmserve.engine.request import Batch, Request, RequestStatus
+from csmserve.sampling import SamplingParams
 from csmserve.engine.scheduler import RequestOutput, Scheduler, SchedulerBusy
 
 S = RequestStatus

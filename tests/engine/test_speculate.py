@@ -16,9 +16,10 @@ import torch
 
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import Engine
-from csmserve.engine.request import Request, SamplingParams
+from csmserve.engine.request import Request
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
-from csmserve.engine.sampler import hash_uniform, hash_uniform_at, sample, sampling_logits
+from csmserve.models.sampler import hash_uniform, hash_uniform_at, sample, sampling_logits
 from csmserve.engine.speculate import RowParams, Speculator
 from csmserve.models.csm import CSMConfig, CSMModel
 from csmserve.models.llama import LlamaConfig
@@ -63,7 +64,7 @@ def plain_sampler(prm: RowParams):
 
 
 # ---------------------------------------------------------------- speculation off: today's engine
-def _hash_before_draws(seed, frame, codebook, vocab):  # engine/sampler.py at a54a017, verbatim
+def _hash_before_draws(seed, frame, codebook, vocab):  # models/sampler.py at a54a017, verbatim
     M32 = 0xFFFFFFFF
 
     def mix(x):

@@ -104,7 +104,7 @@ def test_spec_triton_kernels_match_torch_reference(prm):
     t[::5] = 0
     params = RowParams(t, torch.full((B,), prm[1], device="cuda"), torch.full((B,), prm[2], device="cuda"),
                        torch.arange(B, device="cuda") * 31 + 7, torch.full((B,), 5, device="cuda"))
-    from csmserve.engine.sampler import sample_torch
+    from csmserve.models.sampler import sample_torch
 
     def sampler(logits, cb):  # the torch sampler on both sides: only the speculation kernels differ
         return sample_torch(logits, params.temperature, params.top_k, params.top_p, params.seed, params.frame, cb)

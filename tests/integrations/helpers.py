@@ -5,9 +5,9 @@ import time
 
 import numpy as np
 
-from csmserve import reference
+from csmserve.models import reference
 from csmserve.audio import decode_audio_24k
-from csmserve.engine.request import SamplingParams
+from csmserve.sampling import SamplingParams
 from csmserve.integrations.conversation import wav_bytes
 
 

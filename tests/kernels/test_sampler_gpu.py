@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from csmserve.engine.sampler import GREEDY_BELOW, sample_torch
+from csmserve.models.sampler import GREEDY_BELOW, sample_torch
 
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

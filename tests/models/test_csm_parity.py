@@ -15,10 +15,10 @@ pytest.importorskip("transformers")
 
 from tiny_csm import AUDIO, AUDIO_EOS, FRAME_SAMPLES, K, build_hf  # noqa: E402
 
-from csmserve.engine.request import SamplingParams  # noqa: E402
+from csmserve.sampling import SamplingParams
 from csmserve.models.loader import load_csm  # noqa: E402
-from csmserve.reference import generate  # noqa: E402
-from csmserve.tokenizer import PromptSegment, load_tokenizer, prompt_frames  # noqa: E402
+from csmserve.models.reference import generate  # noqa: E402
+from csmserve.prompt.tokenizer import PromptSegment, load_tokenizer, prompt_frames  # noqa: E402
 
 N_FRAMES = 32
 

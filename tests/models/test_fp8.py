@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from csmserve import reference
-from csmserve.engine.request import Admission, PrefillChunk, SamplingParams
+from csmserve.models import reference
+from csmserve.engine.request import Admission, PrefillChunk
+from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.fp8 import FP8, FP8Linear, quantize_rows_torch, quantize_weights
 from csmserve.models.loader import load_csm

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from csmserve.engine.request import SamplingParams
+from csmserve.sampling import SamplingParams
 from csmserve.models.csm import CSMModel
 from csmserve.models.loader import (ModelUnavailableError, config_from_original, load_csm, rope_permute,
                                     rope_unpermute)
-from csmserve.reference import generate
-from csmserve.tokenizer import load_tokenizer, prompt_frames
+from csmserve.models.reference import generate
+from csmserve.prompt.tokenizer import load_tokenizer, prompt_frames
 
 pytest.importorskip("transformers")
 from tiny_csm import build_hf, write_original  # noqa: E402

@@ -10,7 +10,7 @@ import huggingface_hub.errors
 import pytest
 from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-from csmserve import cli
+from csmserve.apps.cli import main as cli
 from csmserve.models.loader import ModelUnavailableError, resolve_model_dir
 
 MODEL = "sesame/csm-1b"

@@ -7,10 +7,11 @@ import numpy as np
 
 from csmserve.api import Segment
 from csmserve.config import EngineConfig
-from csmserve.engine.engine import Engine, EngineClient
+from csmserve.engine.client import EngineClient
+from csmserve.engine.engine import Engine
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
-from csmserve.tokenizer import PromptSegment, load_tokenizer, prompt_frames_and_boundaries
+from csmserve.prompt.tokenizer import PromptSegment, load_tokenizer, prompt_frames_and_boundaries
 
 FRAME = 1920
 

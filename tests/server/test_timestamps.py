@@ -6,7 +6,7 @@ import json
 import httpx
 from websockets.sync.client import connect
 
-from csmserve.text import split_sentences
+from csmserve.prompt.segments import split_sentences
 from test_speech import sse_events
 from test_ws import FRAME_BYTES, turn, ws_url
 

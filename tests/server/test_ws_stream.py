@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from csmserve.text import split_sentences
+from csmserve.prompt.segments import split_sentences
 from server_helpers import wait_idle
 from test_ws import FRAME_BYTES, recv_json, turn, ws_url
 

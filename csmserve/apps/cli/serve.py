@@ -1,0 +1,36 @@
+"""`csmserve serve`: in one process, as processes (the engine core + API workers), or on Ray Serve."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from csmserve.server.flags import configs
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from csmserve.ray.app import run_ray
+
+        return run_ray(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config, engine_config = configs(args)
+    if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it
+        from csmserve.server.processes import serve_processes
+
+        return serve_processes(args, server_config, engine_config)
+    import uvicorn
+
+    from csmserve.server.app import create_app
+    from csmserve.server.timeouts import uvicorn_config
+
+    def load():
+        from csmserve.api import CSM
+
+        csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec, codec_dtype=args.codec_dtype,
+                  engine=True, engine_config=engine_config)
+        _ = csm.client  # start the engine (and capture graphs) before /ready says so
+        return csm
+
+    app = create_app(None, server_config, load=load)
+    uvicorn.Server(uvicorn_config(app, server_config, log_level=args.log_level.lower())).run()
+    return 0

@@ -1,0 +1,153 @@
+"""Engine clients: how a caller submits requests and reads their chunks, sync and async.
+
+`ClientBase` is what every client does (a Router of its own requests, sinks, stream/astream/run);
+`EngineClient` is the engine on a thread of this process (the `CSM` Python API, tests);
+remote.py's `RemoteEngineClient` is an API worker's door to the engine-core process (the same surface).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from csmserve.engine.outputs import CLIENT_SHIFT, EngineStats, Progress, Router
+from csmserve.engine.request import AudioChunk, Request
+
+if TYPE_CHECKING:
+    from csmserve.engine.engine import Engine
+
+
+class ClientBase:
+    """What every engine client does: a Router of its own requests, chunks to sinks, sync and async."""
+
+    def __init__(self, router: Router, client_id: int = 0) -> None:
+        self.router = router
+        self.client_id = client_id
+        self._n = itertools.count()
+
+    # ---- to implement: how messages reach the engine
+    def _submit(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        """Another segment (text frames [n, 33]) for an open long-form request; ignored once it ended."""
+        raise NotImplementedError
+
+    def close(self, request_id: str) -> None:
+        """No more segments for an open long-form request."""
+        raise NotImplementedError
+
+    # ---- shared
+    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        """Register the request's sink with the router, then send it (a client in another process)."""
+        request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
+        request.arrival_time = request.arrival_time or time.perf_counter()
+        self.router.open(request.handle, request.request_id, sink, max_lag_s, progress)
+        self._submit(request)
+
+    def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self._start(request, q.put)
+        if on_submit is not None:
+            on_submit()
+        done = False
+        try:
+            for item in _until_final(q):
+                done = item.final
+                yield item
+        except Exception:  # an engine error ended it (GeneratorExit, an early close, is not one)
+            done = True
+            raise
+        finally:
+            if not done:  # the caller stopped iterating: free the slot
+                self.abort(request.request_id)
+
+    async def astream(self, request: Request, on_submit: Callable[[], None] | None = None,
+                      max_lag_s: float | None = None) -> AsyncIterator[AudioChunk]:
+        """max_lag_s: abort the request (SlowReaderError) once this consumer is that far behind real time."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        progress = Progress()
+        self._start(request, self._async_sink(loop, q), max_lag_s, progress)
+        if on_submit is not None:
+            on_submit()
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.final
+                progress.frames += len(item.codes)
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # client went away: free the slot at the next frame boundary
+                self.abort(request.request_id)
+
+    def _async_sink(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable:
+        return lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
+        """Submit all, wait for all; chunks per request in order."""
+        queues = []
+        for r in requests:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self._start(r, q.put)
+            queues.append(q)
+        return [list(_until_final(q)) for q in queues]
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (running, waiting, prefix-cache hits, fatal)."""
+        return self.router.stats
+
+
+class EngineClient(ClientBase):
+    """The engine on a thread of this process (the `CSM` Python API, tests): submit, abort, append,
+    close through its inbox; chunks come back through the engine's router, on the engine's thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine.router)
+        self.engine = engine
+
+    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        self.engine.submit(request, sink, max_lag_s, progress)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
+        self.engine.append(request_id, tokens, mask)
+
+    def close(self, request_id: str) -> None:
+        self.engine.close(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.engine_stats()
+
+    @property
+    def fatal(self) -> str | None:
+        return self.engine.fatal
+
+
+def _until_final(q: queue.SimpleQueue) -> Iterator[AudioChunk]:
+    """A request's chunks from its queue, through the final one; an engine error is raised here."""
+    while True:
+        item = q.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.final:
+            return

@@ -1,0 +1,22 @@
+"""The voice store: `open_voice_store(where)` picks a backend (a `postgresql://` URL: PostgresVoiceStore,
+shared by every replica; else an SQLite path: VoiceStore). Records and the interface: backend.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from csmserve.voices.backend import (ALIASES, CODEBOOK_SIZE, NUM_CODEBOOKS, OPENAI_VOICES, ResolvedVoice, Voice,
+                                     VoiceBackend, VoiceInfo, VoiceNotFoundError, default_db_path)
+from csmserve.voices.sqlite import VoiceStore
+
+__all__ = ["ALIASES", "CODEBOOK_SIZE", "NUM_CODEBOOKS", "OPENAI_VOICES", "ResolvedVoice", "Voice", "VoiceBackend",
+           "VoiceInfo", "VoiceNotFoundError", "VoiceStore", "default_db_path", "open_voice_store"]
+
+
+def open_voice_store(where: str | Path | None = None) -> VoiceBackend:
+    """`postgresql://user:pass@host/db` (or `postgres://`) -> PostgresVoiceStore; else an SQLite file
+    (None: the default path; ":memory:" for a private in-memory store)."""
+    if isinstance(where, str) and where.startswith(("postgresql://", "postgres://")):
+        from csmserve.voices.postgres import PostgresVoiceStore
+
+        return PostgresVoiceStore(where)
+    return VoiceStore(where)

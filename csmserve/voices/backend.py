@@ -1,0 +1,136 @@
+"""Cloned voices: a clip's Mimi codes + its transcript, stored once. `VoiceBackend` is the interface
+every store implements (sqlite.py: one machine, the default; postgres.py: a cluster), with the
+records it returns and the resolution of a voice string.
+
+Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string
+resolves, in order: stored id, stored name (the newest with that name), OpenAI voice alias.
+So a stored voice named e.g. "alloy" takes over that alias, which lets clients that only
+send OpenAI names (Pipecat) use a cloned voice.
+
+Aliases carry no clip: they pick a CSM speaker id, and CSM then speaks with whatever
+voice it draws for that speaker (it varies with the seed).
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+NUM_CODEBOOKS = 32
+CODEBOOK_SIZE = 2048  # Mimi codes are 0..2047, so int16 holds them
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx",
+                 "nova", "sage", "shimmer", "verse", "marin", "cedar")
+ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
+
+_INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at"
+
+
+class VoiceNotFoundError(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    id: str
+    name: str
+    transcript: str
+    speaker: int
+    sample_rate: int  # rate of the audio the codes encode (Mimi: 24000)
+    num_frames: int  # 80 ms Mimi frames
+    created_at: float  # unix seconds
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames * 0.08
+
+
+@dataclass(frozen=True, eq=False)  # eq over an array is ambiguous
+class Voice(VoiceInfo):
+    codes: np.ndarray  # [num_frames, 32] int64
+
+
+@dataclass(frozen=True)
+class ResolvedVoice:
+    speaker: int  # CSM speaker id for the generated turn
+    voice: Voice | None  # the reference clip to put in the prompt; None for a bare alias
+
+
+def default_db_path() -> Path:
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data_home) / "csmserve" / "voices.db"
+
+
+def _check_codes(codes: np.ndarray) -> np.ndarray:
+    codes = np.asarray(codes)
+    if codes.ndim != 2 or codes.shape[1] != NUM_CODEBOOKS or codes.shape[0] == 0:
+        raise ValueError(f"codes must have shape [T>0, {NUM_CODEBOOKS}], got {codes.shape}")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"codes must be integers, got {codes.dtype}")
+    if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
+        raise ValueError(f"codes must be in [0, {CODEBOOK_SIZE})")
+    return codes.astype("<i2")
+
+
+class VoiceBackend(ABC):
+    """Where voices live. Backends store rows; validation, ids and `resolve` are shared here. Every
+    method is safe to call from several threads; every write is one transaction."""
+
+    path: object  # where (shown in messages): a file path or a URL without its password
+
+    def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
+               sample_rate: int = 24_000) -> Voice:
+        if not name or not name.strip():
+            raise ValueError("voice name must not be empty")
+        codes16 = _check_codes(codes)
+        voice = Voice(id=f"voice_{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
+                      speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
+                      created_at=time.time(), codes=codes16.astype(np.int64))
+        self._insert(voice, codes16.tobytes())
+        return voice
+
+    @abstractmethod
+    def _insert(self, voice: Voice, codes: bytes) -> None:
+        """Store one row (codes: [num_frames, 32] int16 little-endian, row-major)."""
+
+    @abstractmethod
+    def get(self, id_or_name: str) -> Voice | None:
+        """By id, else the newest voice with that name; None if neither exists."""
+
+    @abstractmethod
+    def list(self) -> list[VoiceInfo]:
+        """All voices, oldest first, without their codes."""
+
+    @abstractmethod
+    def delete(self, voice_id: str) -> bool:
+        """Delete by id (names may repeat, so not by name). False if no such id."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def resolve(self, voice: str | dict) -> ResolvedVoice:
+        """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""
+        key = voice.get("id") if isinstance(voice, dict) else voice
+        if not isinstance(key, str) or not key:
+            raise VoiceNotFoundError(f"invalid voice {voice!r}")
+        if (stored := self.get(key)) is not None:
+            return ResolvedVoice(speaker=stored.speaker, voice=stored)
+        if key.lower() in ALIASES:
+            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)
+        raise VoiceNotFoundError(f"voice {key!r} not found")
+
+    def __enter__(self) -> VoiceBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _voice(row: tuple) -> Voice:
+    # (id, name, transcript, speaker, sample_rate, num_frames, created_at, codes bytes) -> Voice
+    codes = np.frombuffer(bytes(row[-1]), dtype="<i2").reshape(-1, NUM_CODEBOOKS).astype(np.int64)
+    return Voice(*row[:-1], codes=codes)

@@ -1,0 +1,103 @@
+"""The PostgreSQL backend of the voice store: one table shared by every replica of a cluster.
+
+    store = PostgresVoiceStore("postgresql://csm:secret@db.internal:5432/csmserve")
+
+No cache: every `get` reads the table, so a voice created through one replica is usable at once on
+every other, and a deleted one is gone everywhere. Needs psycopg 3 (`pip install 'csmserve[postgres]'`).
+One connection per store, guarded by a lock (the routes call it from worker threads); a connection the
+server dropped is reopened once per call.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from csmserve.voices.backend import _INFO_COLUMNS, VoiceBackend, Voice, VoiceInfo, _voice
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS csmserve_voices (
+    seq BIGSERIAL,                  -- insertion order: the tie-break of equal created_at
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    transcript TEXT NOT NULL,
+    speaker INTEGER NOT NULL,
+    sample_rate INTEGER NOT NULL,
+    num_frames INTEGER NOT NULL,
+    codes BYTEA NOT NULL,           -- [num_frames, 32] int16 little-endian, row-major
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS csmserve_voices_name ON csmserve_voices (name, created_at);
+"""
+_SCHEMA_LOCK = 0x63736D76  # pg_advisory_xact_lock key: replicas starting together create the table once
+
+
+def display_url(url: str) -> str:
+    """The URL without its password (for messages and logs)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    d = conninfo_to_dict(url)
+    user = f"{d['user']}@" if d.get("user") else ""
+    port = f":{d['port']}" if d.get("port") else ""
+    return f"postgresql://{user}{d.get('host', '')}{port}/{d.get('dbname', '')}"
+
+
+class PostgresVoiceStore(VoiceBackend):
+    def __init__(self, url: str, connect_timeout: float = 10.0) -> None:
+        try:
+            import psycopg
+        except ImportError:
+            raise RuntimeError("a postgresql:// voices DB needs psycopg 3: pip install 'csmserve[postgres]'") from None
+        self._psycopg, self._url, self._timeout = psycopg, url, connect_timeout
+        self.path = display_url(url)
+        self._lock = threading.Lock()
+        self._conn = self._connect()
+        with self._lock, self._conn.transaction():
+            self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            self._conn.execute(_SCHEMA)
+
+    def _connect(self):
+        return self._psycopg.connect(self._url, autocommit=True, connect_timeout=int(self._timeout))
+
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(connection) under the lock; a connection the server closed is reopened and fn run once more."""
+        with self._lock:
+            try:
+                return fn(self._conn)
+            except self._psycopg.OperationalError:
+                if not self._conn.closed:
+                    raise
+                self._conn = self._connect()
+                return fn(self._conn)
+
+    def _insert(self, voice: Voice, codes: bytes) -> None:
+        self._run(lambda c: c.execute(
+            f"INSERT INTO csmserve_voices ({_INFO_COLUMNS}, codes) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate, voice.num_frames,
+             voice.created_at, codes)))
+
+    def get(self, id_or_name: str) -> Voice | None:
+        """By id, else the newest voice with that name; None if neither exists."""
+        sql = (f"SELECT {_INFO_COLUMNS}, codes FROM csmserve_voices WHERE {{}} = %s "
+               "ORDER BY created_at DESC, seq DESC LIMIT 1")
+
+        def query(c):
+            return (c.execute(sql.format("id"), (id_or_name,)).fetchone()
+                    or c.execute(sql.format("name"), (id_or_name,)).fetchone())
+
+        row = self._run(query)
+        return None if row is None else _voice(row)
+
+    def list(self) -> list[VoiceInfo]:
+        """All voices, oldest first, without their codes."""
+        rows = self._run(lambda c: c.execute(
+            f"SELECT {_INFO_COLUMNS} FROM csmserve_voices ORDER BY created_at, seq").fetchall())
+        return [VoiceInfo(*row) for row in rows]
+
+    def delete(self, voice_id: str) -> bool:
+        """Delete by id (names may repeat, so not by name). False if no such id."""
+        return self._run(lambda c: c.execute("DELETE FROM csmserve_voices WHERE id = %s", (voice_id,)).rowcount) > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

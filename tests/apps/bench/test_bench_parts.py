@@ -1,0 +1,102 @@
+"""The load benchmark's pieces that need no server: the jitter-buffer model, scenario specs, /metrics parsing,
+and the summary of records."""
+import pytest
+
+from csmserve.apps.bench.serve import metrics, report
+from csmserve.apps.bench.serve.playback import Playback, ran_dry
+from csmserve.apps.bench.serve.scenario import Scenario, parse_scenario
+
+
+def stream(arrivals):
+    p = Playback()
+    for t, audio in arrivals:
+        p.arrive(t, audio)
+    return p
+
+
+def test_real_time_stream_never_runs_dry():
+    # 80 ms of audio every 80 ms, the first at t=1: playback never waits
+    p = stream([(1 + 0.08 * k, 0.08 * (k + 1)) for k in range(50)])
+    assert p.t_first == 1 and p.audio == pytest.approx(4.0)
+    assert p.worst_lag == pytest.approx(0.0, abs=1e-9) and not ran_dry(p.worst_lag, 0.1)
+    assert p.rate == pytest.approx(1.0)
+
+
+def test_a_stall_runs_a_small_buffer_dry():
+    # 0.32 s of audio at once, then nothing new for 0.5 s: playback of 0.32 s needs more at 0.32 + B
+    arrivals = [(0.0, 0.32), (0.2, 0.32), (0.5, 0.64), (0.6, 2.0)]
+    p = stream(arrivals)
+    assert p.worst_lag == pytest.approx(0.5 - 0.32)
+    assert ran_dry(p.worst_lag, 0.1) and not ran_dry(p.worst_lag, 0.3)
+    assert p.rate == pytest.approx((2.0 - 0.32) / 0.6)
+
+
+def test_slower_than_real_time_runs_any_buffer_dry_eventually():
+    p = stream([(0.1 * k, 0.08 * (k + 1)) for k in range(100)])  # 0.8x real time
+    assert ran_dry(p.worst_lag, 0.3) and p.rate == pytest.approx(0.8)
+
+
+def test_scenario_specs():
+    base = Scenario(users=8, format="pcm", duration=5)
+    s = parse_scenario("burst:users=2048,within=3", base)
+    assert (s.mode, s.users, s.within, s.format, s.duration) == ("burst", 2048, 3.0, "pcm", 5)
+    assert s.window(100.0) == (100.0, 103.0) and s.start_offset(1024) == pytest.approx(1.5)
+    w = parse_scenario("ws:fresh=1,voices=4", base)
+    assert w.fresh and w.voices == 4 and w.name == "ws 8 ws fresh 4v"
+    c = parse_scenario("closed:format=mp3,ramp=10,warmup=2,duration=20", base)
+    assert c.window(0.0) == (12.0, 32.0) and c.start_offset(4) == pytest.approx(5.0)
+    for bad in ("nope", "closed:users", "closed:users=0", "closed:format=ogg", "closed:colour=red",
+                "ws:fresh=maybe"):
+        with pytest.raises(ValueError):
+            parse_scenario(bad, base)
+
+
+METRICS_BEFORE = """# HELP x
+csmserve:time_to_first_audio_seconds_bucket{le="0.05",model_name="m"} 0.0
+csmserve:time_to_first_audio_seconds_bucket{le="0.1",model_name="m"} 0.0
+csmserve:time_to_first_audio_seconds_bucket{le="+Inf",model_name="m"} 0.0
+csmserve:request_errors_total{model_name="m",status="503"} 1.0
+csmserve:num_requests_running{model_name="m"} 0.0
+csmserve:generated_frames_total{model_name="m"} 100.0
+"""
+METRICS_AFTER = """csmserve:time_to_first_audio_seconds_bucket{le="0.05",model_name="m"} 50.0
+csmserve:time_to_first_audio_seconds_bucket{le="0.1",model_name="m"} 100.0
+csmserve:time_to_first_audio_seconds_bucket{le="+Inf",model_name="m"} 100.0
+csmserve:request_errors_total{model_name="m",status="503"} 4.0
+csmserve:num_requests_running{model_name="m"} 7.0
+csmserve:generated_frames_total{model_name="m"} 1100.0
+csmserve:prefix_cache_hits_total{model_name="m"} 12.0
+"""
+
+
+def test_metrics_histogram_and_summary():
+    before, after = metrics.parse(METRICS_BEFORE), metrics.parse(METRICS_AFTER)
+    buckets = metrics.histogram_delta(before, after, metrics.TTFA)
+    assert buckets[-1] == (float("inf"), 100.0)
+    assert metrics.quantile(buckets, 0.5) == pytest.approx(0.05)
+    assert metrics.quantile(buckets, 0.99) == pytest.approx(0.05 + 0.05 * 49 / 50)
+    s = metrics.summarize(before, after, [(1.0, before), (2.0, after), (3.0, after)], 1.0, 3.0)
+    assert s["ttfa_count"] == 100 and s["ttfa_p50_ms"] == pytest.approx(50.0)
+    assert s["errors"] == {"503": 3.0} and s["running_max"] == 7.0 and s["frames_per_s"] == 500.0
+    assert s["prefix"] == {"csmserve:prefix_cache_hits_total": 12.0}
+    assert metrics.summarize(None, after, [], 0, 1) is None
+
+
+def test_summary_of_records():
+    sc = Scenario(mode="closed", users=2, ramp=0, warmup=0, duration=10)
+    # user, t_send, t_first, t_end, audio_s, first_audio_s, worst_lag, status, counted, nbytes
+    records = [
+        [0, 0.5, 0.55, 5.0, 10.0, 0.08, 0.0, "ok", True, 480000],
+        [1, 1.0, 1.2, 6.0, 10.0, 0.08, 0.2, "ok", True, 480000],
+        [0, 5.0, None, 5.1, 0.0, 0.0, 0.0, "http 503 server_busy", True, 0],
+        [1, 6.0, 6.1, 12.0, 3.0, 0.08, 0.0, "cut", True, 1000],
+        [0, 11.0, 11.1, 20.0, 10.0, 0.08, 0.0, "ok", False, 480000],  # outside the window
+    ]
+    workers = [{"cpu_s": 1.0, "wall_s": 10.0, "lag_ms": {"p50": 1.0, "p99": 5.0, "max": 9.0}}]
+    s = report.summarize(sc, records, 0.0, workers, None)
+    assert s["requests"] == {"counted": 4, "ok": 2, "cut": 1, "all": 5, "per_s": 0.2}
+    assert s["ttfa_ms"]["n"] == 3 and s["ttfa_ms"]["p50"] == pytest.approx(100.0)
+    assert s["dry"] == {"100ms": 1, "300ms": 0, "of": 2}
+    assert s["errors"] == {"http 503 server_busy": 1}
+    assert s["clients"]["cpu_per_proc_max"] == 0.1 and s["clients"]["loop_lag_p99_ms"] == 5.0
+    assert "closed 2 pcm" in report.row(s) and "1 of 2" in report.row(s)

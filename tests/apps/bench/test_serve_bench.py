@@ -1,0 +1,40 @@
+"""`csmserve bench --serve` end to end on the CPU: it starts a dummy-tiny `csmserve serve`, drives it from 2
+client processes (closed loop pcm and mp3, WebSocket conversations with a stored voice, a burst) and
+writes a report whose numbers are present and sane."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_serve_bench_end_to_end(tmp_path):
+    out = tmp_path / "serve"
+    cmd = [sys.executable, "-m", "csmserve", "bench", "--serve", "--model", "dummy-tiny", "--device", "cpu",
+           "--max-slots", "8", "--client-procs", "2", "--users", "4", "--ramp", "0.3", "--warmup", "0.3",
+           "--duration", "2", "--audio-ms", "480", "--drain", "20", "--out", str(out),
+           "--scenario", "closed", "--scenario", "closed:format=mp3", "--scenario", "ws:voices=1",
+           "--scenario", "burst:within=0.3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t = time.monotonic()
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert time.monotonic() - t < 120
+    report = json.loads(out.with_suffix(".json").read_text())
+    names = [s["name"] for s in report["scenarios"]]
+    assert names == ["closed 4 pcm", "closed 4 mp3", "ws 4 ws 1v", "burst 4 pcm in 0.3s"]
+    for s in report["scenarios"]:
+        req, ttfa = s["requests"], s["ttfa_ms"]
+        assert req["ok"] > 0 and req["cut"] == 0 and s["errors"] == {}, s
+        assert req["per_s"] > 0 and 0 < ttfa["p50"] <= ttfa["p99"] < 30_000, s
+        assert s["dry"]["of"] == req["ok"] and 0 <= s["dry"]["300ms"] <= s["dry"]["100ms"] <= req["ok"]
+        assert s["audio_rate"]["p50"] > 0 and 0.08 <= s["audio_s_mean"] <= 0.48 + 0.1, s  # + codec padding (mp3)
+        assert s["server"]["ttfa_count"] > 0 and s["server"]["ttfa_p50_ms"] > 0, s
+        assert s["clients"]["procs"] == 2 and s["clients"]["user_errors"] == []
+    assert report["scenarios"][3]["requests"]["counted"] == 4  # a burst counts every arrival
+    md = out.with_suffix(".md").read_text()
+    assert "| scenario | requests/s | TTFA p50 / p99 (ms)" in md and "| ws 4 ws 1v |" in md
+    assert "TTFA p50 / p99" in p.stdout

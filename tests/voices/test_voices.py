@@ -1,0 +1,127 @@
+import threading
+
+import numpy as np
+import pytest
+
+from csmserve.voices import ALIASES, OPENAI_VOICES, VoiceBackend, VoiceNotFoundError, VoiceStore, open_voice_store
+
+
+def codes(t: int = 25, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2048, (t, 32))  # [T, 32]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def where(request, tmp_path) -> str:
+    """Where a store lives: an SQLite file, or a fresh database on the test PostgreSQL server."""
+    if request.param == "postgres":
+        return request.getfixturevalue("pg_url")
+    return str(tmp_path / "sub" / "voices.db")
+
+
+@pytest.fixture
+def store(where):
+    with open_voice_store(where) as s:
+        yield s
+
+
+def test_open_picks_the_backend(where):
+    with open_voice_store(where) as s:
+        assert isinstance(s, VoiceBackend)
+        assert type(s).__name__ == ("PostgresVoiceStore" if where.startswith("postgresql://") else "VoiceStore")
+
+
+def test_postgres_url_shown_without_password():
+    pytest.importorskip("psycopg")
+    from csmserve.voices.postgres import display_url
+
+    assert display_url("postgresql://csm:s3cret@db.internal:5433/voices") == "postgresql://csm@db.internal:5433/voices"
+
+
+def test_crud(store):
+    v = store.create("me", "Hello there.", codes(), speaker=1)
+    assert v.id.startswith("voice_") and v.num_frames == 25 and v.duration_s == pytest.approx(2.0)
+    got = store.get(v.id)
+    assert (got.name, got.transcript, got.speaker) == ("me", "Hello there.", 1)
+    assert got.codes.dtype == np.int64 and np.array_equal(got.codes, codes())
+    assert [i.id for i in store.list()] == [v.id]
+    assert store.delete(v.id) and not store.delete(v.id)
+    assert store.get(v.id) is None and store.list() == []
+
+
+def test_codes_stored_as_int16(tmp_path):
+    store = VoiceStore(tmp_path / "voices.db")
+    v = store.create("me", "x", codes(10))
+    blob = store._conn.execute("SELECT codes FROM voices WHERE id = ?", (v.id,)).fetchone()[0]
+    assert len(blob) == 10 * 32 * 2
+
+
+def test_names_repeat_ids_do_not(store):
+    a = store.create("same", "one", codes(seed=1))
+    b = store.create("same", "two", codes(seed=2))
+    assert a.id != b.id
+    assert store.get("same").id == b.id  # the newest with that name
+    assert store.get(a.id).transcript == "one"  # ids first
+
+
+def test_rejects_bad_input(store):
+    for bad in (np.zeros((5, 8), int), np.zeros((0, 32), int), np.full((2, 32), 2048), np.zeros((2, 32), np.float32)):
+        with pytest.raises(ValueError):
+            store.create("x", "t", bad)
+    with pytest.raises(ValueError):
+        store.create(" ", "t", codes())
+
+
+def test_survives_reopen(where):
+    with open_voice_store(where) as s:
+        v = s.create("keep", "Kept.", codes(40))
+    with open_voice_store(where) as s:
+        assert np.array_equal(s.get("keep").codes, codes(40)) and s.get(v.id).transcript == "Kept."
+
+
+def test_concurrent_writes(where):
+    shared, other = open_voice_store(where), open_voice_store(where)  # one store across threads + a second one
+
+    def work(store: VoiceBackend, k: int) -> None:
+        for i in range(20):
+            v = store.create(f"t{k}-{i}", "text", codes(5, seed=k))
+            assert store.get(v.id) is not None
+
+    threads = [threading.Thread(target=work, args=(shared if k % 2 else other, k)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(shared.list()) == 160 and len({v.id for v in other.list()}) == 160
+    shared.close(), other.close()
+
+
+def test_resolve_aliases_and_stored(store):
+    assert set(ALIASES) == set(OPENAI_VOICES) and len(OPENAI_VOICES) == 13
+    r = store.resolve("alloy")
+    assert r.voice is None and r.speaker == ALIASES["alloy"]
+    assert store.resolve("Echo").speaker == ALIASES["echo"]
+    v = store.create("mine", "Hi.", codes(), speaker=1)
+    assert store.resolve(v.id).voice.id == v.id
+    assert store.resolve({"id": v.id}).speaker == 1
+    assert store.resolve("mine").voice.id == v.id
+    shadow = store.create("alloy", "Mine now.", codes())  # a stored name takes over the alias
+    assert store.resolve("alloy").voice.id == shadow.id
+    for bad in ("nobody", {"id": "voice_missing"}, {"name": "x"}, ""):
+        with pytest.raises(VoiceNotFoundError):
+            store.resolve(bad)
+
+
+def test_in_memory_store():
+    with VoiceStore(":memory:") as s:
+        s.create("a", "b", codes())
+        assert len(s.list()) == 1
+
+
+def test_created_in_one_store_seen_by_another_at_once(where):
+    """Two stores over one database (two replicas): a voice one creates, the other resolves at once;
+    once deleted, neither has it."""
+    with open_voice_store(where) as a, open_voice_store(where) as b:
+        v = a.create("shared", "Shared.", codes(8))
+        assert b.resolve(v.id).voice.id == v.id and b.get("shared").id == v.id
+        assert b.delete(v.id)
+        assert a.get(v.id) is None and a.list() == [] and not a.delete(v.id)
