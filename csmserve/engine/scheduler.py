@@ -122,7 +122,9 @@ class _Step:
 
 
 @dataclass
-class _Turn:
+class _SegmentFrames:
+    """One segment of a long-form request in its slot: its text frames, then the codes it generated."""
+
     tokens: np.ndarray  # [n, K+1] the turn's text frames
     mask: np.ndarray
     codes: np.ndarray | None = None  # [frames, K] generated, set when the turn's segment ends
@@ -133,7 +135,7 @@ class _History:
     """What a long-form request's slot holds, to continue it and to rebuild it from position 0."""
 
     context: tuple[np.ndarray, np.ndarray] | None  # the request's own context turns (prompt[:context_len])
-    turns: list[_Turn]  # its generated segments still in the slot, oldest first; the last is the current one
+    segments: list[_SegmentFrames]  # its generated segments still in the slot, oldest first; the last is the current one
     tail: tuple[np.ndarray, np.ndarray] | None = None  # frames to prefill before the next segment's text
     next_pos: int = 0  # slot position of tail[0] (or of the next text when there is no tail)
     last_reason: str = "eos"  # how the last finished segment ended
@@ -244,7 +246,7 @@ class Scheduler:
         self._check_segment(tokens, mask)
         req.segments.append((tokens, mask))
         if req.status is RequestStatus.IDLE:
-            self._continue(req, self._history[request_id])
+            self._start_next_segment(req, self._history[request_id])
         return req
 
     def close(self, request_id: str) -> Request | None:
@@ -342,13 +344,13 @@ class Scheduler:
         if req.open or req.segments:
             c = req.context_len
             ctx = (req.tokens[:c], req.mask[:c]) if c else None
-            self._history[req.request_id] = _History(ctx, [_Turn(req.tokens[c:], req.mask[c:])])
+            self._history[req.request_id] = _History(ctx, [_SegmentFrames(req.tokens[c:], req.mask[c:])])
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
         hit = self._lookup_prefix(req)
-        return self._enter(req, hit)
+        return self._start_prompt(req, hit)
 
-    def _enter(self, req: Request, prefix_hit: bytes | None = None) -> Admission:
+    def _start_prompt(self, req: Request, prefix_hit: bytes | None = None) -> Admission:
         """A slot's prompt is set (admission or next segment): prefill it, or step at once; the runner's
         load of the slot's first input frame, position and sampling params."""
         s = req.slot
@@ -462,25 +464,25 @@ class Scheduler:
     def _end_segment(self, req: Request, hist: _History, reason: str) -> None:
         s = req.slot
         frames, scheduled = int(self._seg_frames[s]), int(self._seg_scheduled[s])
-        hist.turns[-1].codes = self._seg_codes[s, :frames].copy()
+        hist.segments[-1].codes = self._seg_codes[s, :frames].copy()
         if reason == "eos":
             # the EOS frame is in KV iff a step after the one that produced it was scheduled
             in_kv = scheduled >= frames + 2
             hist.tail = None if in_kv else self._eos_frame()
             hist.next_pos = req.seg_start_pos + frames + 1 + int(in_kv)
         else:  # length: nothing consumed the last frame
-            hist.tail = self._audio(hist.turns[-1].codes[-1:])
+            hist.tail = self._audio(hist.segments[-1].codes[-1:])
             hist.next_pos = req.seg_start_pos + frames
         hist.last_reason = reason
         req.segment += 1
         self._segment[s] = req.segment
         self._stop_running(s)
         if req.segments:
-            self._continue(req, hist)
+            self._start_next_segment(req, hist)
         else:
             req.status = RequestStatus.IDLE
 
-    def _continue(self, req: Request, hist: _History) -> None:
+    def _start_next_segment(self, req: Request, hist: _History) -> None:
         """Start the next segment in the request's slot: its prompt, then a resume."""
         text_t, text_m = req.segments.popleft()
         parts = ([hist.tail] if hist.tail is not None else []) + [(text_t, text_m)]
@@ -491,21 +493,21 @@ class Scheduler:
         if start + size - len(text_t) + need > self.max_seq_len:
             start, parts = 0, self._rebuild(hist, self.max_seq_len - need) + [(text_t, text_m)]
         hist.tail = None
-        hist.turns.append(_Turn(text_t, text_m))
+        hist.segments.append(_SegmentFrames(text_t, text_m))
         req.tokens = np.concatenate([t for t, _ in parts])
         req.mask = np.concatenate([m for _, m in parts])
         req.prompt_start, req.num_prefilled = start, 0
         req.seg_start_pos = start + req.prompt_len - 1
         req.num_frames = req.seg_first_frame = int(self._num_frames[req.slot])
-        self._resumes.append(self._enter(req))
+        self._resumes.append(self._start_prompt(req))
 
     def _rebuild(self, hist: _History, room: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Context frames for a prefill from position 0 in at most `room` positions: the newest whole
         segments that fit (text + codes + EOS), after the request's own context if that still fits."""
-        turns = [(t, self._audio(t.codes)) for t in hist.turns]
-        sizes = [len(t.tokens) + len(a[0]) for t, a in turns]
+        segs = [(t, self._audio(t.codes)) for t in hist.segments]
+        sizes = [len(t.tokens) + len(a[0]) for t, a in segs]
 
-        def newest_fitting(budget: int) -> int:  # how many of the newest turns fit in budget
+        def newest_fitting(budget: int) -> int:  # how many of the newest segs fit in budget
             n, used = 0, 0
             for s in reversed(sizes):
                 if used + s > budget:
@@ -519,8 +521,8 @@ class Scheduler:
         if not keep_ctx:
             hist.context = None
         n = newest_fitting(room - ctx_len if keep_ctx else room)
-        kept = turns[len(turns) - n:] if n else []
-        hist.turns = [t for t, _ in kept]
+        kept = segs[len(segs) - n:] if n else []
+        hist.segments = [t for t, _ in kept]
         out = [hist.context] if keep_ctx else []
         for t, a in kept:
             out += [(t.tokens, t.mask), a]

@@ -61,3 +61,14 @@ def test_store_kv():
     kr[rows, :, pos] = k
     vr[rows, :, pos] = v
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@cuda
+def test_silu_mul_kernel():
+    from csmserve.kernels.elementwise import silu_mul_triton
+    from csmserve.models.llama import _silu_mul
+
+    x = torch.randn(37, 2 * 3000, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=2e-2, rtol=2e-2)
+    x = torch.randn(5, 1, 2 * 64, device="cuda")
+    torch.testing.assert_close(silu_mul_triton(x), _silu_mul(x), atol=1e-5, rtol=1e-5)
