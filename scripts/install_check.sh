@@ -29,7 +29,7 @@ test "$(head -c 4 hi.wav)" = "RIFF"
 "$VENV/bin/csmserve" serve --model dummy-tiny --device cpu --port "$PORT" --log-level warning \
   --voices-db "$WORK/voices.db" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 240); do
   if "$VENV/bin/python" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/ready').status_code != 200)" 2>/dev/null; then
     echo "install check: --help, speak and serve (/ready) work from a fresh venv"

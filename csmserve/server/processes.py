@@ -173,15 +173,18 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self._stopping = True
-        procs = [p for p in self.workers if p is not None] + ([self.engine] if self.engine is not None else [])
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+        workers = [p for p in self.workers if p is not None]
         deadline = time.monotonic() + 15
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
+        # the workers first (their streams end cleanly), then the engine: a worker outliving the engine
+        # would report it lost
+        for group in (workers, [self.engine] if self.engine is not None else []):
+            for p in group:
+                if p.is_alive():
+                    p.terminate()
+            for p in group:
+                p.join(max(0.1, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
         self.sock.close()
         for path in (self.ring_path,):
             try:
