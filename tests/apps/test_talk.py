@@ -1,4 +1,4 @@
-"""`csmserve talk` (csmserve/apps/talk.py) against local OpenAI-compatible stand-ins for the chat and transcription
+"""`csmserve talk` (csmserve/apps/talk/) against local OpenAI-compatible stand-ins for the chat and transcription
 endpoints, CSM in-process on dummy-tiny (CPU)."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from csmserve import CSM
 from csmserve.config import EngineConfig
-from csmserve.apps.talk import TalkSession, read_wav, wav_bytes
+from csmserve.apps.common import read_clip, wav_bytes
+from csmserve.apps.talk import TalkSession
 from tests.server.server_helpers import Server, free_port
 
 REPLY = "Hello there, friend. I am doing well today. Thanks for asking me that!"
@@ -107,7 +108,7 @@ def test_three_turns_context_streaming_and_barge_in(csm):
     assert last[2]["content"] == turns[0].reply_text and turns[0].reply_text
 
     # each turn's prompt: both sides' earlier audio, with their speaker ids, in order
-    user_codes = [csm.encode_audio(read_wav(w, "w")) for w in wavs]
+    user_codes = [csm.encode_audio(read_clip(w, "w")) for w in wavs]
     for k, rec in enumerate(session.prompts):
         expected = []
         for j in range(k):
@@ -235,7 +236,7 @@ def test_three_turns_through_a_csmserve_server(csm, tmp_path):
     assert [t.role for t in s.turns] == ["user", "assistant", "user", "assistant", "user", "user"]
     speakers = [{seg.speaker for seg in t.segments} for t in s.turns]
     assert speakers == [{1}, {0}, {1}, {0}, {1}, {0}]
-    assert s.turns[0].frames == len(csm.encode_audio(read_wav(_user_wav(0), "w"))) and s.turns[2].frames == 0
+    assert s.turns[0].frames == len(csm.encode_audio(read_clip(_user_wav(0), "w"))) and s.turns[2].frames == 0
     assert [s.turns[1].frames, s.turns[3].frames] == [turns[0].frames, turns[1].frames]
     assert turns[2].interrupted and turns[2].frames == 3 and s.turns[5].frames == 3
     # the third turn's prompt held the earlier turns' audio: user 1, assistant 1, (typed: none), assistant 2

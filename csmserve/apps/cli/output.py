@@ -1,0 +1,76 @@
+"""`csmserve speak`'s output: float PCM chunks (or Mimi codes) encoded into a file or stdout."""
+from __future__ import annotations
+
+import struct
+import sys
+from typing import IO
+
+import numpy as np
+
+from csmserve.apps.common import CLIError, from_pcm16
+from csmserve.config import SAMPLE_RATE
+
+
+class Output:
+    """Encodes float PCM chunks into the chosen format and writes them to a file or stdout."""
+
+    def __init__(self, path: str, fmt: str) -> None:
+        self.path, self.fmt = path, fmt
+        self.samples = 0
+        self.codes: list[np.ndarray] = []
+        self.encoder = None
+        if fmt != "npy":
+            try:
+                from csmserve.audio import make_encoder
+            except ImportError as e:
+                raise CLIError(f"audio output needs PyAV ({e}): pip install av") from None
+            self.encoder = make_encoder(fmt, SAMPLE_RATE)
+        if path == "-":
+            self.file: IO[bytes] = sys.stdout.buffer
+        else:
+            try:
+                self.file = open(path, "wb")
+            except OSError as e:
+                raise CLIError(f"cannot write {path!r}: {e.strerror or e}") from None
+
+    def write(self, audio: np.ndarray, codes: np.ndarray | None = None) -> None:
+        self.samples += audio.size
+        if codes is not None and self.fmt == "npy":
+            self.codes.append(codes)
+        if self.encoder is not None and audio.size:
+            self._put(self.encoder.write(audio))
+
+    def write_pcm16(self, data: bytes) -> None:
+        """Raw s16le bytes (what --url asks the server for)."""
+        if len(data) % 2:
+            raise ValueError("odd number of PCM bytes")
+        self.write(from_pcm16(data))
+
+    def _put(self, data: bytes) -> None:
+        if data:
+            self.file.write(data)
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.encoder is not None:
+            self._put(self.encoder.close())
+        if self.fmt == "npy":
+            codes = np.concatenate(self.codes) if self.codes else np.zeros((0, 32), np.int64)
+            np.save(self.file, codes)
+        if self.fmt == "wav" and self.path != "-":
+            self._fix_wav_sizes()
+        if self.path != "-":
+            self.file.close()
+
+    def _fix_wav_sizes(self) -> None:
+        # the streaming header says 0xFFFFFFFF (unknown); a file can be rewritten with the real sizes
+        data = self.samples * 2
+        if data + 36 < 2**32:
+            self.file.seek(4)
+            self.file.write(struct.pack("<I", 36 + data))
+            self.file.seek(40)
+            self.file.write(struct.pack("<I", data))
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / SAMPLE_RATE

@@ -1,0 +1,95 @@
+"""What the commands (`csmserve speak`, `csmserve talk`) share: the one-line user-facing error, a URL
+flag's check and forms, an HTTP error body's message, and audio clips read and written.
+
+Imports nothing heavy (no torch, no server): `csmserve --help` loads it.
+"""
+from __future__ import annotations
+
+import io
+import json
+import wave
+
+import numpy as np
+
+from csmserve.config import SAMPLE_RATE
+
+
+# ---------------------------------------------------------------- errors
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def one_line(e: BaseException) -> str:
+    """An error's whole message on one line (a hint after the first line is kept)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def error_message(body: bytes) -> str:
+    """An HTTP error response's message: an OpenAI `{"error": {"message": ...}}` body's message (also
+    `{"error": "..."}` and FastAPI's `{"detail": ...}`), else the first 200 bytes of the body."""
+    try:
+        err = json.loads(body)
+    except ValueError:
+        err = None
+    if isinstance(err, dict):
+        e = err.get("error", err.get("detail", err))
+        if isinstance(e, dict):
+            e = e.get("message", e)
+        return str(e)
+    return body[:200].decode("utf-8", "replace").strip() or "no body"
+
+
+# ---------------------------------------------------------------- URLs
+def check_url(flag: str, url: str | None) -> None:
+    """CLIError unless `url` (the value of `flag`; None: not given) is an http:// or https:// URL."""
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise CLIError(f"{flag} must start with http:// or https://, got {url!r}")
+
+
+def base_url(url: str) -> str:
+    """A server's URL as given (http://host:port, with a trailing / or /v1) -> http://host:port."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def endpoint(url: str, path: str) -> str:
+    """A base URL (http://host:port, .../v1) or the full endpoint -> the full endpoint URL (`path` under /v1)."""
+    url = url.rstrip("/")
+    return url if url.endswith(path) else base_url(url) + "/v1" + path
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header for an API key ({} without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+# ---------------------------------------------------------------- audio clips
+def read_clip(data: bytes, name: str) -> np.ndarray:
+    """Any common audio file's bytes -> [n] float32 at 24 kHz (CLIError `name: why` if it is not audio)."""
+    from csmserve.audio import AudioDecodeError, decode_audio_24k
+
+    try:
+        return decode_audio_24k(data, max_seconds=120)
+    except AudioDecodeError as e:
+        raise CLIError(f"{name}: {e}") from None
+
+
+def pcm16(pcm: np.ndarray) -> bytes:
+    """[n] float PCM -> s16le bytes (clipped to [-1, 1], scaled by 32767)."""
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def from_pcm16(data: bytes) -> np.ndarray:
+    """s16le bytes -> [n] float32 PCM (scaled by 1/32767)."""
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767
+
+
+def wav_bytes(pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
+    """[n] float PCM -> a whole 16-bit mono WAV file."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16(pcm))
+    return buf.getvalue()
