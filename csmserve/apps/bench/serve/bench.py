@@ -116,6 +116,29 @@ def server_args(args: argparse.Namespace) -> list[str]:
     return out + shlex.split(args.server_args or "")
 
 
+def start_or_attach(args: argparse.Namespace, serve_args: list[str], base: Path | None,
+                    tmpdir: str) -> tuple[str, ServerProcess | None]:
+    """-> (base URL, the server started or None): --url waits for that server to be ready; otherwise
+    `csmserve serve <serve_args>` starts here (its log beside the results, its voices in tmpdir)."""
+    if args.url:
+        url = args.url.rstrip("/").removesuffix("/v1")
+        wait_ready(url, args.ready_timeout)
+        return url, None
+    log = args.server_log or (f"{base}.server.log" if base else str(Path(tmpdir) / "server.log"))
+    env = _child_env({} if os.environ.get("CSMSERVE_VOICES_DB")
+                     else {"CSMSERVE_VOICES_DB": str(Path(tmpdir) / "voices.db")})
+    server = ServerProcess(serve_args, log, env)
+    t = time.monotonic()
+    print(f"starting: {' '.join(server.args[1:])} (log: {log})", file=sys.stderr, flush=True)
+    try:
+        url = server.start(args.ready_timeout)
+    except BaseException:
+        server.stop()  # never ready: nothing of it is left running
+        raise
+    print(f"server ready in {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+    return url, server
+
+
 class Worker:
     """One client process; its stdout lines arrive in the shared `events` queue as (index, message)."""
 
@@ -232,18 +255,7 @@ def run(args: argparse.Namespace) -> int:
         lines.append(s)
 
     try:
-        if args.url:
-            url = args.url.rstrip("/").removesuffix("/v1")
-            wait_ready(url, args.ready_timeout)
-        else:
-            log = args.server_log or (f"{base}.server.log" if base else str(Path(tmp.name) / "server.log"))
-            env = _child_env({} if os.environ.get("CSMSERVE_VOICES_DB")
-                             else {"CSMSERVE_VOICES_DB": str(Path(tmp.name) / "voices.db")})
-            server = ServerProcess(server_args(args), log, env)
-            t = time.monotonic()
-            print(f"starting: {' '.join(server.args[1:])} (log: {log})", file=sys.stderr, flush=True)
-            url = server.start(args.ready_timeout)
-            print(f"server ready in {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+        url, server = start_or_attach(args, server_args(args), base, tmp.name)
         bench = Bench(args, url, workers, events, server)
         ready = bench.wait_events("ready", procs, time.monotonic() + 120)
         if len(ready) < procs:

@@ -30,6 +30,7 @@ from csmserve.apps.bench.serve.bench import (
     SENTENCES,
     Worker,
     _child_env,
+    start_or_attach,
     _commit,
     _out_base,
     default_client_procs,
@@ -40,7 +41,6 @@ from csmserve.apps.bench.serve.server import (
     create_voices,
     delete_voices,
     raise_fd_limit,
-    wait_ready,
 )
 from csmserve.apps.bench.serve.soak_report import markdown, memory_points, summarize
 from csmserve.apps.bench.serve.soak_users import GOOD, RECORD, SPEECH_PATH
@@ -301,20 +301,11 @@ def run(args: argparse.Namespace) -> dict:
     stored: list[str] = []
     soak = None
     try:
-        if args.url:
-            url = args.url.rstrip("/").removesuffix("/v1")
-            wait_ready(url, args.ready_timeout)
-            root = args.server_pid if args.server_pid and own_pid_ok(args.server_pid) else None
-        else:
-            log = args.server_log or (f"{base}.server.log" if base else str(Path(tmp.name) / "server.log"))
-            env = _child_env({} if os.environ.get("CSMSERVE_VOICES_DB")
-                             else {"CSMSERVE_VOICES_DB": str(Path(tmp.name) / "voices.db")})
-            server = ServerProcess(server_args(args), log, env)
-            t = time.monotonic()
-            print(f"starting: {' '.join(server.args[1:])} (log: {log})", file=sys.stderr, flush=True)
-            url = server.start(args.ready_timeout)
-            print(f"server ready in {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+        url, server = start_or_attach(args, server_args(args), base, tmp.name)
+        if server is not None:
             root = server.proc.pid
+        else:
+            root = args.server_pid if args.server_pid and own_pid_ok(args.server_pid) else None
         tree = ServerTree(root) if root is not None else None
         if tree is not None:
             tree.start()

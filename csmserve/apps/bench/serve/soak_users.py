@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from csmserve.apps.bench.serve.hostile import CID, GOOD, HTTP_CASES, WS_CASES, Case, error_shape
 from csmserve.apps.bench.serve.meters import make_meter
 from csmserve.apps.bench.serve.server import VOICE_TRANSCRIPT, voice_wav
-from csmserve.apps.bench.serve.users import SPEECH_PATH, _client, _error_code, _ws_connect
+from csmserve.apps.bench.serve.users import SPEECH_PATH, _client, _error_code, _ws_connect, run_until_stop
 
 RECORD = ("kind", "user", "t_send", "t_first", "t_end", "status", "server_error", "audio_s", "detail")
 VOICES_PATH = "/v1/audio/voices"
@@ -509,15 +509,7 @@ async def run_soak(cmd: dict, commands: asyncio.Queue, send) -> dict:
                 send({"event": "records", "records": run.take()})
 
     flusher = asyncio.create_task(flush())
-    while (await commands.get()).get("cmd") != "stop":
-        pass
-    run.stopping = True
-    for t in tasks:
-        t.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    flusher.cancel()
-    errors = [f"{type(r).__name__}: {r}" for r in results
-              if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    errors = await run_until_stop(run, commands, tasks, flusher)
     return {"event": "result", "records": run.take(), "cpu_s": time.process_time() - cpu0, "wall_s": now() - wall0,
             "user_errors": errors[:5], "loop_lag_max_ms": round(max(lags, default=0.0) * 1e3, 1),
             "voices": {"live": run.created, "deleted": run.deleted, "uncertain": run.uncertain}}

@@ -241,3 +241,18 @@ async def _close_quietly(ws) -> None:
 
 def user_coroutine(run: Run, user: int):
     return ws_user(run, user) if run.sc.mode == "ws" else http_user(run, user)
+
+
+async def run_until_stop(run, commands: asyncio.Queue, tasks: list, *helpers: asyncio.Task) -> list[str]:
+    """Let the users run until the parent sends "stop"; cancel them (then the helper tasks) -> the first
+    errors the users raised (a cancellation is not one)."""
+    while (await commands.get()).get("cmd") != "stop":
+        pass
+    run.stopping = True
+    for t in tasks:
+        t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for h in helpers:
+        h.cancel()
+    return [f"{type(r).__name__}: {r}" for r in results
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]

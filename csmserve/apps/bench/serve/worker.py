@@ -22,7 +22,7 @@ import threading
 import time
 
 from csmserve.apps.bench.serve.scenario import Scenario
-from csmserve.apps.bench.serve.users import Run, user_coroutine
+from csmserve.apps.bench.serve.users import Run, run_until_stop, user_coroutine
 
 TICK_S = 0.05
 
@@ -59,15 +59,7 @@ async def run_scenario(cmd: dict, commands: asyncio.Queue) -> dict:
     lags: list[float] = []
     tasks = [asyncio.create_task(user_coroutine(run, u)) for u in users]
     ticker = asyncio.create_task(_ticker(run, lags))
-    while (await commands.get()).get("cmd") != "stop":
-        pass
-    run.stopping = True
-    for t in tasks:
-        t.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    ticker.cancel()
-    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)
-              and not isinstance(r, asyncio.CancelledError)]
+    errors = await run_until_stop(run, commands, tasks, ticker)
     return {"event": "result", "records": run.records, "cpu_s": time.process_time() - cpu0,
             "wall_s": time.monotonic() - wall0, "users": len(users), "user_errors": errors[:5],
             "lag_ms": {"p50": _ms(_pct(lags, 50)), "p99": _ms(_pct(lags, 99)), "max": _ms(max(lags, default=None))}}
