@@ -16,9 +16,9 @@ import numpy as np
 
 from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from csmserve.config import ServerConfig
+from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.sampling import SamplingParams
-from csmserve.engine.scheduler import SchedulerBusy
 from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.metrics import Metrics
@@ -58,7 +58,7 @@ class ServerState:
     def engine_fatal(self) -> str | None:
         """The error that stopped the engine (a lost device, an engine process gone), if any; never
         starts the engine."""
-        return getattr(self.csm.client, "fatal", None) if self.ready else None
+        return self.csm.client.fatal if self.ready else None
 
     def engine_stats(self):
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
@@ -71,11 +71,6 @@ class ServerState:
         if fmt == "opus":
             return {"compression_level": str(self.config.opus_complexity)}
         return None
-
-    def _prefix_stats(self) -> dict:
-        """The engine's prefix-cache counters (hits, misses, ...); {} without an engine or a cache."""
-        cache = getattr(self._engine(), "prefix_cache", None)
-        return dict(cache.stats) if cache is not None else {}
 
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
