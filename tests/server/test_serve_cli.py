@@ -42,7 +42,8 @@ def test_serve_subprocess(tmp_path):
     env = {**os.environ, "CSMSERVE_VOICES_DB": str(tmp_path / "v.db"), "CSMSERVE_MAX_SLOTS": "4",
            "CSMSERVE_MAX_SEQ_LEN": "256"}
     code = ("import sys, argparse; from csmserve.server.flags import add_serve_parser; p = argparse.ArgumentParser();"
-            "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+            "from csmserve.apps.cli.serve import run_serve;"
+            "add_serve_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(run_serve(a))")
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", "dummy-tiny", "--device", "cpu",
                              "--port", str(port), "--api-key", "k", "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"
