@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from csmserve.audio.encoders import to_s16le
 from csmserve.engine.request import AudioChunk, Request
+from csmserve.prompt.segments import segment_spans
 from csmserve.server.errors import APIError, check_bearer, validation_error
 from csmserve.server.schemas import WsRequest
 from csmserve.server.state import ServerState, Session, SessionTurn
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
-_WORD = re.compile(r"\s*(\S+)")
 
 
 class Utterance:
@@ -87,17 +87,10 @@ class Utterance:
         self._spans(self.text_feed.end())
 
     def _spans(self, segments: list[str]) -> int:
-        for seg in segments:
-            # a segment is the next words of the text, whitespace collapsed: find them in order
-            start = end = self._cursor
-            for i, word in enumerate(seg.split()):
-                m = _WORD.match(self.received, self._cursor)
-                if m is None:
-                    break
-                if i == 0:
-                    start = m.start(1)
-                end = self._cursor = m.end(1)
-            self.spans.append((start, end))
+        spans = segment_spans(self.received, segments, self._cursor)  # the next words of the text, in order
+        if spans:
+            self.spans += spans
+            self._cursor = spans[-1][1]
         return len(segments)
 
 
