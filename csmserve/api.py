@@ -1,9 +1,11 @@
 """The offline Python API: `CSM(model)` with `prompt`, `generate`, `stream`, `astream`, `speak`, `aspeak`,
-`encode_audio`.
+`dialogue`, `encode_audio`.
 
+`CSM` is the one builder of requests (`request`, `long_request`): its own methods' and the server's.
 `speak` is long-form: text of any length (or text streamed in, piece by piece) is cut into sentences
 (csmserve/prompt/segments.py) and spoken in one slot, each sentence seeing the earlier ones as context, as one
-continuous audio stream.
+continuous audio stream. `TextFeed` is how text streamed in reaches an open long-form request (speak,
+aspeak, the server's WebSocket turns).
 
 Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
 `engine=False` keeps the plain reference generator (batch 1), the golden path the tests compare to.
@@ -14,7 +16,8 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +31,7 @@ from csmserve.engine.request import AudioChunk, Request
 from csmserve.sampling import SamplingParams
 from csmserve.models.codec import load_codec
 from csmserve.models.loader import load_csm
-from csmserve.prompt.segments import SentenceSplitter, split_sentences
+from csmserve.prompt.segments import SentenceSplitter
 from csmserve.prompt.tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames_and_boundaries, segment_ids, text_frames
 from csmserve.config import SAMPLE_RATE
 
@@ -198,16 +201,22 @@ class CSM:
 
     def request(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
-                max_audio_length_ms: int | None = 10_000, max_segment_length_ms: int | None = None) -> Request:
-        """max_audio_length_ms caps the whole request (None: no cap); max_segment_length_ms one segment
-        of a long-form request. The prompt must leave room for one segment's audio."""
+                max_audio_length_ms: int | None = 10_000, max_segment_length_ms: int | None = None,
+                fit_cap: bool = False) -> Request:
+        """A request speaking `text` as `speaker` after the `context` turns. max_audio_length_ms caps the
+        whole request (None: no cap); max_segment_length_ms one segment of a long-form request. The prompt
+        must leave room for one segment's audio: its cap, unless that cap is past the slot's positions
+        (the engine stops at the slot's end); fit_cap=True: its cap whatever it is (the server refuses a
+        cap the slot cannot hold). ValueError: a prompt that does not fit, codes out of range."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
-        room = params.segment_frames * FRAME_MS if params.segment_frames < self.max_seq_len else None
+        frames = params.segment_frames
+        room = frames * FRAME_MS if fit_cap or frames < self.max_seq_len else None
         tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context, room)
         # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
         # the engine's prefix cache keeps their KV, so the next request with the same context prefills
-        # only its own text, and one whose context grew by a turn only that turn and its text
+        # only its own text, and one whose context grew by a turn only that turn and its text. The turn
+        # boundaries before the last are its shorter candidates (the last one is the prefix itself)
         prefix = len(tokens) - len(self.segment_frames(text, speaker)[0])
         return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]))
 
@@ -248,17 +257,20 @@ class CSM:
     def long_request(self, segments: Sequence[str], speaker: int = 0, context: Sequence[Segment] = (),
                      open: bool = False, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
                      seed: int | None = None, max_audio_length_ms: int | None = None,
-                     max_segment_length_ms: int | None = 20_000, speakers: Sequence[int] | None = None) -> Request:
+                     max_segment_length_ms: int | None = 20_000, speakers: Sequence[int] | None = None,
+                     fit_cap: bool = False) -> Request:
         """One request speaking `segments` in order in one slot (max_audio_length_ms caps the whole,
-        max_segment_length_ms each segment); open=True: more may be appended (EngineClient.append)
-        until EngineClient.close. speakers: each segment's speaker (a dialogue); default `speaker` for all."""
+        max_segment_length_ms each segment; fit_cap: see `request`); open=True: more may be appended
+        (EngineClient.append, as TextFeed does) until EngineClient.close. speakers: each segment's speaker
+        (a dialogue); default `speaker` for all. Every long-form request is built here: speak, aspeak,
+        dialogue, and the server's (multi-sentence speech, dialogues, WebSocket turns)."""
         if not segments:
             raise ValueError("no text to speak")
         spk = [int(speaker)] * len(segments) if speakers is None else [int(s) for s in speakers]
         if len(spk) != len(segments):
             raise ValueError(f"{len(segments)} segments but {len(spk)} speakers")
         req = self.request(segments[0], spk[0], context, temperature, top_k, top_p, seed, max_audio_length_ms,
-                           max_segment_length_ms)
+                           max_segment_length_ms, fit_cap)
         req.context_len = req.prefix_len  # the context turns: everything before the first segment's text
         req.segments = deque(self.segment_frames(t, s) for t, s in zip(segments[1:], spk[1:]))
         req.open = open
@@ -272,43 +284,70 @@ class CSM:
 
         `text`: a string (cut into sentences, clauses when long) or an iterable of pieces (text streamed
         in, e.g. from an LLM): speech starts once the first sentence is complete and the slot waits for
-        the rest. max_audio_length_ms caps the whole (None: no cap), max_segment_length_ms each segment.
-        The same text gives the same segments (and, greedy or seeded, the same audio) whole or in pieces."""
-        kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed, max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
-        if isinstance(text, str):
-            texts = split_sentences(text, max_words, max_chars)
-            req = self.long_request(texts, **kw)
-            for chunk in self.client.stream(req):
-                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
-                yield chunk
-            return
-        splitter, it = SentenceSplitter(max_words, max_chars), iter(text)
-        texts, more = self._first_segments(splitter, it)
-        req = self.long_request(texts, open=more, **kw)
-        stop, errors = threading.Event(), []
+        the rest (read on a thread of its own). max_audio_length_ms caps the whole (None: no cap),
+        max_segment_length_ms each segment. The same text gives the same segments (and, greedy or seeded,
+        the same audio) whole or in pieces."""
+        speech = _Speech(self, max_words, max_chars, dict(
+            speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms))
+        pieces = iter([text] if isinstance(text, str) else text)
+        for piece in pieces:
+            if speech.take(piece):
+                break
+        req = speech.request(whole=isinstance(text, str))  # a string: every segment now, one closed request
 
-        def feed() -> None:
-            try:
-                for piece in it:
-                    if stop.is_set():
+        def read_rest() -> None:
+            with speech.reading(BaseException) as feed:  # anything, re-raised in the caller's thread
+                for piece in pieces:
+                    if speech.stopped:
                         return
-                    self._append_segments(req, texts, splitter.feed(piece), speaker)
-                self._append_segments(req, texts, splitter.flush(), speaker)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(e)
-            finally:
-                self.client.close(req.request_id)
+                    feed.feed(piece)
+                feed.end()
 
-        feeder = threading.Thread(target=feed, name="csmserve-speak-feed", daemon=True)
+        reader = threading.Thread(target=read_rest, name="csmserve-speak-feed", daemon=True)
         try:
-            for chunk in self.client.stream(req, on_submit=feeder.start if more else None):
-                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
-                yield chunk
+            for chunk in self.client.stream(req, on_submit=speech.on_submit(reader.start)):
+                yield speech.feed.label(chunk)
         finally:
-            stop.set()
-        if errors:
-            raise errors[0]
+            speech.stopped = True
+        speech.raise_error()
+
+    async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
+                     context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
+                     top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
+                     max_segment_length_ms: int | None = 20_000, max_words: int = 25, max_chars: int = 250
+                     ) -> AsyncIterator[AudioChunk]:
+        """`speak` for asyncio; `text` may also be an async iterable of pieces (the rest of it is read in a
+        task of this loop). A string is one piece of text streamed in."""
+        speech = _Speech(self, max_words, max_chars, dict(
+            speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms))
+        if isinstance(text, str):
+            text = [text]
+        pieces = text.__aiter__() if isinstance(text, AsyncIterable) else _aiter(text)
+        async for piece in pieces:
+            if speech.take(piece):
+                break
+        req = speech.request()
+
+        async def read_rest() -> None:
+            with speech.reading(Exception) as feed:  # re-raised after the stream; a cancel is not kept
+                async for piece in pieces:
+                    feed.feed(piece)
+                feed.end()
+
+        tasks: list[asyncio.Task] = []
+
+        def start() -> None:
+            tasks.append(asyncio.get_running_loop().create_task(read_rest()))
+
+        try:
+            async for chunk in self.client.astream(req, on_submit=speech.on_submit(start)):
+                yield speech.feed.label(chunk)
+        finally:
+            for t in tasks:
+                t.cancel()
+        speech.raise_error()
 
     def dialogue(self, lines: Sequence[tuple[int, str]], context: Sequence[Segment] = (), temperature: float = 0.9,
                  top_k: int = 50, top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
@@ -324,70 +363,7 @@ class CSM:
                                 top_k=top_k, top_p=top_p, seed=seed, max_audio_length_ms=max_audio_length_ms,
                                 max_segment_length_ms=max_segment_length_ms)
         for chunk in self.client.stream(req):
-            chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
-            yield chunk
-
-    async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
-                     context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
-                     top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
-                     max_segment_length_ms: int | None = 20_000, max_words: int = 25, max_chars: int = 250
-                     ) -> AsyncIterator[AudioChunk]:
-        """`speak` for asyncio; `text` may also be an async iterable of pieces."""
-        kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed, max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
-        if isinstance(text, str):
-            text = [text]
-        splitter = SentenceSplitter(max_words, max_chars)
-        ait = text.__aiter__() if isinstance(text, AsyncIterable) else _aiter(text)
-        texts: list[str] = []
-        more = True
-        while not texts and more:
-            try:
-                texts += splitter.feed(await ait.__anext__())
-            except StopAsyncIteration:
-                texts += splitter.flush()
-                more = False
-        req = self.long_request(texts, open=more, **kw)
-        errors: list[BaseException] = []
-
-        async def feed() -> None:
-            try:
-                async for piece in ait:
-                    self._append_segments(req, texts, splitter.feed(piece), speaker)
-                self._append_segments(req, texts, splitter.flush(), speaker)
-            except Exception as e:  # noqa: BLE001 - re-raised after the stream
-                errors.append(e)
-            finally:
-                self.client.close(req.request_id)
-
-        task: list[asyncio.Task] = []
-        start = (lambda: task.append(asyncio.get_running_loop().create_task(feed()))) if more else None
-        try:
-            async for chunk in self.client.astream(req, on_submit=start):
-                chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
-                yield chunk
-        finally:
-            for t in task:
-                t.cancel()
-        if errors:
-            raise errors[0]
-
-    def _first_segments(self, splitter: SentenceSplitter, it: Iterator[str]) -> tuple[list[str], bool]:
-        """Read pieces until the first segment is complete -> (segments so far, more input may come)."""
-        texts: list[str] = []
-        for piece in it:
-            texts += splitter.feed(piece)
-            if texts:
-                return texts, True
-        texts += splitter.flush()
-        if not texts:
-            raise ValueError("no text to speak")
-        return texts, False
-
-    def _append_segments(self, req: Request, texts: list[str], new: list[str], speaker: int) -> None:
-        for t in new:
-            texts.append(t)
-            self.client.append(req.request_id, *self.segment_frames(t, speaker))
+            yield label(chunk, texts)
 
     def _results(self, reqs: list[Request]) -> list[GenerationResult]:
         out = []
@@ -414,3 +390,140 @@ async def _aiter(items: Iterable[str]) -> AsyncIterator[str]:
     for item in items:
         yield item
         await asyncio.sleep(0)
+
+
+def label(chunk: AudioChunk, texts: Sequence[str]) -> AudioChunk:
+    """chunk.text: the text of the segment it speaks (None past the known ones)."""
+    chunk.text = texts[chunk.segment] if chunk.segment < len(texts) else None
+    return chunk
+
+
+class TextFeed:
+    """Text streamed into one long-form request: the one way `CSM.speak`, `CSM.aspeak` and the server's
+    WebSocket turns feed one. Pieces are cut into segments as they arrive (SentenceSplitter: the same
+    segments as the whole text); `open` builds the request (CSM.long_request) with the segments so far,
+    open while more may come; once the engine has it (`start`: the stream's on_submit) every later segment
+    is appended to it (EngineClient.append: its text frames) as it completes, and `end` (the text's end)
+    appends the rest and closes it (EngineClient.close). `texts`: every segment so far, in order
+    (AudioChunk.segment indexes it). Fed from one thread or event loop at a time; `open` may run on
+    another (a thread that tokenizes) while pieces still arrive."""
+
+    def __init__(self, csm: CSM, max_words: int = 25, max_chars: int = 250) -> None:
+        self.csm = csm
+        self.splitter = SentenceSplitter(max_words, max_chars)
+        self.texts: list[str] = []
+        self.ended = False  # the text ended (the splitter flushed)
+        self.request: Request | None = None
+        self.speaker = 0
+        self._given = 0  # segments the request has: in its prompt and segments, or appended
+        self._open = self._started = self._done = False
+
+    @property
+    def ready(self) -> bool:
+        """A segment is complete, or the text ended: the request can be built."""
+        return bool(self.texts) or self.ended
+
+    def feed(self, piece: str) -> list[str]:
+        """A piece of text -> the segments it completed (appended to the request once the engine has it)."""
+        new = self.splitter.feed(piece)
+        self.texts += new
+        self._give()
+        return new
+
+    def end(self) -> list[str]:
+        """The text ended -> its last segments; once they are given, the request is closed."""
+        if self.ended:
+            return []
+        new = self.splitter.flush()
+        self.texts += new
+        self.ended = True  # after the texts: `open` on another thread reads `ended` first
+        self._give()
+        return new
+
+    def open(self, speaker: int = 0, **kw) -> Request:
+        """The request (CSM.long_request's keywords): the segments so far, open unless the text ended."""
+        ended = self.ended
+        texts = list(self.texts)
+        self.request = self.csm.long_request(texts, speaker, open=not ended, **kw)
+        self.speaker, self._given, self._open = int(speaker), len(texts), not ended
+        return self.request
+
+    def start(self) -> None:
+        """The engine has the request (its stream's on_submit): the segments since `open` are appended,
+        and from now on each as it completes."""
+        self._started = True
+        self._give()
+
+    def stop(self) -> None:
+        """Its stream is over: nothing more is appended (nor closed)."""
+        self._done = True
+
+    def close(self) -> None:
+        """No more segments for the open request (once; also after a failure: what it has is spoken)."""
+        if self._open and not self._done:
+            self._done = True
+            self.csm.client.close(self.request.request_id)
+
+    def label(self, chunk: AudioChunk) -> AudioChunk:
+        return label(chunk, self.texts)
+
+    def _give(self) -> None:
+        if not self._started or self._done:
+            return
+        while self._given < len(self.texts):
+            text = self.texts[self._given]
+            self._given += 1
+            self.csm.client.append(self.request.request_id, *self.csm.segment_frames(text, self.speaker))
+        if self.ended:
+            self.close()
+
+
+class _Speech:
+    """One `speak` or `aspeak` call, whichever loop drives it (speak: the caller's thread and a reader
+    thread; aspeak: the event loop and a reader task): its TextFeed, its request once the first segment
+    is complete, and the error of reading the rest of its text (re-raised after the stream)."""
+
+    def __init__(self, csm: CSM, max_words: int, max_chars: int, kw: dict) -> None:
+        self.feed = TextFeed(csm, max_words, max_chars)
+        self.kw = kw
+        self.errors: list[BaseException] = []
+        self.stopped = False  # the caller stopped reading the stream: read no more text
+
+    def take(self, piece: str) -> bool:
+        """A piece read before the request exists -> whether the request can be built now."""
+        self.feed.feed(piece)
+        return self.feed.ready
+
+    def request(self, whole: bool = False) -> Request:
+        """The request, once take() said so or the pieces ran out (then the text ended). whole: the text
+        ends here (a string: every segment in the request, nothing streamed)."""
+        if whole or not self.feed.ready:
+            self.feed.end()
+        return self.feed.open(**self.kw)
+
+    def on_submit(self, read_rest: Callable[[], None]) -> Callable[[], None] | None:
+        """The stream's on_submit: appending starts, then `read_rest` reads the rest of the text; None
+        when the text has ended already."""
+        if self.feed.ended:
+            return None
+
+        def submitted() -> None:
+            self.feed.start()
+            read_rest()
+
+        return submitted
+
+    @contextmanager
+    def reading(self, keep: type[BaseException]) -> Iterator[TextFeed]:
+        """Around reading the rest of the text (which ends with feed.end()): an error of type `keep` is
+        kept for the caller; the request is closed whatever happens."""
+        try:
+            yield self.feed
+        except keep as e:  # noqa: BLE001
+            self.errors.append(e)
+        finally:
+            self.feed.close()
+
+    def raise_error(self) -> None:
+        if self.errors:
+            raise self.errors[0]

@@ -3,6 +3,9 @@
 `ClientBase` is what every client does (a Router of its own requests, sinks, stream/astream/run);
 `EngineClient` is the engine on a thread of this process (the `CSM` Python API, tests);
 remote.py's `RemoteEngineClient` is an API worker's door to the engine-core process (the same surface).
+That surface is all its callers (CSM, the server) use of the engine: submit through stream/astream/run,
+abort, append, close, `stats()` (the counters: running, waiting, the prefix cache's), `fatal`; a stream
+the engine cannot queue raises `SchedulerBusy` (imported from here).
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import numpy as np
 
 from csmserve.engine.outputs import CLIENT_SHIFT, EngineStats, Progress, Router
 from csmserve.engine.request import AudioChunk, Request
+from csmserve.engine.scheduler import SchedulerBusy
+
+__all__ = ["ClientBase", "EngineClient", "SchedulerBusy"]
 
 if TYPE_CHECKING:
     from csmserve.engine.engine import Engine
@@ -111,6 +117,11 @@ class ClientBase:
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step (running, waiting, prefix-cache hits, fatal)."""
         return self.router.stats
+
+    @property
+    def fatal(self) -> str | None:
+        """The error that stopped the engine (a lost device, an engine process gone), if any."""
+        return self.stats().fatal
 
 
 class EngineClient(ClientBase):

@@ -25,7 +25,7 @@ import numpy as np
 from csmserve.engine import messages as m
 from csmserve.engine.client import ClientBase
 from csmserve.engine.output_ring import OutputRing
-from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStats, EngineStep, Event, Router, error_from, error_payload
+from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStep, Event, Router, error_from, error_payload
 from csmserve.engine.request import Request
 
 log = logging.getLogger("csmserve.engine")
@@ -170,13 +170,10 @@ class RemoteEngineClient(ClientBase):
             return q.put_nowait
         return super()._async_sink(loop, q)
 
-    # ---- state
-    def stats(self) -> EngineStats:
-        return self.router.stats
-
+    # ---- state (stats(): the counters the engine sends with every step and heartbeat, in the router)
     @property
     def fatal(self) -> str | None:
-        return self._fatal or self.router.stats.fatal
+        return self._fatal or super().fatal
 
     def shutdown(self) -> None:
         try:

@@ -2,10 +2,9 @@
 string tagged `[S1] ... [S2] ...` (with `voices`: [S1]'s voice, [S2]'s, ...) -> ONE long-form Request:
 each voice's clip first (as the speaker id it has in the dialogue), then `context`, then every line cut
 into sentences, each segment with its line's speaker, so each line sees the earlier lines' text and
-generated audio (csmserve/prompt/dialogue.py has the casting rules)."""
+generated audio (csmserve/prompt/dialogue.py has the casting rules). CSM.long_request builds it."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from csmserve.prompt.dialogue import Line, cast, is_tagged, parse_tagged, segments
@@ -60,16 +59,10 @@ async def build_dialogue(state: ServerState, body: SpeechRequest) -> tuple[Reque
             clips.append(Segment(speaker, resolved.voice.transcript, codes=resolved.voice.codes))
     context = clips + await state.context_segments(body.context)
     segs = segments(filled, c.speakers)
-    first_line, first_speaker, first_text = segs[0]
+    texts = [t for _, _, t in segs]
     # the whole script's text sizes the response's cap; each line's sentences get the sentence cap
-    request, _ = await state.build_request(first_text, None, body.model_copy(update={"speaker": first_speaker}),
-                                           (), context, long_form=True, split=False,
-                                           total_chars=sum(len(t) for _, _, t in segs),
-                                           segment_chars=max(len(t) for _, _, t in segs))
-    from csmserve.prompt.tokenizer import segment_ids, text_frames
-
-    csm, k = state.require_ready(), request.tokens.shape[1] - 1
-    frames = [text_frames(segment_ids(csm.tokenizer, spk, text), k) for _, spk, text in segs]
-    request.context_len = request.prompt_len - len(frames[0][0])
-    request.segments = deque(frames[1:])
-    return request, Script([t for _, _, t in segs], [s for _, s, _ in segs], [i for i, _, _ in segs])
+    kw = await state.speech_args(None, body.model_copy(update={"speaker": segs[0][1]}), (), context,
+                                 total_chars=sum(len(t) for t in texts), segment_chars=max(len(t) for t in texts),
+                                 segmented=True)
+    request = await state.build(state.require_ready().long_request, texts, speakers=[s for _, s, _ in segs], **kw)
+    return request, Script(texts, [s for _, s, _ in segs], [i for i, _, _ in segs])

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
 from csmserve.engine.request import AudioChunk
 from csmserve.server import openapi
-from csmserve.prompt.segments import segment_spans, split_sentences
+from csmserve.prompt.segments import segment_spans
 from csmserve.server.dialogue import Script, build_dialogue, is_dialogue
 from csmserve.server.errors import APIError
 from csmserve.server.schemas import SpeechRequest, parse_body
@@ -66,8 +66,7 @@ async def create_speech(http: Request) -> StreamingResponse:
         spans = None
     else:
         state.check_input(body.input)
-        request, speaker = await state.build_request(body.input, body.voice, body, body.context, long_form=True)
-        texts = await asyncio.to_thread(split_sentences, body.input) or [body.input]
+        request, speaker, texts = await state.speech_request(body.input, body.voice, body, body.context)
         script, spans = Script(texts, [speaker] * len(texts), [0] * len(texts)), segment_spans(body.input, texts)
     encoder = make_encoder(body.response_format, speed=body.speed,
                            codec_options=state.codec_options(body.response_format))

@@ -1,6 +1,7 @@
-"""What every route shares: the model, the voice store, the limits, the metrics, the one path
-from (voice, context, text) to prompt frames to a stream of AudioChunks, and the WebSocket's
-conversation sessions (server/sessions.py)."""
+"""What every route shares: the model, the voice store, the limits, the metrics, the one path from
+(voice, context, text) to what CSM's request builders take (CSM.request / long_request, TextFeed.open:
+CSM builds every Request) to a stream of AudioChunks, and the WebSocket's conversation sessions
+(server/sessions.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,6 @@ import base64
 import binascii
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -16,9 +16,8 @@ import numpy as np
 
 from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from csmserve.config import ServerConfig
+from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
-from csmserve.sampling import SamplingParams
-from csmserve.engine.scheduler import SchedulerBusy
 from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.metrics import Metrics
@@ -58,7 +57,7 @@ class ServerState:
     def engine_fatal(self) -> str | None:
         """The error that stopped the engine (a lost device, an engine process gone), if any; never
         starts the engine."""
-        return getattr(self.csm.client, "fatal", None) if self.ready else None
+        return self.csm.client.fatal if self.ready else None
 
     def engine_stats(self):
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
@@ -71,11 +70,6 @@ class ServerState:
         if fmt == "opus":
             return {"compression_level": str(self.config.opus_complexity)}
         return None
-
-    def _prefix_stats(self) -> dict:
-        """The engine's prefix-cache counters (hits, misses, ...); {} without an engine or a cache."""
-        cache = getattr(self._engine(), "prefix_cache", None)
-        return dict(cache.stats) if cache is not None else {}
 
     def check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
@@ -156,69 +150,66 @@ class ServerState:
             raise bad_request(f"the text of '{param}' is {total} characters; the limit is "
                               f"{self.config.max_context_total_chars}", param, "context_too_long")
 
-    def prompt(self, text: str, speaker: int, segments: Sequence[Segment], max_audio_length_ms: int,
-               param: str = "context") -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Prompt frames and the context's turn boundaries (the prefix cache's shorter candidates)."""
-        try:
-            tokens, mask, bounds = self.require_ready().prompt_and_boundaries(
-                text, speaker=speaker, context=list(segments), max_audio_length_ms=max_audio_length_ms)
-        except ValueError as e:
-            raise bad_request(str(e), param, "context_too_long" if "too long" in str(e) else "invalid_value") from None
-        self.last_prompt = (tokens, mask)
-        return tokens, mask, bounds
-
-    async def build_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
-                            turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (),
-                            long_form: bool = False, split: bool = True, total_chars: int | None = None,
-                            segment_chars: int | None = None) -> tuple[Request, int]:
-        """The routes' whole path to a Request (and the speaker it speaks as): the voice's clip, then
-        the context turns, then `extra`, then `text`. long_form: text of several sentences is spoken
-        sentence by sentence in one slot (each seeing the earlier ones), max_audio_length_ms capping the
-        whole and max_segment_length_ms (or --max-segment-ms) each sentence; split=False: `text` is
-        the first segment of an open request (the WebSocket's turns), not cut here, whose whole text is
-        not known yet (its cap, unless asked, is sized for --max-input-chars)."""
+    async def speech_args(self, voice: str | VoiceRef | None, fields: SamplingFields,
+                          turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (), *, total_chars: int,
+                          segment_chars: int | None = None, segmented: bool = False) -> dict:
+        """What a route gives CSM's request builders (CSM.request / CSM.long_request / TextFeed.open):
+        the speaker and the context (the voice's clip, then the context turns, then `extra`), the
+        sampling fields and the caps: max_audio_length_ms caps the whole (as asked, else sized for
+        `total_chars`); segmented (one segment of several: a long input's sentences, a dialogue's lines,
+        a WebSocket turn's): max_segment_length_ms each segment too (as asked, else enough for the
+        longest, `segment_chars`, as the whole is sized, at most --max-segment-ms). fit_cap: a cap the
+        slot cannot hold is refused (400), not cut at the slot's end."""
         from csmserve.api import Segment
-        from csmserve.prompt.segments import split_sentences
-        from csmserve.prompt.tokenizer import segment_ids, text_frames
-
-        # tokenizing runs in a thread, never on the event loop (every stream and /health share it)
-        texts = await asyncio.to_thread(split_sentences, text) if long_form and split else []
-        if len(texts) > 1:
-            request, speaker = await self.build_request(texts[0], voice, fields, turns, extra, True, False,
-                                                        total_chars=len(text),
-                                                        segment_chars=max(len(t) for t in texts))
-            csm, k = self.require_ready(), request.tokens.shape[1] - 1
-            frames = await asyncio.to_thread(lambda: [text_frames(segment_ids(csm.tokenizer, speaker, t), k)
-                                                      for t in texts])
-            request.context_len = request.prompt_len - len(frames[0][0])
-            request.segments = deque(frames[1:])
-            return request, speaker
 
         self.require_ready()
-        if total_chars is None:
-            total_chars = len(text) if split or not long_form else self.config.max_input_chars
         max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
         seg_ms = None
-        if long_form and not split:  # one segment of several (or of a WebSocket turn): the sentence cap,
-            # unless asked: enough for the longest sentence (as the whole is sized), at most --max-segment-ms
-            seg_ms = getattr(fields, "max_segment_length_ms", None) or self.config.max_segment_ms
-            if segment_chars is not None and getattr(fields, "max_segment_length_ms", None) is None:
+        if segmented:
+            asked = getattr(fields, "max_segment_length_ms", None)
+            seg_ms = asked or self.config.max_segment_ms
+            if segment_chars is not None and asked is None:
                 seg_ms = min(seg_ms, max(1000, self.config.audio_ms_per_char * segment_chars))
             seg_ms = min(max_ms, seg_ms)
         resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
-        segments = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
+        context = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
             if resolved is not None and resolved.voice is not None else []
-        segments += await self.context_segments(turns)
-        segments += list(extra)
+        context += await self.context_segments(turns)
+        context += list(extra)
         speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
-        tokens, mask, bounds = await asyncio.to_thread(self.prompt, text, speaker, segments, seg_ms or max_ms)
-        params = SamplingParams(temperature=fields.temperature, top_k=fields.top_k, top_p=fields.top_p,
-                                seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms)
-        csm = self.require_ready()
-        target = len(await asyncio.to_thread(segment_ids, csm.tokenizer, speaker, text))  # the target turn's frames
-        # voice clip + context turns form the reusable prefix: the engine's prefix cache keys on it
-        return Request(tokens, mask, params=params, prefix_len=max(0, len(tokens) - target),
-                       prefix_boundaries=tuple(bounds)), speaker
+        return dict(speaker=speaker, context=context, temperature=fields.temperature, top_k=fields.top_k,
+                    top_p=fields.top_p, seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms,
+                    fit_cap=True)
+
+    async def build(self, builder: Callable[..., Request], *args, param: str = "context", **kw) -> Request:
+        """builder(*args, **kw), one of CSM's request builders, in a thread (tokenizing never runs on the
+        event loop: every stream and /health share it); a prompt that does not fit is a 400."""
+        def run() -> Request:
+            try:
+                request = builder(*args, **kw)
+            except ValueError as e:
+                code = "context_too_long" if "too long" in str(e) else "invalid_value"
+                raise bad_request(str(e), param, code) from None
+            self.last_prompt = (request.tokens, request.mask)
+            return request
+
+        return await asyncio.to_thread(run)
+
+    async def speech_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
+                             turns: Sequence[ContextTurn] = ()) -> tuple[Request, int, list[str]]:
+        """POST /v1/audio/speech's plain input -> (its Request, the speaker, its segments): text of several
+        sentences is long-form, spoken sentence by sentence in one slot (each seeing the earlier ones)."""
+        from csmserve.prompt.segments import split_sentences
+
+        texts = await asyncio.to_thread(split_sentences, text)
+        if len(texts) > 1:
+            kw = await self.speech_args(voice, fields, turns, total_chars=len(text),
+                                        segment_chars=max(len(t) for t in texts), segmented=True)
+            request = await self.build(self.require_ready().long_request, texts, **kw)
+        else:
+            kw = await self.speech_args(voice, fields, turns, total_chars=len(text))
+            request = await self.build(self.require_ready().request, text, **kw)
+        return request, kw["speaker"], texts or [text]
 
     # ---- generation
     async def stream(self, request: Request, arrival: float,

@@ -1,12 +1,13 @@
 """WebSocket /v1/audio/speech/stream: text streamed in, audio out as generated, conversation sessions,
 cancel. The protocol is in docs/api.md.
 
-A context's text pieces form its current *turn*: they go through a SentenceSplitter, and as soon as the
-first sentence (or clause) is complete the turn becomes ONE open long-form request (CSM.long_request's
-shape, built by ServerState.build_request): later segments are appended to it (EngineClient.append) as
-they complete, in the same slot, the codec state running on (one continuous audio stream); `flush` /
-`close` ends the input (the rest of the buffer is spoken, then EngineClient.close and a `flush_done`).
-Every audio message says which segment of the turn's text it speaks (index, text, character offsets).
+A context's text pieces form its current *turn* (an `Utterance`): they go through its TextFeed
+(csmserve/api.py: sentences, clauses when long), and as soon as the first segment is complete the turn
+becomes ONE open long-form request (TextFeed.open: CSM.long_request, with what ServerState.speech_args
+gives): later segments are appended to it (EngineClient.append) as they complete, in the same slot, the
+codec state running on (one continuous audio stream); `flush` / `close` ends the input (the rest of the
+buffer is spoken, then EngineClient.close and a `flush_done`). Every audio message says which segment
+of the turn's text it speaks (index, text, character offsets).
 
 One connection generates one turn at a time, in the order the turns started. A context_id is a
 conversation session (ServerState.sessions): its voice, settings, fixed context and turns (the ones
@@ -26,6 +27,7 @@ import logging
 import re
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pydantic_core
@@ -33,30 +35,33 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from csmserve.audio.encoders import to_s16le
-from csmserve.engine.request import AudioChunk
-from csmserve.prompt.segments import SentenceSplitter
+from csmserve.engine.request import AudioChunk, Request
+from csmserve.prompt.segments import segment_spans
 from csmserve.server.errors import APIError, check_bearer, validation_error
 from csmserve.server.schemas import WsRequest
 from csmserve.server.state import ServerState, Session, SessionTurn
 from csmserve.server.timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
+if TYPE_CHECKING:
+    from csmserve.api import CSM
+
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
-_WORD = re.compile(r"\s*(\S+)")
 
 
-class Turn:
-    """A context's current input: text pieces -> segments (sentences, clauses when long) -> one request."""
+class Utterance:
+    """What a context says next: its text streamed in (pieces -> segments, sentences or clauses when
+    long: a TextFeed) and spoken as one open long-form request; while it generates, its request,
+    speaker and codes so far per segment (a cancel may keep some)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, csm: CSM) -> None:
+        from csmserve.api import TextFeed
+
         self.session = session
         self.context_id = session.context_id
-        self.splitter = SentenceSplitter()
-        self.received = ""  # all text of this turn so far (offsets refer to it)
-        self.texts: list[str] = []  # its complete segments, in order (AudioChunk.segment indexes them)
+        self.text_feed = TextFeed(csm)  # its segments (AudioChunk.segment indexes them), the request they feed
+        self.received = ""  # all text of this utterance so far (offsets refer to it)
         self.spans: list[tuple[int, int]] = []  # each segment's [start, end) in `received`
-        self.pending: asyncio.Queue[str | None] = asyncio.Queue()  # segments not yet given to the engine; None: end
-        self.ended = False
         self.queued = False  # in the connection's jobs (it had a complete segment)
         self.cancelled = False
         self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
@@ -67,42 +72,35 @@ class Turn:
         self.speaker = 0
         self.codes: dict[int, list[np.ndarray]] = {}
 
+    @property
+    def texts(self) -> list[str]:
+        """Its complete segments, in order."""
+        return self.text_feed.texts
+
     def feed(self, text: str) -> int:
         """-> the number of segments this piece completed."""
         self.received += text
         self.last_text = time.monotonic()
-        return self._add(self.splitter.feed(text))
+        return self._spans(self.text_feed.feed(text))
 
     def end(self) -> None:
-        if not self.ended:
-            self._add(self.splitter.flush())
-            self.ended = True
-            self.pending.put_nowait(None)
+        self._spans(self.text_feed.end())
 
-    def _add(self, segments: list[str]) -> int:
-        for seg in segments:
-            # a segment is the next words of the text, whitespace collapsed: find them in order
-            start = end = self._cursor
-            for i, word in enumerate(seg.split()):
-                m = _WORD.match(self.received, self._cursor)
-                if m is None:
-                    break
-                if i == 0:
-                    start = m.start(1)
-                end = self._cursor = m.end(1)
-            self.texts.append(seg)
-            self.spans.append((start, end))
-            self.pending.put_nowait(seg)
+    def _spans(self, segments: list[str]) -> int:
+        spans = segment_spans(self.received, segments, self._cursor)  # the next words of the text, in order
+        if spans:
+            self.spans += spans
+            self._cursor = spans[-1][1]
         return len(segments)
 
 
 class Connection:
     def __init__(self, ws: WebSocket, state: ServerState, binary: bool, progress: bool) -> None:
         self.ws, self.state, self.binary, self.progress = ws, state, binary, progress
-        self.open: dict[str, Turn] = {}  # context_id -> its turn still taking text
-        self.jobs: deque[Turn | str] = deque()  # turns to generate; a str: send `done` for that context_id
+        self.open: dict[str, Utterance] = {}  # context_id -> its turn still taking text
+        self.jobs: deque[Utterance | str] = deque()  # turns to generate; a str: send `done` for that context_id
         self.wake = asyncio.Event()
-        self.current: tuple[Turn, asyncio.Task] | None = None
+        self.current: tuple[Utterance, asyncio.Task] | None = None
         self.send_lock = asyncio.Lock()
 
     async def send(self, payload: dict | bytes) -> None:
@@ -173,7 +171,7 @@ class Connection:
         if msg.text:
             turn = self.open.get(cid)
             if turn is None or turn.session is not session:  # (a session forgotten meanwhile: a new turn)
-                turn = Turn(session)
+                turn = Utterance(session, self.state.csm)
             limit = self.state.config.max_input_chars
             if len(turn.received) + len(msg.text) > limit:
                 raise APIError(400, f"the turn's text would be longer than {limit} characters; flush more often",
@@ -188,7 +186,7 @@ class Connection:
             self.jobs.append(cid)
             self.wake.set()
 
-    def _end_turn(self, cid: str) -> Turn | None:
+    def _end_turn(self, cid: str) -> Utterance | None:
         """No more text for this context's turn (flush, close, idle timeout): the rest is spoken, then it ends."""
         turn = self.open.pop(cid, None)
         if turn is not None:
@@ -209,7 +207,7 @@ class Connection:
             due = min((t.last_text + idle for t in self.open.values()), default=now + idle)
             await asyncio.sleep(max(0.01, due - time.monotonic()))
 
-    def _queue(self, turn: Turn) -> None:
+    def _queue(self, turn: Utterance) -> None:
         turn.queued = True
         self.jobs.append(turn)
         self.wake.set()
@@ -221,9 +219,9 @@ class Connection:
         if turn is not None:
             turn.cancelled = True
         for job in self.jobs:
-            if isinstance(job, Turn) and job.context_id == cid:
+            if isinstance(job, Utterance) and job.context_id == cid:
                 job.cancelled = True
-        self.jobs = deque(j for j in self.jobs if not (j == cid or (isinstance(j, Turn) and j.cancelled)))
+        self.jobs = deque(j for j in self.jobs if not (j == cid or (isinstance(j, Utterance) and j.cancelled)))
         if self.current is None or self.current[0].context_id != cid:
             return {}
         running, task = self.current
@@ -297,44 +295,19 @@ class Connection:
                 if self.open.get(job.context_id) is job:  # ended early (an error): later text starts a new turn
                     del self.open[job.context_id]
 
-    async def generate(self, turn: Turn) -> None:
+    async def generate(self, turn: Utterance) -> None:
         from csmserve.api import Segment
-        from csmserve.prompt.tokenizer import segment_ids, text_frames
 
         arrival = time.perf_counter()
-        session, csm = turn.session, self.state.require_ready()
-        first = await turn.pending.get()  # there is one: a turn is queued once it has a segment
-        feeders: list[asyncio.Task] = []
+        session = turn.session  # it has a segment: an utterance is queued once it has one
         session.busy += 1
         try:
-            request, speaker = await self._request(session, first)
-            k = request.tokens.shape[1] - 1
-
-            def frames_of(text: str):
-                return text_frames(segment_ids(csm.tokenizer, speaker, text), k)
-
-            # one long-form request: what has arrived goes in now; the rest is appended as it completes
-            request.context_len = request.prompt_len - len(frames_of(first)[0])
-            request.open = True
-            while request.open and not turn.pending.empty():
-                text = turn.pending.get_nowait()
-                if text is None:
-                    request.open = False
-                else:
-                    request.segments.append(frames_of(text))
-
-            async def feed() -> None:
-                while (text := await turn.pending.get()) is not None:
-                    csm.client.append(request.request_id, *frames_of(text))
-                csm.client.close(request.request_id)
-
-            def start_feeding() -> None:
-                feeders.append(asyncio.get_running_loop().create_task(feed()))
-
+            # one long-form request: the segments so far go in now; the rest is appended as they complete
+            request, speaker = await self._request(turn)
             codes = turn.codes
             turn.request_id, turn.speaker = request.request_id, speaker
             frames, reason, shown, clock = 0, None, -1, SegmentClock()
-            async for chunk in self.state.stream(request, arrival, start_feeding if request.open else None):
+            async for chunk in self.state.stream(request, arrival, turn.text_feed.start if request.open else None):
                 if len(chunk.codes):
                     codes.setdefault(chunk.segment, []).append(chunk.codes)
                     await self._send_audio(turn, chunk, new_segment=chunk.segment != shown)
@@ -345,8 +318,7 @@ class Connection:
                 if chunk.final:
                     reason = chunk.finish_reason
         finally:
-            for t in feeders:
-                t.cancel()
+            turn.text_feed.stop()
             session.busy -= 1
         if codes:  # this turn (each segment as it was spoken: its text and codes) is context for the next
             self.state.sessions.add_turn(session, SessionTurn("assistant", [
@@ -359,18 +331,19 @@ class Connection:
                 "text_end": turn.spans[-1][1] if turn.spans else 0}
         await self.send({**done, "idle_timeout": True} if turn.idle_timeout else done)
 
-    async def _request(self, session: Session, text: str):
+    async def _request(self, turn: Utterance) -> tuple[Request, int]:
         # the oldest turns of the conversation go first when the prompt would not fit the model's context
+        session = turn.session
         while True:
             try:
-                return await self.state.build_request(text, session.voice, session.fields, (),
-                                                      session.context + session.history(), long_form=True,
-                                                      split=False)
+                kw = await self.state.speech_args(session.voice, session.fields, (), session.context + session.history(),
+                                                  total_chars=self.state.config.max_input_chars, segmented=True)
+                return await self.state.build(turn.text_feed.open, **kw), kw["speaker"]
             except APIError as e:
                 if e.code != "context_too_long" or not session.drop_oldest_segment():
                     raise
 
-    async def _send_audio(self, turn: Turn, chunk: AudioChunk, new_segment: bool) -> None:
+    async def _send_audio(self, turn: Utterance, chunk: AudioChunk, new_segment: bool) -> None:
         audio = chunk.audio
         data = audio.astype("<f4").tobytes() if turn.session.output_format == "pcm_f32le" else to_s16le(audio)
         i = chunk.segment
@@ -384,7 +357,7 @@ class Connection:
             await self.send({"type": "audio", "context_id": turn.context_id, "audio": base64.b64encode(data).decode(),
                              "frame_start": chunk.frame_start, "num_frames": len(chunk.codes), **where})
 
-    async def _send_segment_done(self, turn: Turn, span: SegmentSpan) -> None:
+    async def _send_segment_done(self, turn: Utterance, span: SegmentSpan) -> None:
         """Where a segment started and ended in the turn's audio (exact, from frame counts)."""
         if not turn.session.add_timestamps:
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csmserve.api import Segment
+from csmserve.api import CSM, Segment
 from csmserve.config import EngineConfig
 from csmserve.engine.client import EngineClient
 from csmserve.engine.engine import Engine
@@ -73,6 +73,9 @@ class FakeCSM:
         segs = [PromptSegment(s.speaker, s.text, s.codes) for s in context]
         max_frames = None if max_audio_length_ms is None else max_audio_length_ms // 80
         return prompt_frames_and_boundaries(self.tokenizer, segs, text, speaker, 32, max_frames, self.max_seq_len)
+
+    # CSM builds every request: the same builders over this prompt
+    request, long_request, segment_frames = CSM.request, CSM.long_request, CSM.segment_frames
 
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:
         n = max(1, len(wav) // FRAME)
