@@ -182,6 +182,24 @@ def metric(server, name: str) -> float:
     raise KeyError(name)
 
 
+def metrics(server, *names: str) -> tuple[float, ...]:
+    """Several samples from one GET /metrics (one API worker's snapshot of the engine's counters)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+    return tuple(next(float(line.rsplit(" ", 1)[1]) for line in text if line.startswith(n) and not line.startswith("#"))
+                 for n in names)
+
+
+def wait_metrics(server, until, *names: str, timeout: float = 10.0) -> tuple[float, ...]:
+    """metrics(server, *names) once until(values) holds, or the last values at the deadline. With several
+    API workers, /metrics may be answered by one whose copy of the engine's counters is a heartbeat old."""
+    deadline = time.time() + timeout
+    while True:
+        values = metrics(server, *names)
+        if until(values) or time.time() > deadline:
+            return values
+        time.sleep(0.05)
+
+
 def wait_idle(server, timeout: float = 15.0) -> bool:
     """Until the engine holds no request (its own gauges, over /metrics): every slot free."""
     deadline = time.time() + timeout

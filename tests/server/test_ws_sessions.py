@@ -11,7 +11,7 @@ from websockets.sync.client import connect
 from csmserve.api import Segment
 from csmserve.config import ServerConfig
 from csmserve.server.state import Sessions, SessionTurn
-from server_helpers import metric, wav_bytes
+from server_helpers import metrics, wait_metrics, wav_bytes
 from test_ws import audio_rows, turn, ws_url
 
 
@@ -120,18 +120,25 @@ def test_a_growing_conversation_reuses_the_previous_turns_prefix(server):
     previous request's context is the longest cached prefix of this one's (the engine's counters, over
     /metrics, whichever API worker serves the turn)."""
     user = {"speaker": 1, "text": "Tell me a story.", "audio": base64.b64encode(wav_bytes(0.3)).decode()}
+    names = ("csmserve:prefix_cache_hits", "csmserve:prefix_cache_hit_positions")
     hit_positions = []
+    hits, pos = metrics(server, *names)  # nothing ran yet: every worker's copy agrees
     with connect(ws_url(server)) as ws:
         for i, text in enumerate(["Once upon a time.", "There was a fox.", "The end."]):
             msg = {"context_id": "grow", "text": text, "flush": True, "temperature": 0, "max_audio_length_ms": 160}
             if i == 0:
                 msg |= {"voice": "alloy", "add_context": [user]}
-            hits, pos = metric(server, "csmserve:prefix_cache_hits"), metric(server, "csmserve:prefix_cache_hit_positions")
             ws.send(json.dumps(msg))
             _, msgs = turn(ws)
             assert msgs[-1]["type"] == "flush_done"
-            if i:
-                assert metric(server, "csmserve:prefix_cache_hits") == hits + 1
-            hit_positions.append(metric(server, "csmserve:prefix_cache_hit_positions") - pos)
+            # the first turn misses (a fresh context), each later one hits once
+            want = hits + (1 if i else 0)
+            new_hits, new_pos = wait_metrics(server, lambda v: v[0] >= want, *names)
+            if not i:
+                time.sleep(0.5)  # a miss moves no counter to wait for: two heartbeats, then check none moved
+                new_hits, new_pos = metrics(server, *names)
+            assert new_hits == want, (i, hits, new_hits)
+            hit_positions.append(new_pos - pos)
+            hits, pos = new_hits, new_pos
     # turn 2 reuses turn 1's context (voice + user turn), turn 3 also turn 1's answer and turn 2's text
     assert 0 < hit_positions[1] < hit_positions[2]
