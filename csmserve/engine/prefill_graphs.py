@@ -15,19 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-
-def token_buckets(max_tokens: int, smallest: int = 16, step: int = 256) -> list[int]:
-    """Powers of two up to `step`, then every `step` tokens: a wave of admissions (80 prompts of 16 frames
-    is 1,280 tokens) pads by at most 255 rows, not up to twice its size."""
-    out, s = [], smallest
-    while s < min(max_tokens, step):
-        out.append(s)
-        s *= 2
-    s = step
-    while s < max_tokens:
-        out.append(s)
-        s += step
-    return out + [max_tokens]
+from csmserve.engine.buckets import bucket_sizes
 
 
 class PrefillGraphs:
@@ -36,7 +24,7 @@ class PrefillGraphs:
 
     def __init__(self, forward: Callable[[Tensor], None], packed_input: Tensor, scratch: int, max_tokens: int) -> None:
         self.forward = forward
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = bucket_sizes(max_tokens, smallest=16)
         self.input = packed_input  # static input [max_tokens, 2W + 2]
         self.input.zero_()
         self.input[:, -1] = scratch  # warm-up and capture write only the scratch slot

@@ -21,6 +21,7 @@ from torch import Tensor
 from csmserve.models.csm import CSMModel
 from csmserve.models.fp8 import quantize_weights
 from csmserve.models.mimi import Mimi, MimiStream
+from csmserve.engine.buckets import bucket_sizes
 from csmserve.engine.output_ring import OutputRing, StepOutput
 from csmserve.engine.request import Admission, PrefillChunk, PrefixStore
 from csmserve.models.sampler import sample
@@ -80,7 +81,7 @@ class ModelRunner:
         # the prefix cache's tensors: key -> (k, v) [L, Hkv, n, hd]; the index is the scheduler's PrefixCache
         self.prefix_kv: dict[bytes, tuple[Tensor, Tensor]] = {}
         self.state = SlotState(self.cfg, num_slots, self.device)
-        self.buckets = buckets or default_buckets(num_slots)
+        self.buckets = buckets or bucket_sizes(num_slots)
         # draft/verify over codebooks (EngineConfig.spec_depth; it brings its own, longer depth KV)
         self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
         self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
@@ -230,17 +231,3 @@ class ModelRunner:
         if pcm is not None:
             r.pcm[ring, :n].copy_(pcm.float())
         return StepOutput(slots, r.codes[ring], None if pcm is None else r.pcm[ring], None, ring)
-
-
-def default_buckets(num_slots: int, step: int = 256) -> list[int]:
-    """Powers of two up to `step`, then every `step` slots: 2,192 rows run as 2,304, not 2,512 (a batch
-    pads to its bucket; measured: the pad was most of what admissions cost a step at 2,000 streams)."""
-    out, b = [], 1
-    while b < min(num_slots, step):
-        out.append(b)
-        b *= 2
-    b = step
-    while b < num_slots:
-        out.append(b)
-        b += step
-    return out + [num_slots]

@@ -3,18 +3,25 @@ packed prefill of several prompts at once == each prompt prefilled alone."""
 import numpy as np
 import torch
 
-from csmserve.engine.prefill_graphs import token_buckets
+from csmserve.engine.buckets import bucket_sizes
 from csmserve.engine.request import PrefillChunk
 from csmserve.engine.runner import ModelRunner, pack_prefill
 from csmserve.models.loader import load_csm
 
 
 def test_token_buckets():
-    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert token_buckets(100) == [16, 32, 64, 100]
-    assert token_buckets(8) == [8]
-    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
-    assert token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert bucket_sizes(512, smallest=16) == [16, 32, 64, 128, 256, 512]
+    assert bucket_sizes(100, smallest=16) == [16, 32, 64, 100]
+    assert bucket_sizes(8, smallest=16) == [8]
+    assert bucket_sizes(2048, smallest=16) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert bucket_sizes(1000, smallest=16) == [16, 32, 64, 128, 256, 512, 768, 1000]
+
+
+def test_frame_buckets():  # the frame graphs': every batch size from 1
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert bucket_sizes(2400)[-5:] == [1536, 1792, 2048, 2304, 2400]
+    assert bucket_sizes(2400)[:9] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def test_pack_layout_and_padding():
