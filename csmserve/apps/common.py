@@ -93,3 +93,21 @@ def wav_bytes(pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm16(pcm))
     return buf.getvalue()
+
+
+# SamplingParams' field -> the flag that sets it (its check's messages start with the field's name)
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                  "max_segment_length_ms": "--max-audio-length-ms"}
+
+
+def check_sampling(args) -> None:
+    """SamplingParams' own check of the sampling flags, its message naming the flag
+    (`--top-p must be in (0, 1], got 0.0`), for speak and talk. --max-audio-length-ms caps each sentence."""
+    from csmserve.sampling import SamplingParams
+
+    try:
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=getattr(args, "top_p", 1.0), seed=args.seed,
+                       max_audio_length_ms=None, max_segment_length_ms=args.max_audio_length_ms)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise CLIError(f"{SAMPLING_FLAGS.get(field, field)} {rest}") from None

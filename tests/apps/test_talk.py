@@ -201,6 +201,12 @@ def test_cli_talk_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "csmserve", "talk", "--llm-url", "http://x", "--input-wav", "a.wav"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--asr-url" in r.stderr
+    for flag, value in (("--temperature", "-1"), ("--top-k", str(2**40)), ("--seed", "-1"),
+                        ("--max-audio-length-ms", "10")):  # refused before anything loads, as speak does
+        r = subprocess.run([sys.executable, "-m", "csmserve", "talk", "--llm-url", "http://x", "--typed", flag, value],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(f"csmserve talk: error: {flag} "), \
+            (flag, r.stderr)
     r = subprocess.run([sys.executable, "-m", "csmserve", "talk", "--model", "dummy-tiny", "--device", "cpu",
                         "--llm-url", f"http://127.0.0.1:{free_port()}", "--typed", "--out-dir", str(tmp_path)],
                        input="Hello.\n", capture_output=True, text=True, timeout=60)

@@ -14,17 +14,12 @@ import numpy as np
 from csmserve.apps.cli.output import Output
 from csmserve.apps.cli.progress import Progress
 from csmserve.apps.cli.text import pieces, read_text
-from csmserve.apps.common import CLIError, base_url, bearer, check_url, error_message, read_clip
+from csmserve.apps.common import CLIError, base_url, bearer, check_url, error_message, read_clip, check_sampling
 
 EXTENSIONS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm",
               ".raw": "pcm", ".aac": "aac", ".npy": "npy"}
 FORMATS = ("wav", "mp3", "flac", "opus", "pcm", "aac", "npy")
 URL_CHUNK_CHARS = 4000  # under the server's default --max-input-chars (4096)
-# SamplingParams' field -> the flag that sets it (its check's messages start with the field's name)
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-                  "max_segment_length_ms": "--max-audio-length-ms"}
-
-
 # ---------------------------------------------------------------- arguments
 def add_speak_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -110,19 +105,6 @@ def _format_of(output: str) -> str:
         raise CLIError(f"cannot tell the format of {output!r} from its extension; "
                        f"use .wav .mp3 .flac .opus .pcm .aac .npy or --format")
     return EXTENSIONS[ext]
-
-
-def check_sampling(args: argparse.Namespace) -> None:
-    """SamplingParams' own check of the sampling flags, its message naming the flag
-    (`--top-p must be in (0, 1], got 0.0`). --max-audio-length-ms caps each sentence."""
-    from csmserve.sampling import SamplingParams
-
-    try:
-        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       max_audio_length_ms=None, max_segment_length_ms=args.max_audio_length_ms)
-    except ValueError as e:
-        field, _, rest = str(e).partition(" ")
-        raise CLIError(f"{SAMPLING_FLAGS.get(field, field)} {rest}") from None
 
 
 def read_bytes(path: str, what: str) -> bytes:

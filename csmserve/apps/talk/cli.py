@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from csmserve.apps.common import CLIError, check_url, pcm16, wav_bytes
+from csmserve.apps.common import CLIError, check_sampling, check_url, pcm16, wav_bytes
 from csmserve.apps.talk.llm import SYSTEM_PROMPT
 from csmserve.apps.talk.session import Exchange, TalkSession
 from csmserve.config import FRAME_MS
@@ -112,6 +112,7 @@ def _check_args(args) -> None:
         check_url(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.barge_in_after_ms is not None and args.barge_in_after_ms < 1:
         raise CLIError("--barge-in-after-ms must be >= 1")
+    check_sampling(args)
 
 
 def _load_csm(args):
