@@ -84,6 +84,12 @@ if [[ $what == probe3 ]]; then
   python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt" | tail -5
   python bench/admission.py --streams 2000 --rate 1000 --seconds 6 2>&1 | tee "$OUT/admission.txt" | tail -6
 fi
+if [[ $what == check ]]; then
+  # after a change that must not change behaviour or speed (issue 17's tree): every GPU test, then the
+  # engine benchmark at 1 and 2,048 streams, to set beside docs/benchmarks.md (one call, ~6 minutes)
+  python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine tests/models 2>&1 | tee "$OUT/gpu_tests.txt" | tail -12
+  python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
+fi
 if [[ $what == final ]]; then
   # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
   log="$OUT/final.log"
