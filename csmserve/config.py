@@ -146,6 +146,9 @@ class ServerConfig:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
 
 
+REPLICA_ENGINES = ("process", "thread")  # RayConfig.replica_engine
+
+
 @dataclass(frozen=True, slots=True)
 class RayConfig:
     """`csmserve serve --ray`: the Ray Serve application (csmserve/ray/). One replica = one engine;
@@ -168,8 +171,14 @@ class RayConfig:
     # that replica's ongoing requests are under load_factor x the mean (+1); then to the next in its order
     affinity_load_factor: float = 1.25
     report_interval_s: float = 0.5  # each replica's state + metrics -> the directory (/ready, /metrics)
+    # "process": each replica starts its own engine-core process and attaches to it as an API worker does
+    # (as `csmserve serve`); "thread": the engine loop on a thread of the replica's process (one GIL)
+    replica_engine: str = "process"
 
     def __post_init__(self) -> None:
+        if self.replica_engine not in REPLICA_ENGINES:
+            raise ValueError(f"RayConfig.replica_engine must be one of {', '.join(REPLICA_ENGINES)}, "
+                             f"got {self.replica_engine!r}")
         for name in ("num_replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
             if getattr(self, name) is not None and getattr(self, name) < (0 if name == "min_replicas" else 1):
                 raise ValueError(f"RayConfig.{name} must be >= {0 if name == 'min_replicas' else 1}, "

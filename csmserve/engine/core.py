@@ -10,7 +10,9 @@ and PCM are read by the workers from the shared-memory output ring (engine/outpu
 step's device-to-host copy wrote into. When no step runs, every worker still gets the engine's
 counters a few times a second (and so notices a lost device at once).
 
-A worker that disconnects (its process died) has its requests aborted; the engine goes on.
+A worker that disconnects (its process died) has its requests aborted; the engine goes on. The
+process that started the engine (spec.parent_pid: `csmserve serve`'s parent, a Ray replica) gone, the
+engine removes its ring file and socket and exits: no orphan holding the GPU.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from csmserve.engine.output_ring import StepOutput
 log = logging.getLogger("csmserve.engine")
 RING_SLOTS = 12  # steps a worker may lag before its rows are overwritten (~1 s at 2,048 streams)
 HEARTBEAT_S = 0.25
+PARENT_POLL_S = 0.5  # how often the engine checks that the process that started it is alive
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class EngineSpec:
     authkey: bytes
     ring_path: str  # the output ring's shared-memory file
     log_level: str = "info"
+    # the process that started this one: once it is gone (killed, its shutdown never ran) the engine exits
+    parent_pid: int | None = None
 
 
 class Connections(Inbox):
@@ -198,15 +203,42 @@ class CoreLoop:
                                            np.zeros(0, bool), [], stats), None)
 
 
+def exit_with_parent(spec: EngineSpec, poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """Exit once the process that started this one is gone (spec.parent_pid; SIGKILLed, a Ray actor killed:
+    nobody stops us): a helper thread checks getppid() every poll_s, then removes the ring file and the
+    socket and exits. Not PR_SET_PDEATHSIG: that fires when the *thread* that started the process ends
+    (a Ray replica starts it from one of Ray's threads), and a signal would leave the files behind."""
+    if spec.parent_pid is None:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == spec.parent_pid:
+            time.sleep(poll_s)
+        log.warning("the process that started the engine (pid %d) is gone: exiting", spec.parent_pid)
+        for path in (spec.ring_path, spec.address):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os._exit(0)
+
+    t = threading.Thread(target=watch, name="csmserve-parent", daemon=True)
+    t.start()
+    return t
+
+
 def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Connection | None = None) -> None:
-    """The engine-core process's main: load, listen on spec.address, loop until killed.
+    """The engine-core process's main: load, listen on spec.address, loop until killed (or the parent is gone).
 
     load(spec): the loaded model, engine-less (the server's `CSM`: .model, .mimi, .encode_audio, .config,
-    .device, .model_name, .model_dir, .frame_size); a module-level function, so that it pickles."""
+    .device, .model_name, .model_dir, .frame_size; its .engine_config, if set, is the engine's: load may
+    size max_slots); a module-level function (or a partial of one), so that it pickles."""
     logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    exit_with_parent(spec)
     try:
         csm = load(spec)
-        engine = build_engine(csm.model, csm.mimi, spec.engine, start=False, ring_path=spec.ring_path,
+        config = getattr(csm, "engine_config", None) or spec.engine
+        engine = build_engine(csm.model, csm.mimi, config, start=False, ring_path=spec.ring_path,
                               ring_slots=RING_SLOTS)
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
         if os.path.exists(spec.address):
@@ -222,7 +254,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     encoder.conns = conns
     engine.inbox = conns
     log.info("engine ready: %d slots, max_seq_len %d, listening on %s", engine.scheduler.max_slots,
-             spec.engine.max_seq_len, spec.address)
+             config.max_seq_len, spec.address)
     if ready is not None:
         ready.send(("ready", welcome.info))
     CoreLoop(engine, conns).run()

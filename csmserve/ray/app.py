@@ -43,7 +43,8 @@ def spec_from_args(args: argparse.Namespace) -> tuple[ReplicaSpec, RayConfig]:
     if share is None:
         share = 0.0 if (args.device or "").startswith("cpu") else 1.0
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, codec=args.codec, server=server,
-                       engine=engine, gpu_share=share, log_level=args.log_level)
+                       engine=engine, gpu_share=share, log_level=args.log_level,
+                       codec_dtype=getattr(args, "codec_dtype", None), replica_engine=ray_cfg.replica_engine)
     return spec, ray_cfg
 
 

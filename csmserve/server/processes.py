@@ -1,7 +1,8 @@
 """`csmserve serve` as processes: the engine core alone, N API workers, and the parent watching them.
 
     parent (this module's serve_processes): binds the listening socket, starts the engine-core process
-      (engine/core.py: model, scheduler, runner, CUDA graphs; nothing else) and N API worker processes
+      (EngineProcess: engine/core.py: model, scheduler, runner, CUDA graphs; nothing else; it exits if
+      the parent is killed) and N API worker processes
       (uvicorn + FastAPI over the shared socket: validation, voices, prompts, sessions, audio
       encoding), restarts a worker that dies, and stops everything on SIGINT / SIGTERM.
     worker i: create_app(...) whose CSM is CSM.attach(RemoteEngineClient(...)): prompts are built in
@@ -13,6 +14,9 @@ run directory, so a context_id continues on whichever worker its next connection
 (prometheus_client's multiprocess mode: /metrics on any worker sums them all; the engine's gauges
 come from the engine itself) and the API key (the same config). If the engine process dies, every
 worker answers /health and /ready 503 `engine_failed` at once: an orchestrator restarts the server.
+
+EngineProcess, engine_spec, load_engine_model and attach_engine are also a Ray replica's (csmserve/ray/replica.py):
+its own engine-core process, its HTTP side attached as an API worker is.
 """
 from __future__ import annotations
 
@@ -58,13 +62,11 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     import uvicorn
 
-    from csmserve.api import CSM
-    from csmserve.engine.remote import RemoteEngineClient
     from csmserve.server.app import create_app
     from csmserve.server.timeouts import uvicorn_config
 
-    def load() -> CSM:  # waits for the engine (it may still be loading the model and capturing graphs)
-        return CSM.attach(RemoteEngineClient(spec.address, spec.authkey, spec.client_id, timeout=24 * 3600))
+    def load():  # waits for the engine (it may still be loading the model and capturing graphs)
+        return attach_engine(spec.address, spec.authkey, spec.client_id)
 
     # worker 0 answers at once (/health 200, /ready and the routes 503 while the engine loads); the others
     # accept connections only once attached, so no request lands on a worker still connecting
@@ -76,12 +78,136 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def load_engine_model(spec):
-    """The engine-core process's model: CSM without an engine of its own (weights, codec, tokenizer)."""
+def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600):
+    """The CSM of an API side (an API worker, a Ray replica) over an engine-core process: no weights, the
+    engine reached through a RemoteEngineClient (waits up to `timeout` for the engine to listen)."""
+    from csmserve.api import CSM
+    from csmserve.engine.remote import RemoteEngineClient
+
+    return CSM.attach(RemoteEngineClient(address, authkey, client_id, timeout=timeout))
+
+
+def load_engine_model(spec, gpu_share: float = 1.0):
+    """The engine-core process's model: CSM without an engine of its own (weights, codec, tokenizer).
+    gpu_share < 1 (a Ray replica with a fraction of a GPU) and no max_slots: the slots are sized to that
+    share of the GPU's memory here, in the process that holds the weights (slots_in_share)."""
     from csmserve.api import CSM
 
-    return CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
-               engine_config=spec.engine)
+    csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
+              engine_config=spec.engine)
+    if csm.device.type == "cuda" and gpu_share < 1 and spec.engine.max_slots is None:
+        csm.engine_config = dataclasses.replace(spec.engine, max_slots=slots_in_share(csm, spec.engine, gpu_share))
+    return csm
+
+
+def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
+    """Slots that fit in a share of the GPU (engines sharing one must not each size against all of its
+    free memory): share x total, less what this process holds (the weights). Run where the weights are."""
+    import torch
+
+    from csmserve.engine.prefix_cache import default_prefix_cache_bytes
+    from csmserve.engine.slots import size_slots
+
+    total = torch.cuda.mem_get_info(csm.device)[1]
+    free = int(total * gpu_share) - torch.cuda.memory_allocated(csm.device)
+    cache = engine.prefix_cache_bytes
+    cache = default_prefix_cache_bytes("cuda") if cache is None else cache
+    return size_slots(csm.model, csm.mimi, engine.max_seq_len, reserve_bytes=cache, free_bytes=max(0, free))
+
+
+def new_rundir() -> Path:
+    """A run directory named after this process (tmp/csmserve-PID-*; sweep_stale removes it once this pid
+    is gone), after sweeping what killed servers left."""
+    sweep_stale(Path("/dev/shm"), Path(tempfile.gettempdir()))
+    return Path(tempfile.mkdtemp(prefix=f"csmserve-{os.getpid()}-"))
+
+
+def engine_spec(model: str, device: str | None, dtype: str | None, codec: str | None, codec_dtype: str | None,
+                engine: EngineConfig, log_level: str, rundir: Path):
+    """An engine-core process's spec, its own: the output ring's shared-memory file (/dev/shm/csmserve-PID-*,
+    PID this process's), the Unix socket rundir/engine.sock, a fresh authkey; the engine exits when this
+    process is gone (parent_pid)."""
+    from csmserve.engine.core import EngineSpec
+
+    shm = Path("/dev/shm")
+    ring = str((shm if shm.is_dir() else rundir) / f"csmserve-{os.getpid()}-{secrets.token_hex(4)}")
+    return EngineSpec(model, device, dtype, codec, codec_dtype, engine, str(rundir / "engine.sock"),
+                      secrets.token_bytes(16), ring, log_level, parent_pid=os.getpid())
+
+
+class EngineProcess:
+    """One engine-core process (engine/core.py serve_engine) started by this one: `csmserve serve`'s
+    parent's, or a Ray replica's. Its word on the ready pipe ("ready", EngineInfo) or ("error", why);
+    stop() ends it and removes its ring file and socket."""
+
+    def __init__(self, spec, load=load_engine_model, name: str = "csmserve-engine") -> None:
+        self.spec, self.load, self.name = spec, load, name
+        self.ctx = multiprocessing.get_context("spawn")
+        self.process = None
+        self._ready_r = None
+
+    def start(self) -> None:
+        from csmserve.engine.core import serve_engine
+
+        self._ready_r, ready_w = self.ctx.Pipe(duplex=False)
+        self.process = self.ctx.Process(target=run_named, args=(self.name, serve_engine, self.spec, self.load, ready_w),
+                                        name=self.name)
+        self.process.start()
+        ready_w.close()  # the child's end only: its exit reads as EOF here
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.process is None else self.process.exitcode
+
+    def poll(self, timeout: float = 0.0) -> tuple[str, object] | None:
+        """The engine's word, if it sent one within `timeout` s."""
+        if self._ready_r is None:
+            return None
+        try:
+            return self._ready_r.recv() if self._ready_r.poll(timeout) else None
+        except (EOFError, OSError):  # exited: no more words
+            self._ready_r.close()
+            self._ready_r = None
+            return None
+
+    def wait_ready(self, poll_s: float = 0.2):
+        """Until the engine listens -> its EngineInfo; RuntimeError if it failed or exited first."""
+        while True:
+            word = self.poll(poll_s)
+            if word is not None:
+                kind, what = word
+                if kind == "ready":
+                    return what
+                raise RuntimeError(f"the engine failed to start: {what}")
+            if not self.alive:
+                raise RuntimeError(f"the engine process exited (code {self.exitcode}) before it was ready")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` s; its ring file and socket removed."""
+        p = self.process
+        if p is not None:
+            if p.is_alive():
+                p.terminate()
+            p.join(max(0.1, timeout))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if self._ready_r is not None:
+            self._ready_r.close()
+            self._ready_r = None
+        for path in (self.spec.ring_path, self.spec.address):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def run_named(name: str, target, *args) -> None:
@@ -98,39 +224,28 @@ def run_named(name: str, target, *args) -> None:
 
 class Supervisor:
     def __init__(self, args, server: ServerConfig, engine: EngineConfig, workers: int) -> None:
-        from csmserve.engine.core import EngineSpec
-
         self.server, self.workers_n = server, workers
         self.log_level = args.log_level
-        shm = Path("/dev/shm")
-        sweep_stale(shm, Path(tempfile.gettempdir()))
-        self.rundir = Path(tempfile.mkdtemp(prefix=f"csmserve-{os.getpid()}-"))
-        self.ring_path = str((shm if shm.is_dir() else self.rundir) / f"csmserve-{os.getpid()}-{secrets.token_hex(4)}")
-        self.address = str(self.rundir / "engine.sock")
-        self.authkey = secrets.token_bytes(16)
+        self.rundir = new_rundir()
         self.sessions_db = str(self.rundir / "sessions.db")
         metrics = self.rundir / "metrics"
         metrics.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # inherited by the workers (spawn)
-        self.spec = EngineSpec(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None),
-                               engine, self.address, self.authkey, self.ring_path, args.log_level)
+        self.spec = engine_spec(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None),
+                                engine, args.log_level, self.rundir)
+        self.ring_path, self.address, self.authkey = self.spec.ring_path, self.spec.address, self.spec.authkey
         self.ctx = multiprocessing.get_context("spawn")
         self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((server.host, server.port))
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
-        self.engine = None
+        self.engine = EngineProcess(self.spec)
         self.workers: list = [None] * workers
         self._next_client = 1
         self._stopping = False
 
     def start(self) -> None:
-        from csmserve.engine.core import serve_engine
-
-        self._ready_r, ready_w = self.ctx.Pipe(duplex=False)
-        self.engine = self.ctx.Process(target=run_named, args=("csmserve-engine", serve_engine, self.spec, load_engine_model, ready_w),
-                                       name="csmserve-engine")
         self.engine.start()
         for i in range(self.workers_n):
             self._start_worker(i)
@@ -151,13 +266,11 @@ class Supervisor:
         engine_down = False
         while not self._stopping:
             time.sleep(0.2)
-            if self._ready_r.poll():
-                try:
-                    kind, what = self._ready_r.recv()
-                    (log.info if kind == "ready" else log.error)("engine %s: %s", kind, what)
-                except EOFError:
-                    pass
-            if not engine_down and not self.engine.is_alive():
+            word = self.engine.poll()
+            if word is not None:
+                kind, what = word
+                (log.info if kind == "ready" else log.error)("engine %s: %s", kind, what)
+            if not engine_down and not self.engine.alive:
                 engine_down = True
                 log.critical("the engine process exited (code %s): the workers answer 503 engine_failed; "
                              "restart the server", self.engine.exitcode)
@@ -177,20 +290,15 @@ class Supervisor:
         deadline = time.monotonic() + 15
         # the workers first (their streams end cleanly), then the engine: a worker outliving the engine
         # would report it lost
-        for group in (workers, [self.engine] if self.engine is not None else []):
-            for p in group:
-                if p.is_alive():
-                    p.terminate()
-            for p in group:
-                p.join(max(0.1, deadline - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
+        for p in workers:
+            if p.is_alive():
+                p.terminate()
+        for p in workers:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        self.engine.stop(deadline - time.monotonic())  # and its ring file, its socket
         self.sock.close()
-        for path in (self.ring_path,):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 

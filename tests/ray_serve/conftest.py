@@ -1,6 +1,7 @@
 """A local Ray instance (no dashboard, no usage reporting, no network) and csmserve's Ray Serve
 application on it: `cluster.use(**flags)` deploys `dummy-tiny` replicas with those `csmserve serve`
-flags (again only when they change) -> the base URL of Serve's one port."""
+flags (again only when they change; each replica with its own engine process unless
+replica_engine="thread") -> the base URL of Serve's one port."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ sys.path.insert(0, str(HERE.parent / "server"))  # server_helpers: wav_bytes, de
 BASE_FLAGS = {"model": "dummy-tiny", "device": "cpu", "dtype": "float32", "num_replicas": 2,
               "cpus_per_replica": 0.5, "max_slots": 8, "max_seq_len": 512, "first_chunk_frames": 1,
               "chunk_frames": 2, "default_audio_length_ms": 400, "health_check_period_s": 1.0,
-              "report_interval_s": 0.25, "log_level": "warning"}
+              "report_interval_s": 0.25, "log_level": "warning", "replica_engine": "process"}
 
 
 def _require_ray():
@@ -45,6 +46,12 @@ class Cluster:
             self.flags = flags
             self.wait_ready(flags["num_replicas"])
         return self.url
+
+    def reports(self) -> dict[str, dict]:
+        """Every replica's last report to the directory (its state, pid, engine_pid)."""
+        from ray import serve
+
+        return serve.get_deployment_handle("CSMServeDirectory", "csmserve").snapshot.remote().result()
 
     def wait_ready(self, n: int, timeout: float = 120.0, exclude: set[str] = frozenset()) -> dict:
         """Until /ready counts n ready replicas (none of `exclude`) -> its body."""

@@ -53,3 +53,14 @@ def test_the_rayservice_manifest_builds():
     assert build_app(app["args"]) is not None
     o = options(**app["args"])
     assert o["autoscaling_config"]["target_ongoing_requests"] == 384 and o["ray_actor_options"]["num_gpus"] == 1
+
+
+def test_replicas_run_their_engine_in_a_process_by_default_and_a_flag_keeps_the_thread(monkeypatch):
+    spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "device": "cpu", "codec_dtype": "float32"}))
+    assert cfg.replica_engine == spec.replica_engine == "process" and spec.codec_dtype == "float32"
+    spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "replica_engine": "thread"}))
+    assert cfg.replica_engine == spec.replica_engine == "thread"
+    monkeypatch.setenv("CSMSERVE_REPLICA_ENGINE", "thread")
+    assert spec_from_args(parse_flags({"model": "dummy-tiny"}))[0].replica_engine == "thread"
+    with pytest.raises(ValueError, match="replica_engine"):
+        spec_from_args(parse_flags({"model": "dummy-tiny", "replica_engine": "fork"}))

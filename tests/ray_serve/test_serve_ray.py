@@ -1,13 +1,18 @@
 """csmserve on Ray Serve, end to end on the CPU: a local Ray instance, 2 replicas of dummy-tiny behind
 Serve's one port (conftest.py). The tests run in this file's order: the voice store switches to
-PostgreSQL near the end, and the last test kills a replica's engine."""
+PostgreSQL near the end, and the last tests kill replicas' engine processes, a replica's process, and
+(in both replica_engine modes) a replica's engine under open streams."""
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -181,8 +186,84 @@ def test_a_voice_created_on_one_replica_is_used_on_the_other_and_deleted_everywh
         assert speech.status_code == 404
 
 
-def test_a_failed_engine_ends_its_streams_with_an_error_and_its_replica_is_replaced(cluster):
+def _proc(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of a live process, None once it is gone (or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return None if rest[0] == "Z" else (comm, int(rest[1]))
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+def _engines(cluster) -> dict[str, tuple[int, int]]:
+    """replica -> (its pid, its engine process's pid), from the replicas' reports."""
+    cluster.wait_ready(cluster.flags["num_replicas"])
+    settle(cluster)
+    return {r: (s["pid"], s["engine_pid"]) for r, s in cluster.reports().items()}
+
+
+def _engine_files(replica_pid: int) -> list[Path]:
+    """The output ring (/dev/shm/csmserve-PID-*) and socket (tmp/csmserve-PID-*/engine.sock) of a replica."""
+    shm = Path("/dev/shm")
+    return [*shm.glob(f"csmserve-{replica_pid}-*"), *Path(tempfile.gettempdir()).glob(f"csmserve-{replica_pid}-*/engine.sock")]
+
+
+def test_each_replica_runs_its_engine_in_a_process_of_its_own(cluster):
     url = cluster.url if cluster.flags else cluster.use()  # whichever voice store is deployed
+    engines = _engines(cluster)
+    assert set(engines) == replicas(url)
+    for replica, (pid, engine_pid) in engines.items():
+        assert engine_pid is not None and engine_pid != pid
+        assert _proc(engine_pid) == ("csmserve-engine", pid), replica  # the replica's child, by its name
+        assert len(_engine_files(pid)) == 2, _engine_files(pid)  # its own ring and socket
+    assert len({e for _, e in engines.values()}) == 2
+    served = [speak(url) for _ in range(4)]
+    assert all(s == 200 and len(audio) == 5 * 1920 * 2 for s, _, audio in served)
+
+
+def test_killing_a_replicas_engine_process_makes_it_unhealthy_and_ray_replaces_it(cluster):
+    url = cluster.url if cluster.flags else cluster.use()
+    engines = _engines(cluster)
+    victim, (pid, engine_pid) = sorted(engines.items())[0]
+    os.kill(engine_pid, signal.SIGKILL)
+    _wait(lambda: cluster.reports().get(victim, {}).get("ready") is not True, 10, "the replica reports failed")
+    assert "engine" in (cluster.reports().get(victim) or {"fatal": "engine gone (forgotten)"})["fatal"]
+    body = cluster.wait_ready(2, exclude={victim})  # Ray's health check failed it and started another
+    assert victim not in body["replicas"]["replicas"]
+    after = _engines(cluster)
+    assert victim not in after and all(e != engine_pid and _proc(e) is not None for _, e in after.values())
+    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(4)))
+
+
+def test_a_killed_replica_leaves_no_engine_process_behind(cluster):
+    """The replica's actor killed (SIGKILL: no __del__): its engine process goes too (Ray kills the dead
+    worker's process group, the engine's; were it left, it notices its parent gone and exits), and what it
+    left in /dev/shm and tmp is gone once the replacement started (new_rundir sweeps dead pids' files)."""
+    url = cluster.url if cluster.flags else cluster.use()
+    engines = _engines(cluster)
+    victim, (pid, engine_pid) = sorted(engines.items())[0]
+    assert _proc(engine_pid) == ("csmserve-engine", pid) and len(_engine_files(pid)) == 2
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: _proc(engine_pid) is None, 10, "the engine process exits with its replica")
+    cluster.wait_ready(2, exclude={victim})
+    assert not _engine_files(pid)
+    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(4)))
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_failed_engine_ends_its_streams_with_an_error_and_its_replica_is_replaced(cluster, mode):
+    """process: the replica's engine process is killed; thread: its frame step fails as a lost device does."""
+    url = cluster.use(**{**(cluster.flags or {}), "replica_engine": mode})  # whichever voice store is deployed
+    assert all((s["engine_pid"] is None) == (mode == "thread") for s in _engines_reports(cluster).values())
     long = {**SPEECH, "input": "A long answer. " * 20, "max_audio_length_ms": 20_000, "stream_format": "sse"}
     with httpx.stream("POST", f"{url}/v1/audio/speech", json=long, timeout=60) as sse:
         victim = sse.headers[REPLICA]
@@ -229,6 +310,11 @@ def test_a_failed_engine_ends_its_streams_with_an_error_and_its_replica_is_repla
     assert victim not in {r for _, r, _ in served}
     body = cluster.wait_ready(2, exclude={victim})  # Ray replaced it
     assert victim not in body["replicas"]["replicas"]
+
+
+def _engines_reports(cluster) -> dict[str, dict]:
+    settle(cluster)
+    return cluster.reports()
 
 
 def _home(url: str, context_id: str) -> str:

@@ -113,6 +113,39 @@ def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_strea
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
 
 
+def test_the_engine_process_exits_when_the_parent_is_killed(procs):
+    """SIGKILL of `csmserve serve` (its shutdown never runs): the engine notices its parent gone
+    (EngineSpec.parent_pid), removes its shared-memory ring and socket, and exits: no orphan on the GPU."""
+    from pathlib import Path
+
+    server = procs(workers=1)
+    engine, workers = server.pids()["engine"], list(server.pids()["workers"].values())
+    ring = list(Path("/dev/shm").glob(f"csmserve-{server.proc.pid}-*"))
+    assert len(ring) == 1 and Path(f"/proc/{engine}").exists()
+    server.proc.kill()
+    server.proc.wait(10)
+    try:
+        deadline = time.time() + 10
+        while Path(f"/proc/{engine}").exists() and "zombie" not in _status(engine):
+            assert time.time() < deadline, "the engine outlived its parent"
+            time.sleep(0.1)
+        assert not ring[0].exists()
+        assert "the process that started the engine" in server.log_path.read_text()  # its own exit, not a kill
+    finally:
+        for pid in workers:  # not the engine's business: the test's clean-up
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _status(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/status").read().lower()
+    except OSError:
+        return ""
+
+
 def test_sessions_voices_metrics_and_keys_are_the_same_on_every_worker(procs):
     server = procs(api_key="k")
     auth = {"Authorization": "Bearer k"}
