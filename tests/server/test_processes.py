@@ -187,3 +187,31 @@ def test_sessions_voices_metrics_and_keys_are_the_same_on_every_worker(procs):
             break
     assert seen == {"0", "1"}
     assert all(b > a for a, b in zip(reused[1:], reused[2:])) and reused[1] > 0, reused
+
+
+def test_the_engine_process_sizes_its_slots_to_its_share_of_the_gpu(monkeypatch):
+    """load_engine_model(spec, gpu_share) (a Ray replica's engine process): with a share < 1 and no
+    --max-slots, max_slots comes from slots_in_share, in the process holding the weights; serve_engine
+    builds the engine from csm.engine_config. (CUDA itself is not exercised here.)"""
+    import dataclasses
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import csmserve.api
+    from csmserve.config import EngineConfig
+    from csmserve.server import processes
+
+    class FakeCSM:
+        def __init__(self, model, device=None, dtype=None, codec=None, codec_dtype=None, engine_config=None):
+            self.device, self.engine_config = SimpleNamespace(type="cuda"), engine_config
+
+    shares = []
+    monkeypatch.setattr(csmserve.api, "CSM", FakeCSM)
+    monkeypatch.setattr(processes, "slots_in_share", lambda csm, engine, share: shares.append(share) or 7)
+    spec = processes.engine_spec("dummy", "cuda", None, None, None, EngineConfig(), "info", Path("/tmp"))
+    assert spec.parent_pid == os.getpid() and spec.ring_path != processes.engine_spec(
+        "dummy", "cuda", None, None, None, EngineConfig(), "info", Path("/tmp")).ring_path
+    assert processes.load_engine_model(spec, gpu_share=0.5).engine_config.max_slots == 7 and shares == [0.5]
+    assert processes.load_engine_model(spec).engine_config.max_slots is None  # the whole GPU: sized as ever
+    fixed = dataclasses.replace(spec, engine=EngineConfig(max_slots=16))
+    assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config.max_slots == 16 and shares == [0.5]
