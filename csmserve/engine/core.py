@@ -203,19 +203,21 @@ class CoreLoop:
                                            np.zeros(0, bool), [], stats), None)
 
 
-def exit_with_parent(spec: EngineSpec, poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
-    """Exit once the process that started this one is gone (spec.parent_pid; SIGKILLed, a Ray actor killed:
-    nobody stops us): a helper thread checks getppid() every poll_s, then removes the ring file and the
-    socket and exits. Not PR_SET_PDEATHSIG: that fires when the *thread* that started the process ends
-    (a Ray replica starts it from one of Ray's threads), and a signal would leave the files behind."""
-    if spec.parent_pid is None:
+def exit_with_parent(parent_pid: int | None, paths: tuple[str, ...] = (), what: str = "the engine",
+                     poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """Exit once the process that started this one is gone (parent_pid; SIGKILLed, a Ray actor killed:
+    nobody stops us): a helper thread checks getppid() every poll_s, then removes `paths` (the engine's
+    ring file and socket) and exits. Not PR_SET_PDEATHSIG: that fires when the *thread* that started the
+    process ends (a Ray replica starts it from one of Ray's threads), and a signal would leave the files
+    behind. `csmserve serve`'s API workers use it too (what: "API worker N")."""
+    if parent_pid is None:
         return None
 
     def watch() -> None:
-        while os.getppid() == spec.parent_pid:
+        while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        log.warning("the process that started the engine (pid %d) is gone: exiting", spec.parent_pid)
-        for path in (spec.ring_path, spec.address):
+        log.warning("the process that started %s (pid %d) is gone: exiting", what, parent_pid)
+        for path in paths:
             try:
                 os.unlink(path)
             except OSError:
@@ -234,7 +236,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     .device, .model_name, .model_dir, .frame_size; its .engine_config, if set, is the engine's: load may
     size max_slots); a module-level function (or a partial of one), so that it pickles."""
     logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    exit_with_parent(spec)
+    exit_with_parent(spec.parent_pid, (spec.ring_path, spec.address))
     try:
         csm = load(spec)
         config = getattr(csm, "engine_config", None) or spec.engine

@@ -54,6 +54,7 @@ class WorkerSpec:
     authkey: bytes
     sessions_db: str
     log_level: str
+    parent_pid: int | None = None  # the worker exits once this process is gone (it would hold the port)
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
@@ -62,8 +63,11 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     import uvicorn
 
+    from csmserve.engine.core import exit_with_parent
     from csmserve.server.app import create_app
     from csmserve.server.timeouts import uvicorn_config
+
+    exit_with_parent(spec.parent_pid, what=f"API worker {spec.index}")
 
     def load():  # waits for the engine (it may still be loading the model and capturing graphs)
         return attach_engine(spec.address, spec.authkey, spec.client_id)
@@ -254,7 +258,7 @@ class Supervisor:
 
     def _start_worker(self, i: int) -> None:
         spec = WorkerSpec(i, self._next_client, self.server, self.address, self.authkey, self.sessions_db,
-                          self.log_level)
+                          self.log_level, parent_pid=os.getpid())
         self._next_client += 1
         p = self.ctx.Process(target=run_named, args=(f"csmserve-api-{i}", run_worker, spec, self.sock),
                              name=f"csmserve-worker-{i}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -113,9 +114,10 @@ def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_strea
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
 
 
-def test_the_engine_process_exits_when_the_parent_is_killed(procs):
+def test_the_engine_and_the_workers_exit_when_the_parent_is_killed(procs):
     """SIGKILL of `csmserve serve` (its shutdown never runs): the engine notices its parent gone
-    (EngineSpec.parent_pid), removes its shared-memory ring and socket, and exits: no orphan on the GPU."""
+    (EngineSpec.parent_pid), removes its shared-memory ring and socket, and exits: no orphan on the GPU;
+    the API workers exit too (WorkerSpec.parent_pid): none is left holding the port."""
     from pathlib import Path
 
     server = procs(workers=1)
@@ -131,12 +133,30 @@ def test_the_engine_process_exits_when_the_parent_is_killed(procs):
             time.sleep(0.1)
         assert not ring[0].exists()
         assert "the process that started the engine" in server.log_path.read_text()  # its own exit, not a kill
+        for pid in workers:
+            while Path(f"/proc/{pid}").exists() and "zombie" not in _status(pid):
+                assert time.time() < deadline, "an API worker outlived its parent"
+                time.sleep(0.1)
+        assert "the process that started API worker 0" in server.log_path.read_text()
+        while not _can_listen(server.port):  # the port is free again: a restarted server can bind it
+            assert time.time() < deadline, "the port is still held"
+            time.sleep(0.1)
     finally:
-        for pid in workers:  # not the engine's business: the test's clean-up
+        for pid in workers:  # a worker that did not exit: the test's clean-up
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _status(pid: int) -> str:
