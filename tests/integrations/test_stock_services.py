@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-import time
 
 import httpx
 import pytest
@@ -18,20 +17,14 @@ from pipecat.frames.frames import (  # noqa: E402
     InterruptionFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStartedFrame, TTSStoppedFrame)
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
+from helpers import settle  # noqa: E402
+
 FRAME_BYTES = 1920 * 2
 
 
 def running_gauge(server) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     return float(re.search(r"^csmserve:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
-
-
-def settle(csm, timeout: float = 10.0) -> None:
-    sched = csm.client.engine.scheduler
-    deadline = time.time() + timeout
-    while time.time() < deadline and (sched.has_unfinished() or sched.num_free_slots < sched.max_slots):
-        time.sleep(0.02)
-    assert not sched.has_unfinished() and sched.num_free_slots == sched.max_slots
 
 
 def long_replies(server) -> None:
