@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from gpu_profile import cuda_profile
 
 from csmserve.models.mimi import MimiStream
 from csmserve.models.mimi_loader import load_mimi
@@ -23,17 +24,8 @@ def main() -> None:
     st = MimiStream(mimi, args.batch + 1, "decode", 1)
     rows = torch.arange(args.batch, device="cuda")
     codes = torch.randint(0, 2048, (args.batch, 32, 1), device="cuda")
-    with torch.inference_mode():
-        for _ in range(3):
-            st.decode_step(codes, rows)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                st.decode_step(codes, rows)
-            torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    total = sum(e.device_time for e in events) / 3
-    print(f"\n## Mimi decode step, batch {args.batch}: {len(events) // 3} kernels, {total / 1e3:.2f} ms GPU time")
+    prof, kernels, ms = cuda_profile(lambda: st.decode_step(codes, rows))
+    print(f"\n## Mimi decode step, batch {args.batch}: {kernels} kernels, {ms:.2f} ms GPU time")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
 
 

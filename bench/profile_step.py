@@ -8,7 +8,8 @@ import argparse
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from gpu_profile import cuda_profile
 
 from csmserve.engine.request import Admission
 from csmserve.engine.runner import ModelRunner
@@ -42,17 +43,8 @@ def main() -> None:
     runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in range(n)])
     for b in batches:
         ids = torch.arange(b, device="cuda")
-        with torch.inference_mode():
-            for _ in range(3):
-                runner.frame_step(ids, 512)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    runner.frame_step(ids, 512)
-                torch.cuda.synchronize()
-        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        total = sum(e.device_time for e in events) / 3
-        print(f"\n## batch {b}: {len(events) // 3} kernels, {total / 1e3:.2f} ms GPU time per frame step")
+        prof, kernels, ms = cuda_profile(lambda: runner.frame_step(ids, 512))
+        print(f"\n## batch {b}: {kernels} kernels, {ms:.2f} ms GPU time per frame step")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
 
 
