@@ -61,7 +61,7 @@ class FrameGraphs:
         host_pcm = out.pcm[ring] if pcm is not None else None
         host_codes[:n].copy_(codes[:n], non_blocking=True)
         if pcm is not None:
-            host_pcm[:n].copy_(pcm[:n].float(), non_blocking=True)
+            host_pcm[:n].copy_(pcm[:n], non_blocking=True)  # float32 already (frame_step)
         event = torch.cuda.Event()
         event.record()
         return StepOutput(slots, host_codes, host_pcm, event, ring)

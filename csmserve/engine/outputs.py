@@ -156,16 +156,17 @@ class Router:
         if out.stats is not None:
             self.stats = out.stats
         streams, now = self.streams, None
+        has_frame, ends, final = out.has_frame.tolist(), out.end.tolist(), out.final.tolist()  # no numpy scalars per row
         for i, h in enumerate(out.handles.tolist()):  # only this client's rows
             st = streams.get(h)
             if st is None:
                 continue
-            if out.has_frame[i]:
+            if has_frame[i]:
                 st.codes.append(codes[i:i + 1])
                 if pcm is not None:
                     st.pcm.append(pcm[i])
-            end = out.end[i]
-            if out.final[i]:
+            end = ends[i]
+            if final[i]:
                 del streams[h]
                 st.flush(True, _REASONS[end], self.num_codebooks)
             elif end:  # chunks never span segments; this one (maybe without codes) says where the segment ends

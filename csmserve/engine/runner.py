@@ -87,7 +87,7 @@ class ModelRunner:
         self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
-        self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (torch path's kv bound)
+        self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
         W = self.cfg.frame_width
         self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
         self.admit_ints = Staging(num_slots + 1, 2 * W + 5, self.device)  # tokens, mask, pos, top_k, seed, slot, reset
@@ -209,7 +209,8 @@ class ModelRunner:
         s.next_mask[slot_ids] = self.audio_mask.expand(len(slot_ids), -1)
         s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)
         s.frame[slot_ids] = torch.where(live, frame + 1, 0)
-        pcm = None if self.codec is None else self.codec.decode_step(codes[:, :, None], slot_ids)
+        # float32 here, inside the graph: the host ring's dtype, no cast allocated per step outside it
+        pcm = None if self.codec is None else self.codec.decode_step(codes[:, :, None], slot_ids).float()
         return codes, pcm
 
     @torch.inference_mode()
@@ -219,15 +220,15 @@ class ModelRunner:
         if not len(slots):
             return None
         slots = np.asarray(slots, np.int64)
-        bound = int(self.host_pos[slots].max()) + 1
-        self.host_pos[slots] += 1
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
-        if self.graphs is not None:
+        if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
             return self.graphs.run(slots, ring)
+        self.host_pos[slots] += 1
+        bound = int(self.host_pos[slots].max())  # the torch path attends to [0, bound)
         codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound)
         n, r = len(slots), self.ring
         r.codes[ring, :n].copy_(codes)
         if pcm is not None:
-            r.pcm[ring, :n].copy_(pcm.float())
+            r.pcm[ring, :n].copy_(pcm)
         return StepOutput(slots, r.codes[ring], None if pcm is None else r.pcm[ring], None, ring)

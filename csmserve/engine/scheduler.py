@@ -287,7 +287,7 @@ class Scheduler:
         self._inflight.popleft()
         rows = np.flatnonzero(self._gen[rec.slots] == rec.gen)  # [M]  # rows whose request and segment still run
         s = rec.slots[rows]
-        codes = np.array(codes[rows], dtype=np.int64)  # our own copy: the runner reuses its host buffer
+        codes = np.asarray(codes[rows], dtype=np.int64)  # indexing copies: the runner reuses its host buffer
         has = codes.any(axis=1)  # the all-zero frame ends the utterance (not counted, not emitted)
         start = self._num_frames[s]
         fs = self._seg_frames[s]
