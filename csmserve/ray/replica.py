@@ -15,7 +15,6 @@ once) and a report to the directory every RayConfig.report_interval_s (the appli
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import importlib
 import logging
@@ -121,14 +120,9 @@ def start_engine_process(spec: ReplicaSpec) -> ReplicaEngine:
 
 def build_csm(spec: ReplicaSpec) -> CSM:
     """The engine on a thread of this process (replica_engine "thread"), started."""
-    from csmserve.api import CSM
-    from csmserve.server.processes import slots_in_share
+    from csmserve.server.processes import load_engine_model
 
-    csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
-              engine=True, engine_config=spec.engine)
-    if csm.device.type == "cuda" and spec.gpu_share < 1 and spec.engine.max_slots is None:
-        csm.engine_config = dataclasses.replace(spec.engine, max_slots=slots_in_share(csm, spec.engine,
-                                                                                      spec.gpu_share))
+    csm = load_engine_model(spec, spec.gpu_share)  # ReplicaSpec has every field of an EngineSpec it reads
     _ = csm.client
     return csm
 

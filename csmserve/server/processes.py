@@ -237,7 +237,6 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # inherited by the workers (spawn)
         self.spec = engine_spec(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None),
                                 engine, args.log_level, self.rundir)
-        self.ring_path, self.address, self.authkey = self.spec.ring_path, self.spec.address, self.spec.authkey
         self.ctx = multiprocessing.get_context("spawn")
         self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -257,7 +256,7 @@ class Supervisor:
                  self.workers_n, self.server.host, self.server.port)
 
     def _start_worker(self, i: int) -> None:
-        spec = WorkerSpec(i, self._next_client, self.server, self.address, self.authkey, self.sessions_db,
+        spec = WorkerSpec(i, self._next_client, self.server, self.spec.address, self.spec.authkey, self.sessions_db,
                           self.log_level, parent_pid=os.getpid())
         self._next_client += 1
         p = self.ctx.Process(target=run_named, args=(f"csmserve-api-{i}", run_worker, spec, self.sock),

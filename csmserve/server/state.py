@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
-from csmserve.config import ServerConfig
+from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from csmserve.api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
-FRAME_SECONDS = 0.08
 
 
 class ServerState:
@@ -111,7 +110,7 @@ class ServerState:
             raise bad_request(f"'{param}': {e}", param, "audio_too_long") from None
         except AudioDecodeError as e:
             raise bad_request(f"'{param}' is not audio we can read: {e}", param, "invalid_audio") from None
-        if pcm.size < 1920:
+        if pcm.size < FRAME_SAMPLES:
             raise bad_request(f"'{param}' is shorter than one 80 ms frame", param, "audio_too_short")
         return await asyncio.to_thread(csm.encode_audio, pcm)
 
@@ -166,7 +165,7 @@ class ServerState:
         max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
         seg_ms = None
         if segmented:
-            asked = getattr(fields, "max_segment_length_ms", None)
+            asked = fields.max_segment_length_ms
             seg_ms = asked or self.config.max_segment_ms
             if segment_chars is not None and asked is None:
                 seg_ms = min(seg_ms, max(1000, self.config.audio_ms_per_char * segment_chars))
@@ -248,11 +247,11 @@ class ServerState:
     def _account(self, arrival: float, frames: int, reason: str) -> None:
         wall = time.perf_counter() - arrival
         self.metrics.frames.inc(frames)
-        self.metrics.audio_seconds.inc(frames * FRAME_SECONDS)
+        self.metrics.audio_seconds.inc(frames * FRAME_MS / 1000)
         self.metrics.e2e.observe(wall)
         self.metrics.finished(reason)
         if frames:
-            self.metrics.rtf.observe(wall / (frames * FRAME_SECONDS))
+            self.metrics.rtf.observe(wall / (frames * FRAME_MS / 1000))
 
 
 def _b64decode(data: str, param: str, limit: int) -> bytes:

@@ -186,14 +186,13 @@ class Connection:
             self.jobs.append(cid)
             self.wake.set()
 
-    def _end_turn(self, cid: str) -> Utterance | None:
+    def _end_turn(self, cid: str) -> None:
         """No more text for this context's turn (flush, close, idle timeout): the rest is spoken, then it ends."""
         turn = self.open.pop(cid, None)
         if turn is not None:
             turn.end()
             if turn.texts and not turn.queued:
                 self._queue(turn)
-        return turn
 
     async def idle_loop(self) -> None:
         """A turn that got no text for ws_turn_idle_s is flushed, as if the client had sent `flush`: a client
