@@ -8,6 +8,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # the server's wheels (scripts/gpu
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
+unpack_bundle() {  # the server's and Ray's packages from .bundle/ (scripts/ray_bundle.sh; carry .bundle) -> $RAY_SITE
+  local site=${RAY_SITE:-/tmp/site}
+  if [ ! -f "$site/.unpacked" ] && [ -f .bundle/ray-cp312.tar.xz ]; then
+    mkdir -p "$site"
+    for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$site" -xJf "$a"; done
+    touch "$site/.unpacked"
+  fi
+}
+use_bundle() { unpack_bundle; [ -f "${RAY_SITE:-/tmp/site}/.unpacked" ] && export PYTHONPATH=$PYTHONPATH:${RAY_SITE:-/tmp/site}; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/gpu.txt"
 what=${1:-all}
@@ -52,6 +61,7 @@ if [[ $what == serve ]]; then
     --out "$OUT/serve_bench" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
 fi
 if [[ $what == soak ]]; then
+  [ -f .bundle/ray-cp312.tar.xz ] && use_bundle  # or the wheels of .whl, installed above
   # the soak (issue 13; needs the wheels: bash scripts/gpu_wheels.sh, carry .whl): 1,000 users for 8 minutes,
   # disconnects, hostile requests, voice churn, conversations. Start (~30-60 s) + 480 s + checks fit one
   # 10-minute device call; SOAK_DURATION shortens it, SOAK_ARGS adds soak flags (e.g. "--users 2000")
@@ -87,8 +97,10 @@ fi
 if [[ $what == check ]]; then
   # after a change that must not change behaviour or speed (issue 17's tree): every GPU test, then the
   # engine benchmark at 1 and 2,048 streams, to set beside docs/benchmarks.md (one call, ~6 minutes)
+  unpack_bundle > "$OUT/unpack.txt" 2>&1 &  # with .bundle carried: ready for the next call's soak or ray (CPU only)
   python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine tests/models 2>&1 | tee "$OUT/gpu_tests.txt" | tail -12
   python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
+  wait
 fi
 if [[ $what == final ]]; then
   # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
@@ -105,10 +117,7 @@ if [[ $what == ray ]]; then
   # Ray Serve (docs/scale-out.md). The GPU image lacks Ray and the server's packages: carry .bundle/ (built here by
   # scripts/ray_bundle.sh: ray-cp312.tar.xz, av-cp312.tar.xz) and it is unpacked into $RAY_SITE (/tmp/site).
   SITE=${RAY_SITE:-/tmp/site}
-  if [ ! -d "$SITE/ray" ]; then
-    mkdir -p "$SITE"
-    for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$SITE" -xJf "$a"; done
-  fi
+  unpack_bundle
   export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0
   python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
     2>&1 | tee "$OUT/ray_env.txt"
