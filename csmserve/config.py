@@ -46,6 +46,11 @@ class EngineConfig:
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere),
     # fp8-all (the backbone too). models/fp8.py
     weights: str = "bf16"
+    # an API worker (or a Ray replica's HTTP side) that has not read a step's rows when the engine needs
+    # that output-ring buffer again: the engine waits up to this many seconds for it (the busy reader
+    # slows the engine down instead of losing its streams); past it that worker's streams there end
+    # with an error, and the engine waits for it no more until it catches up
+    reader_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
@@ -54,6 +59,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if not self.reader_wait_s >= 0:
+            raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         if self.spec_depth not in (None, 0) and not 2 <= self.spec_depth <= 8:

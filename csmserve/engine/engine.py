@@ -88,7 +88,10 @@ class Engine:
         self.inbox = inbox or Inbox()
         self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
         self.router = Router(self.num_codebooks, config.first_chunk_frames, config.chunk_frames, self.abort)
-        self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0}
+        self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0, "reader_waits": 0,
+                      "reader_wait_s": 0.0}
+        self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s
+        self._left: set[int] = set()  # clients that disconnected: never waited for
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
         self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
@@ -191,6 +194,8 @@ class Engine:
         self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
         self.runner.store_prefixes(batch.prefix_stores)
+        if self.emit is not None and len(batch.decode_slots):
+            self._await_readers()
         out = self.runner.step(batch.decode_slots, batch.step)
         if out is not None:  # the launch cost of a frame step, not of an empty iteration
             self.pacer.launched(time.perf_counter() - t0)
@@ -209,6 +214,29 @@ class Engine:
         else:  # the host's own time this iteration (not sleeping, not waiting for the device)
             self.stats["host_s"] += time.perf_counter() - t_in - t_idle
         self._prev = (batch.step, out) if out is not None else None
+
+    def _await_readers(self) -> None:
+        """Before a step overwrites an output-ring buffer: wait (up to reader_wait_s) for the workers
+        that have not read their rows of the step it holds, so a busy worker slows the engine down
+        rather than losing its streams. One that stays behind is given up on (its rows there are lost:
+        its streams end with an error) until it has caught up."""
+        ring = self.runner.ring
+        if self._given_up:
+            self._given_up = {c: s for c, s in self._given_up.items() if not ring.caught_up(c, s)}
+        waited = False
+        deadline = t0 = time.perf_counter()
+        while lagging := [c for c in ring.lagging() if c not in self._given_up and c not in self._left]:
+            if not waited:
+                waited, deadline = True, t0 + self.config.reader_wait_s
+                self.stats["reader_waits"] += 1
+            if time.perf_counter() >= deadline:
+                log.warning("API worker(s) %s had not read step %d after %.1f s: their streams in it end with an "
+                            "error", lagging, ring.upcoming_step(), self.config.reader_wait_s)
+                self._given_up.update({c: ring.upcoming_step() for c in lagging})
+                break
+            time.sleep(2e-4)
+        if waited:
+            self.stats["reader_wait_s"] += time.perf_counter() - t0
 
     def _drain(self, block: bool) -> None:
         for kind, a, b in self.inbox.get(block):
@@ -243,6 +271,7 @@ class Engine:
         for rid in list(self._live.pop(client, ())):
             self.scheduler.abort(rid)
         self._events.pop(client, None)
+        self._left.add(client)  # its reads are never waited for again (ids are unique per start)
 
     def _append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
         try:
@@ -283,7 +312,10 @@ class Engine:
             self.router.deliver(step, codes, pcm)
             return
         clients = rows.handles >> CLIENT_SHIFT
-        for c in set(np.unique(clients).tolist()) | set(self._events):
+        with_rows = [c for c in np.unique(clients).tolist() if c >= 0]
+        if out is not None:
+            self.runner.ring.readers[out.ring] = tuple(with_rows)  # who must read it before its reuse
+        for c in set(with_rows) | set(self._events):
             m = clients == c
             step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows[m], rows.handles[m],
                               rows.frame_start[m], rows.segment[m], rows.has_frame[m], rows.end[m], rows.final[m],

@@ -3,9 +3,12 @@
 codes [R, B, K] int64 and pcm [R, B, frame_size] float32 (B = the largest batch), plus a header
 [R] int64 holding the id of the step last launched into each buffer. On CUDA the buffers are pinned,
 so the step's device-to-host copies are asynchronous. With `path` they live in a shared-memory file
-(engine-core process): API workers map the same file read-only (`OutputRing.attach`) and read their
-rows of step s from buffer `ring` after the engine's message for s, then check the header still says
-s (the buffer is reused R steps later: a worker that far behind sees the mismatch, never torn data).
+(engine-core process): API workers map the same file (`OutputRing.attach`: the buffers read-only) and
+read their rows of step s from buffer `ring` after the engine's message for s, then check the header
+still says s (the buffer is reused R steps later: a worker that far behind sees the mismatch, never
+torn data). Each worker then writes s into its entry of `acks` [READERS] int64 (the file's first
+region): before the engine launches a step into a buffer it checks that every worker that had rows in
+the buffer's last step has read them (`lagging`), and waits for one that has not (engine.py).
 """
 from __future__ import annotations
 
@@ -19,8 +22,12 @@ import torch
 from torch import Tensor
 
 
+READERS = 1024  # ack entries: a worker's is client_id % READERS (ids are unique per start)
+
+
 def _layout(slots: int, rows: int, K: int, frame_size: int) -> list[tuple[str, tuple, np.dtype]]:
-    out = [("header", (slots,), np.dtype(np.int64)), ("codes", (slots, rows, K), np.dtype(np.int64))]
+    out = [("acks", (READERS,), np.dtype(np.int64)), ("header", (slots,), np.dtype(np.int64)),
+           ("codes", (slots, rows, K), np.dtype(np.int64))]
     if frame_size:
         out.append(("pcm", (slots, rows, frame_size), np.dtype(np.float32)))
     return out
@@ -38,6 +45,7 @@ class OutputRing:
         self._registered = None
         if path is None:
             mk = (lambda shape, dt: torch.zeros(shape, dtype=dt, pin_memory=cuda))
+            self.acks = np.zeros(READERS, np.int64)
             self.header = np.zeros(slots, np.int64)
             self.codes = mk((slots, rows, K), torch.int64)
             self.pcm = mk((slots, rows, frame_size), torch.float32) if frame_size else None
@@ -50,16 +58,18 @@ class OutputRing:
             finally:
                 os.close(fd)
             views = _views(self._mm, layout)
-            self.header = views["header"]
+            self.acks, self.header = views["acks"], views["header"]
             self.codes = torch.from_numpy(views["codes"])
             self.pcm = torch.from_numpy(views["pcm"]) if frame_size else None
             if cuda:  # page-locked for asynchronous device-to-host copies straight into shared memory
-                ptr = self.codes.data_ptr() - 8 * slots  # the mapping's start (header first)
+                ptr = self.acks.ctypes.data  # the mapping's start (acks first)
                 err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
                 if int(err) != 0:
                     raise RuntimeError(f"cudaHostRegister of the output ring failed ({err})")
                 self._registered = ptr
         self.header[:] = -1
+        self.acks[:] = -1
+        self.readers: list[tuple[int, ...]] = [()] * slots  # [R] the clients that had rows in each buffer's step
         self._next = 0
 
     def next(self) -> int:
@@ -67,6 +77,20 @@ class OutputRing:
         i = self._next
         self._next = (i + 1) % self.slots
         return i
+
+    def upcoming_step(self) -> int:
+        """The step whose results the next step overwrites (-1: none yet)."""
+        return int(self.header[self._next])
+
+    def lagging(self) -> list[int]:
+        """The clients that have not yet read their rows of that step (their acks behind it)."""
+        r = self._next
+        step = self.header[r]
+        return [c for c in self.readers[r] if self.acks[c % READERS] < step]
+
+    def caught_up(self, client: int, step: int) -> bool:
+        """The client has read its rows of every step up to `step`."""
+        return bool(self.acks[client % READERS] >= step)
 
     def close(self) -> None:
         if self._registered is not None:
@@ -85,11 +109,16 @@ class OutputRing:
 
     @staticmethod
     def attach(spec: dict) -> dict[str, np.ndarray]:
-        """Read-only numpy views of an engine's ring file: header, codes, pcm."""
+        """Numpy views of an engine's ring file: header, codes, pcm read-only; acks (a worker writes its
+        own entry)."""
         layout = _layout(spec["slots"], spec["rows"], spec["K"], spec["frame_size"])
-        with open(spec["path"], "rb") as f:
-            mm = mmap.mmap(f.fileno(), _nbytes(layout), access=mmap.ACCESS_READ)
-        return _views(mm, layout)
+        with open(spec["path"], "r+b") as f:
+            mm = mmap.mmap(f.fileno(), _nbytes(layout), access=mmap.ACCESS_WRITE)
+        views = _views(mm, layout)
+        for name, v in views.items():
+            if name != "acks":
+                v.flags.writeable = False
+        return views
 
 
 def _views(mm: mmap.mmap, layout) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from csmserve.engine import messages as m
 from csmserve.engine.client import ClientBase
-from csmserve.engine.output_ring import OutputRing
+from csmserve.engine.output_ring import READERS, OutputRing
 from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStep, Event, Router, error_from, error_payload
 from csmserve.engine.request import Request
 
@@ -54,6 +54,7 @@ class RemoteEngineClient(ClientBase):
         super().__init__(Router(welcome.info.num_codebooks, cfg.first_chunk_frames, cfg.chunk_frames, self.abort),
                          client_id)
         self.ring = OutputRing.attach(welcome.ring)
+        self._ack = client_id % READERS
         self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -155,6 +156,7 @@ class RemoteEngineClient(ClientBase):
                 err = error_payload(RuntimeError("this API worker fell behind the engine; the stream was lost"))
                 step.events = step.events + [Event(int(h), EV_ERROR, err) for h in step.handles]
                 step.handles = np.full_like(step.handles, -1)
+            self.ring["acks"][self._ack] = step.step  # read: the engine may reuse the buffer
         self._on_loop(self.router.deliver, step, codes, pcm)
 
     def _gone(self, reason: str) -> None:

@@ -12,7 +12,7 @@ count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from csmserve.models.sampler import sample
 from csmserve.engine.slots import DepthKV, SlotKV, SlotState
 from csmserve.engine.speculate import RowParams, Speculator
 from csmserve.engine.staging import Staging
+
+if TYPE_CHECKING:
+    from csmserve.engine.graphs import FrameGraphs
 
 # admission staging columns: tokens [W], mask [W], then these
 _POS, _TOPK, _SEED, _SLOT, _RESET, _TEMP, _TOPP = range(7)
@@ -97,13 +100,18 @@ class ModelRunner:
         self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
         self.graphs = self.prefill_graphs = None
         if use_graphs if use_graphs is not None else cuda:
-            from csmserve.engine.graphs import FrameGraphs
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
-            self.graphs = FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets,
-                                      self.scratch, self.ring, self.device)
+            self.graphs = self.frame_graphs()
             self.prefill_graphs = PrefillGraphs(lambda packed: self.prefill_forward(packed, self.max_seq_len),
                                                 self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
+
+    def frame_graphs(self) -> FrameGraphs:
+        """The frame step, one CUDA graph per bucket (captured on first use of each)."""
+        from csmserve.engine.graphs import FrameGraphs
+
+        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets, self.scratch, self.ring,
+                           self.device)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission]) -> None:

@@ -60,13 +60,11 @@ def test_spec_graph_replay_equals_eager_every_bucket(n, k):
 @cuda
 def test_spec_graphs_without_if_nodes_equal_eager():
     """Buckets above Speculator.conditional_max_batch run every verify pass (no IF nodes): the same codes."""
-    from csmserve.engine.graphs import FrameGraphs
-
     model = model_on_gpu(torch.float32)
     K = model.cfg.num_codebooks
     graphed = ModelRunner(model, num_slots=8, max_seq_len=64, use_graphs=False, spec_depth=3)
     graphed.spec.conditional_max_batch = 2  # buckets 1, 2 with IF nodes; 4, 8 without
-    graphed.graphs = FrameGraphs(graphed)
+    graphed.graphs = graphed.frame_graphs()
     eager = ModelRunner(model, num_slots=8, max_seq_len=64, use_graphs=False, spec_depth=3)
     for n in (1, 3, 8):
         np.testing.assert_array_equal(run(graphed, n, 0.9, 6, K), run(eager, n, 0.9, 6, K))

@@ -55,7 +55,10 @@ class StandInRunner:
     def __init__(self, num_slots: int) -> None:
         import torch
 
+        from csmserve.engine.output_ring import OutputRing
+
         self.device, self.cfg, self.kv = torch.device("cpu"), self._Cfg(), self._KV()
+        self.ring = OutputRing(1, 1, K, 0)  # the engine's reader bookkeeping; the outputs are below
         self.codes = np.full((num_slots, K), 7, np.int64)
         self.pcm = np.zeros((num_slots, FS), np.float32)
 
