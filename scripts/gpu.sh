@@ -165,8 +165,23 @@ PY
       ${SERVE_BENCH_CMD:-python bench/serve_bench.py --url http://127.0.0.1:8100} ${SERVE_BENCH_ARGS:-} 2>&1 |
         tee -a "$OUT/ray_bench.txt"
       stop_server $pid
+      # the logs are too large to come back whole: their warnings and errors, counted, and the last lines
+      log="$OUT/serve_$name.log"
+      { grep -E "ERROR|WARNING|Error|Traceback" "$log" | sed -E 's/^[0-9-]+ [0-9:,]+ //; s/pid=[0-9]+/pid=N/g' |
+          cut -c1-240 | sort | uniq -c | sort -rn | head -60; echo "-- last lines"; tail -40 "$log"; } \
+        > "$OUT/serve_$name.problems.txt" 2>&1
+      rm -f "$log"
     done
   fi
+fi
+if [[ $what == final3 ]]; then
+  # one stream through the engine again (issue 17's check, a second sample), then Ray Serve against the plain
+  # server at 256 and 1,024 users (issue 14; carry .bundle)
+  python bench/engine_bench.py --sweep 1 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -8
+  RAY_PARTS="ttfa load" RAY_TTFA_REQUESTS=${RAY_TTFA_REQUESTS:-150} RAY_SETUPS=${RAY_SETUPS:-"plain 1x1 2x0.5"} \
+    RAY_MODEL_ARGS=${RAY_MODEL_ARGS:-"--model dummy --max-seq-len 512 --max-slots 1100"} \
+    SERVE_BENCH_ARGS=${SERVE_BENCH_ARGS:-"--client-procs 4 --ramp 5 --warmup 2 --duration 10 --drain 10 --scenario closed:users=256 --scenario closed:users=1024 --out $OUT/ray_load"} \
+    bash scripts/gpu.sh ray
 fi
 if [[ $what == final2 ]]; then
   # the load benchmark again with the new defaults (API workers, prefix cache), then Ray Serve (carry .bundle)

@@ -142,7 +142,7 @@ class Engine:
         return EngineStats(s.num_running + s.num_prefilling, s.num_waiting, s.num_idle, s.num_free_slots,
                            s.max_slots, st.get("hits", 0), st.get("misses", 0), st.get("hit_positions", 0),
                            st.get("stores", 0), st.get("evictions", 0), self.stats["steps"], self.stats["frames"],
-                           self.fatal)
+                           self.fatal, self.stats["reader_waits"], self.stats["reader_wait_s"])
 
     # ---- the loop
     def _run(self) -> None:

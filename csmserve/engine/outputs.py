@@ -59,6 +59,8 @@ class EngineStats:
     steps: int = 0
     frames: int = 0
     fatal: str | None = None  # the device error that stopped the engine
+    reader_waits: int = 0  # steps that waited for a worker to read the output ring (EngineConfig.reader_wait_s)
+    reader_wait_s: float = 0.0
 
 
 @dataclass

@@ -40,7 +40,11 @@ class _EngineCollector:
                 ("prefix_cache_stores", "Prompt prefixes stored in the prefix cache.",
                  None if s is None else s.prefix_stores, CounterMetricFamily),
                 ("prefix_cache_evictions", "Prompt prefixes evicted from the prefix cache (LRU by bytes).",
-                 None if s is None else s.prefix_evictions, CounterMetricFamily)]
+                 None if s is None else s.prefix_evictions, CounterMetricFamily),
+                ("engine_reader_waits", "Engine steps that waited for an API worker to read the previous "
+                 "results (a busy worker; --reader-wait-s).", getattr(s, "reader_waits", None), CounterMetricFamily),
+                ("engine_reader_wait_seconds", "Seconds the engine waited for API workers to read its results.",
+                 getattr(s, "reader_wait_s", None), CounterMetricFamily)]
         for name, doc, value, family in rows:
             m = family(f"csmserve:{name}", doc, labels=["model_name"])
             m.add_metric([self.model_name], float(value or 0))
