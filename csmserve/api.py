@@ -51,6 +51,12 @@ class Segment:
     codes: np.ndarray | None = None  # [frames, 32] int
     audio: np.ndarray | None = None  # [samples] float at 24 kHz (encoded with Mimi once)
 
+    @classmethod
+    def of_voice(cls, voice, speaker: int | None = None) -> Segment:
+        """A stored voice's clip (csmserve.voices.Voice: transcript, codes) as a context turn, spoken as
+        `speaker` (default: the voice's own)."""
+        return cls(voice.speaker if speaker is None else speaker, voice.transcript, codes=voice.codes)
+
 
 @dataclass
 class GenerationResult:

@@ -23,6 +23,9 @@ class FrameGraphs:
         # two host id buffers: the one written now was last read by the step before the previous one,
         # whose results the host has already waited for
         self.host_ids = [torch.full((n,), scratch, dtype=torch.long).pin_memory() for _ in range(2)]
+        # one completion event per ring buffer, recorded again each time its buffer is reused (the step
+        # that used it last has been read by then): no allocation per step
+        self.events = [torch.cuda.Event() for _ in range(ring.slots)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}
         self.flip = 0
@@ -62,6 +65,6 @@ class FrameGraphs:
         host_codes[:n].copy_(codes[:n], non_blocking=True)
         if pcm is not None:
             host_pcm[:n].copy_(pcm[:n], non_blocking=True)  # float32 already (frame_step)
-        event = torch.cuda.Event()
+        event = self.events[ring]
         event.record()
         return StepOutput(slots, host_codes, host_pcm, event, ring)

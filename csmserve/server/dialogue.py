@@ -56,7 +56,7 @@ async def build_dialogue(state: ServerState, body: SpeechRequest) -> tuple[Reque
     for voice, speaker in c.voices.items():  # each voice's clip, as the id it speaks with here
         resolved = await state.resolve_voice(voice, "voices" if body.voices else "input")
         if resolved.voice is not None:
-            clips.append(Segment(speaker, resolved.voice.transcript, codes=resolved.voice.codes))
+            clips.append(Segment.of_voice(resolved.voice, speaker))
     context = clips + await state.context_segments(body.context)
     segs = segments(filled, c.speakers)
     texts = [t for _, _, t in segs]

@@ -171,7 +171,7 @@ class ServerState:
                 seg_ms = min(seg_ms, max(1000, self.config.audio_ms_per_char * segment_chars))
             seg_ms = min(max_ms, seg_ms)
         resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
-        context = [Segment(resolved.speaker, resolved.voice.transcript, codes=resolved.voice.codes)] \
+        context = [Segment.of_voice(resolved.voice, resolved.speaker)] \
             if resolved is not None and resolved.voice is not None else []
         context += await self.context_segments(turns)
         context += list(extra)

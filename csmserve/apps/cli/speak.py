@@ -158,8 +158,7 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
     if args.voice is not None and args.lines is None:  # (a script casts its voices itself)
         resolved, = _resolve_voices(args.voices_db, [args.voice])
         if resolved.voice is not None:
-            v = resolved.voice
-            context.append(Segment(v.speaker, v.transcript, codes=v.codes))
+            context.append(Segment.of_voice(resolved.voice))
         speaker = resolved.speaker if speaker is None else speaker
     speaker = 0 if speaker is None else speaker
     script = _cast_script(args) if args.lines is not None else None

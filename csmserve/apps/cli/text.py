@@ -3,7 +3,6 @@ into pieces a server takes in one request."""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -49,9 +48,11 @@ def read_text(args: argparse.Namespace) -> str:
 
 
 def split_sentences(text: str) -> list[str]:
-    """Whole sentences (what `pieces` packs): split after . ! ? … followed by a space."""
-    parts = re.split(r"(?<=[.!?…])[\"')\]]*\s+", text)
-    return [p.strip() for p in parts if p.strip()]
+    """Whole sentences (what `pieces` packs): the server's sentence splitter (csmserve/prompt/segments.py:
+    abbreviations, closing quotes, paragraphs) without its cap on a sentence's length."""
+    from csmserve.prompt.segments import split_sentences as split
+
+    return split(text, max_words=1 << 30, max_chars=1 << 30)
 
 
 def pieces(text: str, limit: int) -> list[str]:

@@ -1,5 +1,5 @@
 """The soak, 2 minutes on the CPU: `bench/soak.py` against `csmserve serve --model dummy-tiny --api-workers 2`
-(an engine-core process and two API workers), 12 users in 2 client processes for 90 s: speech in pcm / mp3
+(an engine-core process and two API workers), 12 users in 2 client processes for 120 s: speech in pcm / mp3
 / opus / wav, requests cut mid-stream by FIN and RST, hostile requests (hostile.py, every one answered as
 it must be), voices created, used and deleted, WebSocket conversations with hostile messages and cut
 turns between their turns. Shown: 0 responses >= 500, 0 failures of any kind, 0 crashes (every server
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-DURATION = 90
+DURATION = 120  # the issue's "2-minute CPU version"
 
 
 def test_soak_on_the_cpu(tmp_path):
@@ -57,5 +57,5 @@ def test_soak_on_the_cpu(tmp_path):
     for name in ("engine", "api-0", "api-1"):
         assert growth[name] < 200, growth
     windows = s["ttfa_windows"]
-    assert len(windows) == 3 and all(w["http"]["n"] > 0 and w["http"]["p99"] > 0 for w in windows), windows
+    assert len(windows) == DURATION // 30 and all(w["http"]["n"] > 0 and w["http"]["p99"] > 0 for w in windows), windows
     assert "## Soak: 12 users" in p.stdout and "| slots in use after | 0 running, 0 waiting" in p.stdout
