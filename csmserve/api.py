@@ -102,6 +102,7 @@ class CSM:
         cdtype = resolve_dtype(codec_dtype, self.device)
         self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
         self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
+        self._has_codec = self.mimi is not None
         self.sample_rate = SAMPLE_RATE
         self.use_engine = engine
         self.engine_config = engine_config
@@ -160,7 +161,7 @@ class CSM:
     # ---- prompts
     def encode_audio(self, audio: np.ndarray) -> np.ndarray:
         """A 24 kHz mono waveform -> Mimi codes [frames, 32] int64."""
-        if self.mimi is None and getattr(self, "_has_codec", False):  # attached: the engine process encodes
+        if self.mimi is None and self._has_codec:  # attached: the engine process encodes
             audio = np.asarray(audio, dtype=np.float32)
             if audio.ndim != 1 or audio.size == 0:
                 raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {audio.shape}")
@@ -375,7 +376,7 @@ class CSM:
         out = []
         for req, chunks in zip(reqs, self.client.run(reqs)):
             codes = np.concatenate([c.codes for c in chunks])
-            audio = np.concatenate([c.audio for c in chunks]) if self.mimi is not None else None
+            audio = np.concatenate([c.audio for c in chunks]) if self._has_codec else None  # attached: decoded there
             out.append(GenerationResult(codes, audio, chunks[-1].finish_reason or "length", req.params.seed))
         return out
 

@@ -59,6 +59,7 @@ class RemoteEngineClient(ClientBase):
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._fatal: str | None = None
+        self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._reader = threading.Thread(target=self._read, name="csmserve-engine-reader", daemon=True)
         self._reader.start()
@@ -141,6 +142,8 @@ class RemoteEngineClient(ClientBase):
                         else:
                             fut.set_result(msg.codes)
         except (EOFError, OSError) as e:
+            if self._closing:  # our own shutdown(): nothing was lost
+                return
             self._gone(f"the engine process exited ({type(e).__name__})")
         except Exception as e:  # noqa: BLE001 - a broken message stream is the same as a lost engine
             log.exception("reading from the engine failed")
@@ -178,6 +181,7 @@ class RemoteEngineClient(ClientBase):
         return self._fatal or super().fatal
 
     def shutdown(self) -> None:
+        self._closing = True
         try:
             self.conn.close()
         except OSError:

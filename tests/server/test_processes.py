@@ -235,3 +235,30 @@ def test_the_engine_process_sizes_its_slots_to_its_share_of_the_gpu(monkeypatch)
     assert processes.load_engine_model(spec).engine_config.max_slots is None  # the whole GPU: sized as ever
     fixed = dataclasses.replace(spec, engine=EngineConfig(max_slots=16))
     assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config.max_slots == 16 and shares == [0.5]
+
+
+def test_a_csm_attached_to_an_engine_process_generates_audio():
+    """`CSM.attach` (an API worker's CSM, no codec of its own): generate() returns the audio the engine
+    process decoded, as an in-process CSM does."""
+    import shutil
+
+    from csmserve.config import EngineConfig
+    from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
+
+    rundir = new_rundir()
+    spec = engine_spec("dummy-tiny", "cpu", None, None, None, EngineConfig(max_slots=2, max_seq_len=256), "warning",
+                       rundir)
+    proc = EngineProcess(spec, load_engine_model)
+    proc.start()
+    csm = None
+    try:
+        proc.wait_ready()
+        csm = attach_engine(spec.address, spec.authkey, 7, timeout=60)
+        r = csm.generate("Hello there.", temperature=0.0, max_audio_length_ms=240)
+        assert r.codes.shape[0] > 0
+        assert r.audio is not None and r.audio.shape == (r.codes.shape[0] * 1920,)
+    finally:
+        if csm is not None:
+            csm.close()
+        proc.stop()
+        shutil.rmtree(rundir, ignore_errors=True)
