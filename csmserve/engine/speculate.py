@@ -93,9 +93,12 @@ class _WriteAt:
 
     def begin(self, pos: Tensor) -> None:
         w = pos if self.write is None else self.write  # [B, S]
-        if self.use_triton and self.prepared:
-            B, S = w.shape
-            self.rows = self._rows(B, S)
+        if self.prepared:  # the prepared KV positions, not the (clamped) RoPE positions `pos`
+            B, S = pos.shape
+            if self.use_triton:
+                self.rows = self._rows(B, S)
+            else:  # torch attention (head_dim < 16): it too must write the unclamped positions
+                self.kv.begin(self.pos.view(B, S))
             return
         if not self.use_triton:
             self.kv.begin(w)
