@@ -41,6 +41,8 @@ _HELP = {
     "affinity_load_factor": "a voice / conversation stays on its replica while that one's load is under "
                             "this x the mean (+1)",
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
+    "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
+                     "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
 }
