@@ -185,9 +185,8 @@ if [[ $what == final3 ]]; then
 fi
 if [[ $what == final2 ]]; then
   # the load benchmark again with the new defaults (API workers, prefix cache), then Ray Serve (carry .bundle)
-  SITE=${RAY_SITE:-/tmp/site}; mkdir -p "$SITE"
-  for a in .bundle/ray-cp312.tar.xz .bundle/av-cp312.tar.xz; do [ -f "$a" ] && tar -C "$SITE" -xJf "$a"; done
-  export PYTHONPATH=$PWD:$SITE RAY_USAGE_STATS_ENABLED=0 RAY_SITE=$SITE
+  use_bundle
+  export RAY_USAGE_STATS_ENABLED=0
   SERVE_SCENARIOS="closed:users=256 closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024" \
     SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve
   RAY_PARTS="ttfa load" RAY_SETUPS="1x1 2x0.5" RAY_TTFA_REQUESTS=100 \

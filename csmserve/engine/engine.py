@@ -91,7 +91,6 @@ class Engine:
         self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0, "reader_waits": 0,
                       "reader_wait_s": 0.0}
         self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s
-        self._left: set[int] = set()  # clients that disconnected: never waited for
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
         self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
@@ -223,20 +222,21 @@ class Engine:
         ring = self.runner.ring
         if self._given_up:
             self._given_up = {c: s for c, s in self._given_up.items() if not ring.caught_up(c, s)}
-        waited = False
-        deadline = t0 = time.perf_counter()
-        while lagging := [c for c in ring.lagging() if c not in self._given_up and c not in self._left]:
-            if not waited:
-                waited, deadline = True, t0 + self.config.reader_wait_s
-                self.stats["reader_waits"] += 1
-            if time.perf_counter() >= deadline:
-                log.warning("API worker(s) %s had not read step %d after %.1f s: their streams in it end with an "
-                            "error", lagging, ring.upcoming_step(), self.config.reader_wait_s)
-                self._given_up.update({c: ring.upcoming_step() for c in lagging})
-                break
+        lagging = [c for c in ring.lagging() if c not in self._given_up]
+        if not lagging:
+            return
+        self.stats["reader_waits"] += 1
+        t0 = time.perf_counter()
+        deadline = t0 + self.config.reader_wait_s
+        while lagging and time.perf_counter() < deadline:
             time.sleep(2e-4)
-        if waited:
-            self.stats["reader_wait_s"] += time.perf_counter() - t0
+            lagging = [c for c in ring.lagging() if c not in self._given_up]
+        if lagging:
+            step = ring.upcoming_step()
+            log.warning("API worker(s) %s had not read step %d after %.1f s: their streams in it end with an error",
+                        lagging, step, self.config.reader_wait_s)
+            self._given_up.update(dict.fromkeys(lagging, step))
+        self.stats["reader_wait_s"] += time.perf_counter() - t0
 
     def _drain(self, block: bool) -> None:
         for kind, a, b in self.inbox.get(block):
@@ -271,7 +271,7 @@ class Engine:
         for rid in list(self._live.pop(client, ())):
             self.scheduler.abort(rid)
         self._events.pop(client, None)
-        self._left.add(client)  # its reads are never waited for again (ids are unique per start)
+        self.runner.ring.forget(client)  # its reads are never waited for (ids are unique per start)
 
     def _append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
         try:
@@ -312,7 +312,7 @@ class Engine:
             self.router.deliver(step, codes, pcm)
             return
         clients = rows.handles >> CLIENT_SHIFT
-        with_rows = [c for c in np.unique(clients).tolist() if c >= 0]
+        with_rows = np.unique(clients).tolist()
         if out is not None:
             self.runner.ring.readers[out.ring] = tuple(with_rows)  # who must read it before its reuse
         for c in set(with_rows) | set(self._events):

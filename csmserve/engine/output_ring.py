@@ -88,6 +88,10 @@ class OutputRing:
         step = self.header[r]
         return [c for c in self.readers[r] if self.acks[c % READERS] < step]
 
+    def forget(self, client: int) -> None:
+        """A client that left: it never lags (until a client with the same entry acks a step)."""
+        self.acks[client % READERS] = np.iinfo(np.int64).max
+
     def caught_up(self, client: int, step: int) -> bool:
         """The client has read its rows of every step up to `step`."""
         return bool(self.acks[client % READERS] >= step)

@@ -19,8 +19,8 @@ class Staging:
         cuda = device.type == "cuda"
         self.host = [torch.zeros(rows, width, dtype=dtype, pin_memory=cuda) for _ in range(depth if cuda else 1)]
         self.dev = torch.zeros(rows, width, dtype=dtype, device=device)
-        self.events = [torch.cuda.Event() for _ in self.host] if cuda else []  # re-recorded at each reuse
-        self._used = [False] * len(self.host)
+        # one per host buffer, recorded again at each reuse (one never recorded: synchronize() returns at once)
+        self.events = [torch.cuda.Event() for _ in self.host] if cuda else []
         self._i = 0
 
     def put(self, a: np.ndarray) -> Tensor:
@@ -33,11 +33,9 @@ class Staging:
             return self.dev[:n]
         i = self._i
         self._i = (i + 1) % len(self.host)
-        if self._used[i]:
-            self.events[i].synchronize()  # the copy that last read this buffer has run (depth steps ago)
+        self.events[i].synchronize()  # the copy that last read this buffer has run (depth steps ago)
         host = self.host[i]
         host.numpy()[:n] = a
         self.dev[:n].copy_(host[:n], non_blocking=True)
         self.events[i].record()
-        self._used[i] = True
         return self.dev[:n]

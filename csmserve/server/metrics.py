@@ -42,9 +42,9 @@ class _EngineCollector:
                 ("prefix_cache_evictions", "Prompt prefixes evicted from the prefix cache (LRU by bytes).",
                  None if s is None else s.prefix_evictions, CounterMetricFamily),
                 ("engine_reader_waits", "Engine steps that waited for an API worker to read the previous "
-                 "results (a busy worker; --reader-wait-s).", getattr(s, "reader_waits", None), CounterMetricFamily),
+                 "results (a busy worker; --reader-wait-s).", None if s is None else s.reader_waits, CounterMetricFamily),
                 ("engine_reader_wait_seconds", "Seconds the engine waited for API workers to read its results.",
-                 getattr(s, "reader_wait_s", None), CounterMetricFamily)]
+                 None if s is None else s.reader_wait_s, CounterMetricFamily)]
         for name, doc, value, family in rows:
             m = family(f"csmserve:{name}", doc, labels=["model_name"])
             m.add_metric([self.model_name], float(value or 0))
