@@ -1,5 +1,5 @@
 """The soak, 2 minutes on the CPU: `bench/soak.py` against `csmserve serve --model dummy-tiny --api-workers 2`
-(an engine-core process and two API workers), 12 users in 2 client processes for 120 s: speech in pcm / mp3
+(an engine-core process and two API workers), 12 users in 2 client processes for 90 s: speech in pcm / mp3
 / opus / wav, requests cut mid-stream by FIN and RST, hostile requests (hostile.py, every one answered as
 it must be), voices created, used and deleted, WebSocket conversations with hostile messages and cut
 turns between their turns. Shown: 0 responses >= 500, 0 failures of any kind, 0 crashes (every server
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-DURATION = 120  # the issue's "2-minute CPU version"
+DURATION = 90  # with the server start and the checks, ~2 minutes (the issue's "2-minute CPU version"; CI's 20 minutes)
 
 
 def test_soak_on_the_cpu(tmp_path):
