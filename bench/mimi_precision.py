@@ -18,21 +18,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from csmserve.models.mimi import Mimi, MimiConfig, MimiStream  # noqa: E402
+from csmserve.models.mimi import DECODE_LAYOUT, Mimi, MimiConfig, MimiStream  # noqa: E402
 from csmserve.models.mimi_loader import dummy_init  # noqa: E402
 
 
-def stream_decode(mimi: Mimi, codes: torch.Tensor) -> torch.Tensor:
+def stream_decode(mimi: Mimi, codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     """codes [B, K, T] -> float32 audio [B, T * frame_size], one frame per step."""
     B = codes.shape[0]
-    st = MimiStream(mimi, B, "decode", 1)
+    st = MimiStream(mimi, B, "decode", 1, layout=layout)
     rows = torch.arange(B, device=codes.device)
     out = [st.decode_step(codes[:, :, t:t + 1], rows).float() for t in range(codes.shape[-1])]
     return torch.cat(out, -1)
 
 
-def step_ms(mimi: Mimi, batch: int, device: str, iters: int = 20) -> float:
-    st = MimiStream(mimi, batch, "decode", 1)
+def step_ms(mimi: Mimi, batch: int, device: str, iters: int = 20, layout: str | None = None) -> float:
+    st = MimiStream(mimi, batch, "decode", 1, layout=layout)
     rows = torch.arange(batch, device=device)
     codes = torch.randint(0, mimi.cfg.codebook_size, (batch, 32, 1), device=device)
     for _ in range(3):
@@ -61,24 +61,34 @@ def main() -> int:
     bf_model = bf_model.to(torch.bfloat16)
     codes = torch.randint(0, 2048, (args.batch, 32, args.frames), device=args.device)
     with torch.inference_mode():
-        ref = stream_decode(ref_model, codes)
+        ref = stream_decode(ref_model, codes, "nct")
         got = stream_decode(bf_model, codes)
+        got_nct = stream_decode(bf_model, codes, "nct")
+        cl32 = stream_decode(ref_model, codes, "cl")
         whole = ref_model.decode(codes)[:, 0].float()
-    err = got - ref
-    snr = 10 * torch.log10(ref.pow(2).sum(-1) / err.pow(2).sum(-1).clamp_min(1e-30))  # [B]
+    def snr_of(x: torch.Tensor) -> torch.Tensor:  # [B] dB against the float32 conv-layout stream
+        return 10 * torch.log10(ref.pow(2).sum(-1) / (x - ref).pow(2).sum(-1).clamp_min(1e-30))
+
+    err, snr = got - ref, snr_of(got)
     whole_snr = 10 * torch.log10(whole.pow(2).sum() / (whole - ref).pow(2).sum().clamp_min(1e-30))
     print(f"device {args.device}, {args.batch} rows x {args.frames} frames, random weights of the real shape")
     print("| | SNR min (dB) | SNR median (dB) | max abs error | audio RMS |")
     print("|---|---|---|---|---|")
-    print(f"| bfloat16 streaming vs float32 streaming | {snr.min():.1f} | {snr.median():.1f} | "
-          f"{err.abs().max():.2e} | {ref.pow(2).mean().sqrt():.3e} |")
+    print(f"| bfloat16 streaming ({DECODE_LAYOUT}, the default) vs float32 streaming (nct) | {snr.min():.1f} | "
+          f"{snr.median():.1f} | {err.abs().max():.2e} | {ref.pow(2).mean().sqrt():.3e} |")
+    for name, x in (("bfloat16 streaming, nct", got_nct), ("float32 streaming, cl", cl32)):
+        s = snr_of(x)
+        print(f"| {name} vs float32 streaming (nct) | {s.min():.1f} | {s.median():.1f} | "
+              f"{(x - ref).abs().max():.2e} | |")
     print(f"| float32 streaming vs float32 whole (the streaming decode's own exactness) | {whole_snr:.1f} | | "
           f"{(whole - ref).abs().max():.2e} | |")
-    print("\n| batch | float32 step (ms) | bfloat16 step (ms) | (eager, no graph) |")
-    print("|---|---|---|---|")
+    print("\n| batch | layout | float32 step (ms) | bfloat16 step (ms) | (eager, no graph) |")
+    print("|---|---|---|---|---|")
     with torch.inference_mode():
         for b in (int(x) for x in args.speed_batches.split(",")):
-            print(f"| {b} | {step_ms(ref_model, b, args.device):.2f} | {step_ms(bf_model, b, args.device):.2f} | |")
+            for lay in ("nct", "cl"):
+                print(f"| {b} | {lay} | {step_ms(ref_model, b, args.device, layout=lay):.2f} | "
+                      f"{step_ms(bf_model, b, args.device, layout=lay):.2f} | |")
     return 0
 
 

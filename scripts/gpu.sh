@@ -102,6 +102,23 @@ if [[ $what == check ]]; then
   python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -12
   wait
 fi
+if [[ $what == layout ]]; then
+  # Mimi's SEANet decoder channels-last (models/mimi_decoder.py) against the conv layout: GPU tests (graphs ==
+  # eager with the new decoder in the frame step, speculation), the step at 2,048 profiled in both layouts,
+  # precision, the frame step with Mimi in both (~7 minutes)
+  unpack_bundle > "$OUT/unpack.txt" 2>&1 &
+  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/engine tests/models} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25
+  for lay in nct cl; do
+    python bench/profile_mimi.py --batch 2048 --rows 14 --layout $lay 2>&1 | tee "$OUT/profile_mimi_$lay.txt" | head -22
+  done
+  python bench/mimi_precision.py --frames 100 --batch 8 --speed-batches 256,2048 2>&1 | tee "$OUT/mimi_precision.txt"
+  for lay in nct cl; do
+    echo "## CSMSERVE_MIMI_LAYOUT=$lay" | tee -a "$OUT/frame_step_codec.txt"
+    CSMSERVE_MIMI_LAYOUT=$lay python bench/frame_step.py --batches 1,64,2048 --steps 20 --fuse --codec 2>&1 \
+      | tee -a "$OUT/frame_step_codec.txt" | tail -5
+  done
+  wait
+fi
 if [[ $what == final ]]; then
   # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
   log="$OUT/final.log"

@@ -14,13 +14,18 @@ in the rotate-half RoPE layout (HF's; moshi's interleaved q/k rows are permuted 
 """
 from __future__ import annotations
 
+import os
 
 import torch
 from torch import Tensor, nn
 
 from csmserve.models.mimi_config import MimiConfig  # noqa: F401 (re-exported)
+from csmserve.models.mimi_decoder import ChannelsLastDecoder
 from csmserve.models.mimi_layers import (CausalConv, CausalConvTr, RowView, SplitRVQ, Stateful, Transformer,
                                          run_layers, seanet_decoder, seanet_encoder, window_attention_available)
+
+# the streaming decode's SEANet layout: "cl" (channels-last GEMMs, mimi_decoder.py) or "nct" (the conv layout)
+DECODE_LAYOUT = os.environ.get("CSMSERVE_MIMI_LAYOUT", "cl")
 
 
 # --------------------------------------------------------------------------- the codec
@@ -82,17 +87,29 @@ class MimiStream:
     max_frames: the most frames one step may carry (sizes the transformer ring slack).
     kernel: transformer attention reads the KV rings in place (Triton) instead of gathering the
     step's rows; None = when the state lives on CUDA and triton imports. Same results either way.
+    layout: the decode's SEANet in "cl" (channels-last GEMMs, `ChannelsLastDecoder`) or "nct" (the conv
+    layout); None = DECODE_LAYOUT (CSMSERVE_MIMI_LAYOUT). Same math; the state differs.
     """
 
     def __init__(self, mimi: Mimi, max_rows: int, part: str = "decode", max_frames: int = 4,
-                 device: torch.device | str | None = None, moshi_window: bool = False, kernel: bool | None = None):
+                 device: torch.device | str | None = None, moshi_window: bool = False, kernel: bool | None = None,
+                 layout: str | None = None):
         if part not in ("decode", "encode"):
             raise ValueError(f"part must be 'decode' or 'encode', not {part!r}")
+        layout = layout or DECODE_LAYOUT
+        if layout not in ("cl", "nct"):
+            raise ValueError(f"layout must be 'cl' or 'nct', not {layout!r}")
         self.mimi, self.part, self.max_frames, self.moshi_window = mimi, part, max_frames, moshi_window
         device = device or mimi.downsample.weight.device
         self.bufs: dict[str, Tensor] = {}
         steps = max_frames * mimi.cfg.latent_stride
-        for m in mimi.stateful_modules(part):
+        modules = mimi.stateful_modules(part)
+        self.decoder: ChannelsLastDecoder | None = None
+        if part == "decode" and layout == "cl":
+            self.decoder = ChannelsLastDecoder(mimi.decoder)
+            seanet = {id(m) for m in mimi.decoder.modules()}
+            modules = [m for m in modules if id(m) not in seanet] + [self.decoder]
+        for m in modules:
             for name, (shape, dtype) in m.state_specs(steps).items():
                 self.bufs[f"{m.key}.{name}"] = torch.zeros(max_rows, *shape, dtype=dtype or mimi.dtype, device=device)
         self.max_rows = max_rows
@@ -113,7 +130,12 @@ class MimiStream:
     def decode_step(self, codes: Tensor, rows: Tensor) -> Tensor:
         # codes [B, K, n] -> pcm [B, n * frame_size] (dtype of the model)
         assert self.part == "decode"
-        return self.mimi.synth(codes, self._view(rows, codes.shape[-1]))[:, 0]
+        view = self._view(rows, codes.shape[-1])
+        if self.decoder is None:
+            return self.mimi.synth(codes, view)[:, 0]
+        m = self.mimi
+        x = m.decoder_transformer(m.upsample(m.quantizer.decode(codes, m.dtype), view), view)  # [B, D, 2n]
+        return self.decoder(x.transpose(1, 2), view)  # [B, 2n, D] contiguous -> [B, n * frame_size]
 
     @torch.inference_mode()
     def encode_step(self, wav: Tensor, rows: Tensor) -> Tensor:
