@@ -196,11 +196,11 @@ if [[ $what == load ]]; then
   # budget of LOAD_BUDGET positions per step, then the two scenarios the budget binds (WebSocket conversations,
   # the burst) at LOAD_BUDGET2, to choose the default from measurement (~8 minutes)
   use_bundle
-  SERVE_ARGS="--prefill-token-budget ${LOAD_BUDGET:-4096}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
+  SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET:-4096}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
     closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
     SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve
   mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
-  [[ -n ${LOAD_BUDGET2:-2048} ]] && SERVE_ARGS="--prefill-token-budget ${LOAD_BUDGET2:-2048}" \
+  [[ -n ${LOAD_BUDGET2:-2048} ]] && SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET2:-2048}" \
     SERVE_SCENARIOS=${LOAD_SCENARIOS2:-"ws:users=1024 burst:users=2048,within=3"} SERVE_RAMP=6 SERVE_DURATION=12 \
     SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
   [ -f "$OUT/b/serve_bench.txt" ] && cp "$OUT/b/serve_bench.txt" "$OUT/serve_bench_b.txt"
