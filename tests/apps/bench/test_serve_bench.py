@@ -35,6 +35,9 @@ def test_serve_bench_end_to_end(tmp_path):
         assert s["server"]["ttfa_count"] > 0 and s["server"]["ttfa_p50_ms"] > 0, s
         assert s["clients"]["procs"] == 2 and s["clients"]["user_errors"] == []
     assert report["scenarios"][3]["requests"]["counted"] == 4  # a burst counts every arrival
+    cpu = report["scenarios"][0]["server"]["cpu"]  # the server tree's CPU over the window, by process kind
+    assert cpu["engine"] > 0 and cpu["workers_n"] >= 1 and cpu["workers"] > 0, cpu
+    assert cpu["worker_min"] <= cpu["worker_max"] <= cpu["workers"], cpu
     md = out.with_suffix(".md").read_text()
     assert "| scenario | requests/s | TTFA p50 / p99 (ms)" in md and "| ws 4 ws 1v |" in md
     assert "TTFA p50 / p99" in p.stdout

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from csmserve.apps.bench.serve import metrics, report
+from csmserve.apps.bench.serve import metrics, report, tree
 from csmserve.apps.bench.serve.scenario import FORMATS, Scenario, parse_scenario
 from csmserve.apps.bench.serve.server import ServerProcess, create_voices, delete_voices, raise_fd_limit, wait_ready
 
@@ -203,6 +203,13 @@ class Bench:
                 return
             time.sleep(0.2)
 
+    @staticmethod
+    def _cpu_window(pid: int, t0: float, t1: float, out: dict) -> None:
+        time.sleep(max(0.0, t0 - time.monotonic()))
+        before = tree.cpu_seconds(pid)
+        time.sleep(max(0.0, t1 - time.monotonic()))
+        out["cores"] = tree.cpu_cores(before, tree.cpu_seconds(pid), t1 - t0)
+
     def run(self, sc: Scenario) -> dict:
         self.settle()
         n = len(self.workers)
@@ -218,6 +225,9 @@ class Bench:
                     "texts": self.texts, "voices": voices, "api_key": self.args.api_key,
                     "backoff": self.args.backoff, "ws_compression": self.args.ws_compression})
         t0, t1 = sc.window(t_start)
+        cpu: dict = {}
+        if self.server is not None and self.server.proc is not None:  # the server's CPU over the window
+            threading.Thread(target=self._cpu_window, args=(self.server.proc.pid, t0, t1, cpu), daemon=True).start()
         after = None
         try:
             self.wait_events("drained", len(shares), t1 + self.args.drain)
@@ -231,6 +241,8 @@ class Bench:
             raise RuntimeError(f"only {len(results)} of {len(shares)} client processes reported")
         records = [r for _, msg in results for r in msg["records"]]
         server = metrics.summarize(before, after, sampler.samples, t0, t1)
+        if server is not None and cpu.get("cores"):
+            server["cpu"] = cpu["cores"]
         summary = report.summarize(sc, records, t_start, [msg for _, msg in results], server)
         if self.args.save_records:
             summary["records"] = records

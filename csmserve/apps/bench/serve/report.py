@@ -109,6 +109,11 @@ def details(s: dict) -> str:
         parts.append(f"server: {srv.get('ttfa_count')} first audios, {_f(srv.get('frames_per_s'))} frames/s in the "
                      f"window, waiting max {_f(srv.get('waiting_max'))}, finished {srv.get('finished')}, "
                      f"errors {srv.get('errors') or 0}" + (f", prefix {srv['prefix']}" if srv.get("prefix") else ""))
+    if srv.get("cpu"):
+        c = srv["cpu"]
+        parts.append(f"server CPU (cores, over the window): engine process {c['engine']}, {c['workers_n']} API workers "
+                     f"{c['workers']} (busiest {_f(c['worker_max'], '{:.2f}')}, least {_f(c['worker_min'], '{:.2f}')}), "
+                     f"other {c['other']}")
     if s["clients"]["user_errors"]:
         parts.append(f"client errors: {s['clients']['user_errors']}")
     return "; ".join(parts)

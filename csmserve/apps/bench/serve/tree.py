@@ -141,3 +141,30 @@ def gpu_memory(pids: list[int]) -> dict | None:
 def own_pid_ok(pid: int) -> bool:
     """A pid given with --server-pid can be read here (same machine, same pid namespace)."""
     return os.path.isdir(PROC / str(pid)) and alive(pid)
+
+
+def cpu_seconds(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (comm, user + system CPU seconds so far) for `root` and every process under it."""
+    tick, out, stack = os.sysconf("SC_CLK_TCK"), {}, [root]
+    while stack:
+        pid = stack.pop()
+        text = _read(PROC / str(pid) / "stat")
+        if text is None:
+            continue
+        f = text[text.rfind(")") + 2:].split()  # f[11], f[12]: utime, stime (stat fields 14, 15)
+        out[pid] = (text[text.find("(") + 1:text.rfind(")")], (int(f[11]) + int(f[12])) / tick)
+        stack += children(pid)
+    return out
+
+
+def cpu_cores(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float) -> dict:
+    """CPU cores used between two `cpu_seconds` by the engine-core process, the API workers (total, busiest,
+    least busy: how evenly the connections spread) and the rest of the tree."""
+    used = {pid: (comm, (t - before[pid][1]) / seconds) for pid, (comm, t) in after.items() if pid in before}
+    workers = sorted(c for comm, c in used.values() if comm.startswith("csmserve-api"))
+    return {"engine": round(sum(c for comm, c in used.values() if comm == "csmserve-engine"), 2),
+            "workers": round(sum(workers), 2), "workers_n": len(workers),
+            "worker_max": round(workers[-1], 2) if workers else None,
+            "worker_min": round(workers[0], 2) if workers else None,
+            "other": round(sum(c for comm, c in used.values()
+                               if comm != "csmserve-engine" and not comm.startswith("csmserve-api")), 2)}
