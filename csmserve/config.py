@@ -26,7 +26,11 @@ class EngineConfig:
     prefill_token_budget: int = 4096
     max_prefill_chunk: int = 512  # prompt positions prefilled per step for one slot
     first_chunk_frames: int = 1  # frames in a request's first AudioChunk (time to first audio)
-    chunk_frames: int = 4  # frames in each later AudioChunk
+    # frames in each later AudioChunk. A playback started at the first byte with a buffer of b ms runs dry
+    # when the chunk of frames [a, a + c) lands after its first frame is due: its margin is b - (c - 1) * s
+    # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
+    # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
+    chunk_frames: int = 2
     # True: launch frame step N+1 before reading step N's results (the GPU never waits for the host);
     # False: launch it once step N is done, so a request arriving during step N starts in N+1, one
     # frame step sooner under load, at the cost of the host's scheduling time between steps

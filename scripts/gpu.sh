@@ -205,6 +205,21 @@ if [[ $what == load ]]; then
     SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
   [ -f "$OUT/b/serve_bench.txt" ] && cp "$OUT/b/serve_bench.txt" "$OUT/serve_bench_b.txt"
 fi
+if [[ $what == load2 ]]; then
+  # the engine benchmark (one stream, 2,048), the load benchmark with the defaults (prefill budget 4,096,
+  # chunks of 2 frames), then 2,048 pcm users again with chunks of 4 frames (the old default) (~7 minutes)
+  use_bundle
+  python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 \
+    | tee "$OUT/engine_bench.txt" | tail -8
+  SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus
+    ws:users=1024 burst:users=2048,within=3"} SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve \
+    | grep -v "^(" | tail -12
+  mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
+  SERVE_ARGS="--server-args=--chunk-frames=4" SERVE_SCENARIOS="closed:users=2048" SERVE_RAMP=6 SERVE_DURATION=12 \
+    SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
+  [ -f "$OUT/b/serve_bench.txt" ] && grep -v "^(" "$OUT/b/serve_bench.txt" | tail -6 | tee "$OUT/serve_bench_b.txt"
+  rm -rf "$OUT/b"
+fi
 if [[ $what == final3 ]]; then
   # one stream through the engine again (issue 17's check, a second sample), then Ray Serve against the plain
   # server at 256 and 1,024 users (issue 14; carry .bundle)
