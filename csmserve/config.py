@@ -114,6 +114,9 @@ class ServerConfig:
     # a client reading the audio this many seconds behind real time (playback from its first chunk)
     # has its request stopped and its slot freed; also the longest a response write may stall
     max_reader_lag_s: float = 30.0
+    # while an API worker's event loop is saturated (encoding), a response already this many seconds of
+    # audio ahead of real time waits before its next chunk is encoded (server/lead.py); 0: never
+    max_lead_s: float = 2.0
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None
@@ -148,6 +151,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
+        if self.max_lead_s < 0:
+            raise ValueError(f"ServerConfig.max_lead_s must be >= 0, got {self.max_lead_s}")
         if self.max_reader_lag_s <= 0:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
         if self.api_workers is not None and self.api_workers < 0:

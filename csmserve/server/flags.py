@@ -43,6 +43,8 @@ _HELP = {
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
+    "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
+                  "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
 }

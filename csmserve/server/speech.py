@@ -20,11 +20,13 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
+from csmserve.config import SAMPLE_RATE
 from csmserve.engine.request import AudioChunk
 from csmserve.server import openapi
 from csmserve.prompt.segments import segment_spans
 from csmserve.server.dialogue import Script, build_dialogue, is_dialogue
 from csmserve.server.errors import APIError
+from csmserve.server.lead import Lead
 from csmserve.server.schemas import SpeechRequest, parse_body
 from csmserve.server.state import ServerState
 from csmserve.server.timestamps import SegmentClock
@@ -75,11 +77,12 @@ async def create_speech(http: Request) -> StreamingResponse:
     headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":
         timing = _Timing(script, spans, body.speed, dialogue=is_dialogue(body), enabled=body.add_timestamps)
-        content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing)
+        content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing, state.lead,
+                       body.speed)
         return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)
     media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
-    return _closing(ClosingStreamingResponse(_audio(chunks, first, encoder, request.request_id),
-                                             media_type=media_type, headers=headers), state)
+    audio = _audio(chunks, first, encoder, request.request_id, state.lead, body.speed)
+    return _closing(ClosingStreamingResponse(audio, media_type=media_type, headers=headers), state)
 
 
 async def _first_or_gone(chunks: AsyncIterator[AudioChunk], http: Request) -> AudioChunk | None:
@@ -120,22 +123,27 @@ async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:
     return encoder.close() if chunk is None else encoder.write(chunk.audio)
 
 
-async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder
-                   ) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
-    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None
+async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, lead: Lead,
+                   speed: float = 1.0) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
+    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None. While the worker is
+    # saturated, a stream far ahead of real time waits (server/lead.py)
     try:
         if first is not None:
+            t_first = time.monotonic()
             yield await _encode(encoder, first), first
+            audio_s = first.audio.size / SAMPLE_RATE / speed
             async for chunk in chunks:
+                await lead.wait(t_first, audio_s)
                 yield await _encode(encoder, chunk), chunk
+                audio_s += chunk.audio.size / SAMPLE_RATE / speed
         yield await _encode(encoder, None), None
     finally:
         await chunks.aclose()
 
 
 async def _audio(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder,
-                 request_id: str) -> AsyncIterator[bytes]:
-    encoded = _encoded(chunks, first, encoder)
+                 request_id: str, lead: Lead, speed: float) -> AsyncIterator[bytes]:
+    encoded = _encoded(chunks, first, encoder, lead, speed)
     try:
         async for data, _ in encoded:
             if data:
@@ -180,9 +188,9 @@ class _Timing:
 
 
 async def _sse(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, prompt_len: int,
-               request_id: str, timing: _Timing) -> AsyncIterator[str]:
+               request_id: str, timing: _Timing, lead: Lead, speed: float) -> AsyncIterator[str]:
     frames = 0
-    encoded = _encoded(chunks, first, encoder)
+    encoded = _encoded(chunks, first, encoder, lead, speed)
     try:
         async for data, chunk in encoded:
             if data:

@@ -20,6 +20,7 @@ from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from csmserve.server.errors import APIError, bad_request
+from csmserve.server.lead import Lead, LoopLoad
 from csmserve.server.metrics import Metrics
 from csmserve.server.schemas import ContextTurn, SamplingFields, VoiceRef
 from csmserve.server.sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
@@ -39,6 +40,7 @@ class ServerState:
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
         self.metrics = Metrics(config.model_name, self.engine_stats)
+        self.lead = Lead(LoopLoad(), config.max_lead_s)  # LoopLoad started by the app's lifespan
 
     # ---- readiness and limits
     @property
