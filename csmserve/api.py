@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,8 @@ from csmserve.sampling import SamplingParams
 from csmserve.models.codec import load_codec
 from csmserve.models.loader import load_csm
 from csmserve.prompt.segments import SentenceSplitter
-from csmserve.prompt.tokenizer import FRAME_MS, PromptSegment, load_tokenizer, prompt_frames_and_boundaries, segment_ids, text_frames
+from csmserve.prompt.tokenizer import (FRAME_MS, PromptPart, PromptSegment, assemble, load_tokenizer, prompt_part,
+                                       segment_ids, text_frames)
 from csmserve.config import SAMPLE_RATE
 
 if TYPE_CHECKING:
@@ -50,6 +51,12 @@ class Segment:
     text: str
     codes: np.ndarray | None = None  # [frames, 32] int
     audio: np.ndarray | None = None  # [samples] float at 24 kHz (encoded with Mimi once)
+    # CSM's tokenized form of this turn (tokenizer, codes, speaker, text, PromptPart): a conversation's
+    # turns are tokenized and checked once, not per request; never pickled (a session's store)
+    _prompt_part: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_prompt_part"}
 
     @classmethod
     def of_voice(cls, voice, speaker: int | None = None) -> Segment:
@@ -175,18 +182,24 @@ class CSM:
             codes = self.mimi.encode(wav[None, None].to(self.mimi.dtype))[0]  # [Q, T]
         return codes[: self.config.num_codebooks].T.cpu().numpy().astype(np.int64)
 
-    def _segments(self, context: Sequence[Segment]) -> list[PromptSegment]:
-        out = []
-        for seg in context:
-            codes = seg.codes
-            if codes is None and seg.audio is not None:
-                codes = self.encode_audio(seg.audio)
-            if codes is not None:
-                codes = np.asarray(codes)
-                if codes.size and (codes.min() < 0 or codes.max() >= self.config.audio_vocab_size):
-                    raise ValueError(f"codes must be in [0, {self.config.audio_vocab_size})")
-            out.append(PromptSegment(int(seg.speaker), seg.text, codes))
-        return out
+    def _part(self, seg: Segment) -> PromptPart:
+        """seg tokenized and its codes checked, kept on seg for the next request with it (while its
+        speaker, text and codes are the same objects; a waveform is encoded per request)."""
+        hit = seg._prompt_part
+        if hit is not None and hit[0] is self.tokenizer and hit[1] is seg.codes and hit[2] == seg.speaker \
+                and hit[3] is seg.text and seg.audio is None:
+            return hit[4]
+        codes = seg.codes
+        if codes is None and seg.audio is not None:
+            codes = self.encode_audio(seg.audio)
+        if codes is not None:
+            codes = np.asarray(codes)
+            if codes.size and (codes.min() < 0 or codes.max() >= self.config.audio_vocab_size):
+                raise ValueError(f"codes must be in [0, {self.config.audio_vocab_size})")
+        part = prompt_part(self.tokenizer, PromptSegment(int(seg.speaker), seg.text, codes), self.config.num_codebooks)
+        if seg.audio is None:
+            seg._prompt_part = (self.tokenizer, seg.codes, seg.speaker, seg.text, part)
+        return part
 
     def prompt(self, text: str, speaker: int = 0, context: Sequence[Segment] = (),
                max_audio_length_ms: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -197,8 +210,8 @@ class CSM:
                               max_audio_length_ms: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """prompt(), and the frame count after each context turn (shorter prefixes for the prefix cache)."""
         max_frames = None if max_audio_length_ms is None else max_audio_length_ms // FRAME_MS
-        return prompt_frames_and_boundaries(self.tokenizer, self._segments(context), text, int(speaker),
-                                            self.config.num_codebooks, max_frames, self.max_seq_len)
+        return assemble([self._part(seg) for seg in context], segment_ids(self.tokenizer, int(speaker), text),
+                        self.config.num_codebooks, max_frames, self.max_seq_len)
 
     @property
     def max_seq_len(self) -> int:
@@ -217,15 +230,45 @@ class CSM:
         cap the slot cannot hold). ValueError: a prompt that does not fit, codes out of range."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
-        frames = params.segment_frames
-        room = frames * FRAME_MS if fit_cap or frames < self.max_seq_len else None
-        tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context, room)
+        room = self._room(params, fit_cap)
+        tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context,
+                                                          None if room is None else room * FRAME_MS)
         # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
         # the engine's prefix cache keeps their KV, so the next request with the same context prefills
         # only its own text, and one whose context grew by a turn only that turn and its text. The turn
         # boundaries before the last are its shorter candidates (the last one is the prefix itself)
-        prefix = len(tokens) - len(self.segment_frames(text, speaker)[0])
+        prefix = bounds[-1] if bounds else 0
         return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]))
+
+    def _room(self, params: SamplingParams, fit_cap: bool) -> int | None:
+        """Frames the prompt must leave for one segment's audio (None: none checked, see `request`)."""
+        frames = params.segment_frames
+        return frames if fit_cap or frames < self.max_seq_len else None
+
+    def history_overflow(self, text: str, history: Sequence[Segment], speaker: int = 0,
+                         context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
+                         top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
+                         max_segment_length_ms: int | None = 20_000, fit_cap: bool = False) -> int:
+        """How many of the oldest segments of `history` (a conversation's turns, oldest first) a request
+        speaking `text` after `context` + `history` (long_request's keywords) must leave out to fit: the
+        prompt of `context + history[n:]` then fits, or nothing of history is left (n = len(history)) and
+        the request's own error says why. Counted from each segment's frames (tokenized once per
+        Segment), newest first. ValueError: codes out of range anywhere in context or history."""
+        room = self._room(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                         max_audio_length_ms=max_audio_length_ms,
+                                         max_segment_length_ms=max_segment_length_ms), fit_cap)
+        fixed = sum(self._part(seg).frames for seg in context)
+        sizes = [self._part(seg).frames for seg in history]  # every one checked, as the whole prompt would be
+        if room is None:
+            return 0
+        left = self.max_seq_len - room - fixed - len(segment_ids(self.tokenizer, int(speaker), text))
+        kept = 0
+        for size in reversed(sizes):
+            if size > left:
+                break
+            left -= size
+            kept += 1
+        return len(history) - kept
 
     # ---- generation
     def generate(self, text: str | Sequence[str] | Sequence[Request], speaker: int = 0,

@@ -121,6 +121,68 @@ def audio_frames(codes: np.ndarray, num_codebooks: int) -> tuple[np.ndarray, np.
     return tokens, mask
 
 
+@dataclass
+class PromptPart:
+    """A context turn tokenized: its text ids (`<bos>[speaker]text<eos>`, one text frame each) and its audio
+    codes [n, K] (checked; None: a text-only turn), whose frames follow as audio frames + one EOS frame."""
+
+    ids: np.ndarray  # [t] int64
+    codes: np.ndarray | None = None  # [n, K] int (any integer dtype: written into the int64 frames)
+
+    @property
+    def frames(self) -> int:
+        return len(self.ids) + (0 if self.codes is None else len(self.codes) + 1)
+
+
+def prompt_part(tok: TextTokenizer, seg: PromptSegment, num_codebooks: int) -> PromptPart:
+    """seg's text tokenized, its codes checked ([n, K], integers; their range is the model's, CSM checks it)."""
+    codes = seg.codes
+    if codes is not None:
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != num_codebooks:
+            raise ValueError(f"codes must be [frames, {num_codebooks}], got {list(codes.shape)}")
+        if codes.dtype.kind not in "iu":
+            raise ValueError(f"codes must be integers, got {codes.dtype}")
+    return PromptPart(np.asarray(segment_ids(tok, seg.speaker, seg.text), dtype=np.int64), codes)
+
+
+def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codebooks: int = 32,
+             max_frames: int | None = None, max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Context parts then the target turn's text ids -> tokens [T, K+1] int64, mask [T, K+1] bool, and the
+    frame count after each part (the turn boundaries). Written into one allocation, a slice per part.
+
+    With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions
+    (checked before anything is allocated)."""
+    boundaries, n = [], 0
+    for p in parts:
+        n += p.frames
+        boundaries.append(n)
+    total = n + len(target_ids)
+    if max_frames is not None and total + max_frames > max_seq_len:
+        raise ValueError(
+            f"prompt too long: {total} prompt frames + {max_frames} frames of audio "
+            f"({max_frames * FRAME_MS} ms) exceed the model's {max_seq_len} positions; "
+            f"shorten the context or lower max_audio_length_ms"
+        )
+    k = num_codebooks
+    tokens = np.zeros((total, k + 1), dtype=np.int64)
+    mask = np.zeros((total, k + 1), dtype=bool)
+    at = 0
+    for p in parts:
+        t = len(p.ids)
+        tokens[at:at + t, k] = p.ids
+        mask[at:at + t, k] = True
+        at += t
+        if p.codes is not None:
+            a = len(p.codes)
+            tokens[at:at + a, :k] = p.codes  # then the all-zero EOS frame, audio columns masked in
+            mask[at:at + a + 1, :k] = True
+            at += a + 1
+    tokens[at:, k] = target_ids
+    mask[at:, k] = True
+    return tokens, mask, boundaries
+
+
 def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str, target_speaker: int,
                   num_codebooks: int = 32, max_frames: int | None = None,
                   max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray]:
@@ -138,20 +200,5 @@ def prompt_frames_and_boundaries(tok: TextTokenizer, segments: Sequence[PromptSe
                                  max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """prompt_frames, and the frame count after each context turn (the turn boundaries: the prefixes a
     growing conversation shares with its earlier requests)."""
-    parts, boundaries, n = [], [], 0
-    for seg in segments:
-        parts.append(text_frames(segment_ids(tok, seg.speaker, seg.text), num_codebooks))
-        if seg.codes is not None:
-            parts.append(audio_frames(seg.codes, num_codebooks))
-        n += len(parts[-1][0]) + (len(parts[-2][0]) if seg.codes is not None else 0)
-        boundaries.append(n)
-    parts.append(text_frames(segment_ids(tok, target_speaker, target_text), num_codebooks))
-    tokens = np.concatenate([p[0] for p in parts])
-    mask = np.concatenate([p[1] for p in parts])
-    if max_frames is not None and tokens.shape[0] + max_frames > max_seq_len:
-        raise ValueError(
-            f"prompt too long: {tokens.shape[0]} prompt frames + {max_frames} frames of audio "
-            f"({max_frames * FRAME_MS} ms) exceed the model's {max_seq_len} positions; "
-            f"shorten the context or lower max_audio_length_ms"
-        )
-    return tokens, mask, boundaries
+    parts = [prompt_part(tok, seg, num_codebooks) for seg in segments]
+    return assemble(parts, segment_ids(tok, target_speaker, target_text), num_codebooks, max_frames, max_seq_len)

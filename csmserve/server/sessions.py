@@ -3,16 +3,19 @@ connections until `close`, the idle timeout or eviction (bounded in number and p
 
 With `path` (a server of several API workers) every session is also kept in a SQLite file that all
 workers share, written through on every change and re-read when another worker changed it (a version
-number per session), so a conversation continues on whichever worker its next connection lands.
+number per session), so a conversation continues on whichever worker its next connection lands. A
+session is a row (settings, fixed context) and a row per turn: a turn added writes that turn (and the
+oldest kept, which history truncation may have cut), not the whole conversation again.
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +30,15 @@ CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     version INTEGER NOT NULL,
     last_used REAL NOT NULL,
-    data BLOB NOT NULL               -- pickle of a Session (our own types; written only by our workers)
+    data BLOB NOT NULL               -- pickle of a Session without its turns (our own types, our workers)
 );
 CREATE INDEX IF NOT EXISTS sessions_last_used ON sessions (last_used);
+CREATE TABLE IF NOT EXISTS session_turns (
+    id TEXT NOT NULL,                -- the session's
+    seq INTEGER NOT NULL,            -- SessionTurn.seq: its order in the session
+    data BLOB NOT NULL,              -- pickle of a SessionTurn
+    PRIMARY KEY (id, seq)
+);
 """
 
 
@@ -41,6 +50,7 @@ class SessionTurn:
     role: str
     segments: list  # [Segment] with codes (int16: values < 2051) or text only
     request_id: str | None = None  # the request that generated an assistant turn (`truncate` names it)
+    seq: int = 0  # its number in the session (Sessions.add_turn): its row in the shared store
 
     @property
     def frames(self) -> int:
@@ -62,6 +72,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     busy: int = 0  # turns generating now (in this process): never expired or evicted meanwhile
     version: int = 0  # bumped by every save (shared store: another worker's change is re-read)
+    next_seq: int = 0  # the next turn's SessionTurn.seq
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "busy": 0}
@@ -70,19 +81,25 @@ class Session:
         """Take the settings the message gives; -> whether it gave any."""
         given, changed = msg.model_fields_set, False
         for name in _SETTINGS:
-            if name in given and getattr(msg, name) is not None:
+            value = getattr(msg, name) if name in given else None
+            if value is None:
+                continue
+            if name in ("voice", "output_format", "add_timestamps"):
+                if getattr(self, name) != value:
+                    setattr(self, name, value)
+                    changed = True
+            elif getattr(self.fields, name) != value:  # (a message repeating its settings: no store write)
+                self.fields = self.fields.model_copy(update={name: value})
                 changed = True
-                if name == "voice":
-                    self.voice = msg.voice
-                elif name in ("output_format", "add_timestamps"):
-                    setattr(self, name, getattr(msg, name))
-                else:
-                    self.fields = self.fields.model_copy(update={name: getattr(msg, name)})
         return changed
 
     def history(self) -> list:
         """The turns' Segments, oldest first: the conversation context of the next turn."""
         return [s for t in self.turns for s in t.segments]
+
+    def drop_oldest_segments(self, n: int) -> None:
+        for _ in range(n):
+            self.drop_oldest_segment()
 
     def drop_oldest_segment(self) -> bool:
         """Forget the oldest segment of the conversation (the prompt would not fit); False when none is left."""
@@ -134,9 +151,12 @@ class Sessions:
         return s
 
     def save(self, s: Session) -> None:
-        """After a change to s (settings, context, turns): visible to every worker."""
+        """After a change to s (settings, context, turns): visible to every worker (all of it written)."""
         if self._db is not None and self._by_id.get(s.context_id) is s:
             s.version += 1
+            for i, t in enumerate(s.turns):  # every row is rewritten: numbered afresh
+                t.seq = i
+            s.next_seq = len(s.turns)
             self._db.put(s)
 
     def touch(self, s: Session) -> None:
@@ -159,7 +179,7 @@ class Sessions:
             if not s.busy:
                 del self._by_id[cid]
         if self._db is not None:
-            self._db.expire(cutoff, keep={cid for cid, s in self._by_id.items() if s.busy})
+            self._db.expire(cutoff, lambda: {cid for cid, s in self._by_id.items() if s.busy})
 
     def _full(self) -> bool:
         n = len(self._by_id) if self._db is None else self._db.count()
@@ -202,13 +222,19 @@ class Sessions:
         for seg in turn.segments:
             if seg.codes is not None:
                 seg.codes = np.asarray(seg.codes, dtype=np.int16)
+        turn.seq, s.next_seq = s.next_seq, s.next_seq + 1
         s.turns.append(turn)
         while len(s.turns) > self.config.max_session_turns:
             s.turns.pop(0)
-        while len(s.turns) > 1 and sum(t.frames for t in s.turns) > self.config.max_session_frames:
-            s.turns.pop(0)
-        self.touch(s)
-        self.save(s)
+        frames = sum(t.frames for t in s.turns)
+        while len(s.turns) > 1 and frames > self.config.max_session_frames:
+            frames -= s.turns.pop(0).frames
+        s.last_used = self.clock()
+        if self._by_id.get(s.context_id) is s:
+            self._by_id.move_to_end(s.context_id)
+            if self._db is not None:  # the new turn, and the oldest (Session.drop_oldest_segment cuts it)
+                s.version += 1
+                self._db.put_turns(s, {id(t): t for t in (s.turns[0], turn)}.values())
 
 
 class _SessionDB:
@@ -236,19 +262,56 @@ class _SessionDB:
         return None if row is None else row[0]
 
     def load(self, cid: str) -> Session | None:
-        row = self._one("SELECT data FROM sessions WHERE id = ?", (cid,))
-        return None if row is None else pickle.loads(row[0])
+        with self._lock:  # one read transaction: the session and its turns of one version
+            self._conn.execute("BEGIN")
+            try:
+                row = self._conn.execute("SELECT data, version, last_used FROM sessions WHERE id = ?",
+                                         (cid,)).fetchone()
+                turns = self._conn.execute("SELECT data FROM session_turns WHERE id = ? ORDER BY seq",
+                                           (cid,)).fetchall()
+            finally:
+                self._conn.execute("COMMIT")
+        if row is None:
+            return None
+        s = pickle.loads(row[0])
+        s.version, s.last_used = row[1], row[2]  # (put_turns and touch write these columns only)
+        s.turns = [pickle.loads(t) for (t,) in turns]
+        if s.turns:
+            s.next_seq = max(s.next_seq, s.turns[-1].seq + 1)
+        return s
 
     def put(self, s: Session) -> None:
-        self._run("INSERT INTO sessions (id, version, last_used, data) VALUES (?, ?, ?, ?) ON CONFLICT(id) DO "
-                  "UPDATE SET version = excluded.version, last_used = excluded.last_used, data = excluded.data",
-                  (s.context_id, s.version, s.last_used, pickle.dumps(s, protocol=5)))
+        """All of s: its row and every turn's."""
+        head = pickle.dumps(dataclasses.replace(s, turns=[]), protocol=5)
+        with self._lock, self._conn:  # one transaction
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("INSERT INTO sessions (id, version, last_used, data) VALUES (?, ?, ?, ?) ON CONFLICT"
+                               "(id) DO UPDATE SET version = excluded.version, last_used = excluded.last_used, "
+                               "data = excluded.data", (s.context_id, s.version, s.last_used, head))
+            self._conn.execute("DELETE FROM session_turns WHERE id = ?", (s.context_id,))
+            self._conn.executemany("INSERT INTO session_turns (id, seq, data) VALUES (?, ?, ?)",
+                                   [(s.context_id, t.seq, pickle.dumps(t, protocol=5)) for t in s.turns])
+
+    def put_turns(self, s: Session, turns: Sequence[SessionTurn]) -> None:
+        """`turns` of s (new or changed) written, the rows of the turns before s's oldest deleted, the
+        version bumped: the rest of s as stored already."""
+        first = s.turns[0].seq if s.turns else s.next_seq
+        with self._lock, self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("UPDATE sessions SET version = ?, last_used = ? WHERE id = ?",
+                               (s.version, s.last_used, s.context_id))
+            self._conn.execute("DELETE FROM session_turns WHERE id = ? AND seq < ?", (s.context_id, first))
+            self._conn.executemany("INSERT OR REPLACE INTO session_turns (id, seq, data) VALUES (?, ?, ?)",
+                                   [(s.context_id, t.seq, pickle.dumps(t, protocol=5)) for t in turns])
 
     def touch(self, cid: str, t: float) -> None:
         self._run("UPDATE sessions SET last_used = ? WHERE id = ?", (t, cid))
 
     def delete(self, cid: str) -> None:
-        self._run("DELETE FROM sessions WHERE id = ?", (cid,))
+        with self._lock, self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("DELETE FROM sessions WHERE id = ?", (cid,))
+            self._conn.execute("DELETE FROM session_turns WHERE id = ?", (cid,))
 
     def count(self) -> int:
         return self._one("SELECT COUNT(*) FROM sessions")[0]
@@ -260,15 +323,16 @@ class _SessionDB:
                     return cid
         return None
 
-    def expire(self, cutoff: float, keep: set[str]) -> None:
+    def expire(self, cutoff: float, keep: Callable[[], set[str]]) -> None:
         now = time.monotonic()
-        if now - self._last_expire < 1.0:  # at most once a second
+        if now - self._last_expire < 1.0:  # at most once a second (and `keep` built only then)
             return
         self._last_expire = now
-        with self._lock:
-            if keep:
-                marks = ",".join("?" * len(keep))
-                self._conn.execute(f"DELETE FROM sessions WHERE last_used < ? AND id NOT IN ({marks})",
-                                   (cutoff, *keep))
-            else:
-                self._conn.execute("DELETE FROM sessions WHERE last_used < ?", (cutoff,))
+        ids = keep()
+        marks = ",".join("?" * len(ids))
+        old = f"last_used < ? AND id NOT IN ({marks})" if ids else "last_used < ?"
+        with self._lock, self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute(f"DELETE FROM session_turns WHERE id IN (SELECT id FROM sessions WHERE {old})",
+                               (cutoff, *ids))
+            self._conn.execute(f"DELETE FROM sessions WHERE {old}", (cutoff, *ids))

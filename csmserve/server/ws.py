@@ -331,16 +331,23 @@ class Connection:
         await self.send({**done, "idle_timeout": True} if turn.idle_timeout else done)
 
     async def _request(self, turn: Utterance) -> tuple[Request, int]:
-        # the oldest turns of the conversation go first when the prompt would not fit the model's context
-        session = turn.session
-        while True:
-            try:
-                kw = await self.state.speech_args(session.voice, session.fields, (), session.context + session.history(),
-                                                  total_chars=self.state.config.max_input_chars, segmented=True)
-                return await self.state.build(turn.text_feed.open, **kw), kw["speaker"]
-            except APIError as e:
-                if e.code != "context_too_long" or not session.drop_oldest_segment():
-                    raise
+        # the oldest segments of the conversation go first when the prompt would not fit the model's
+        # context: counted from each segment's frames (CSM.history_overflow), built once, dropped from the
+        # session (also when even the fixed context does not fit: the request's error says why)
+        session, csm = turn.session, self.state.csm
+        kw = await self.state.speech_args(session.voice, session.fields, (), session.context,
+                                          total_chars=self.state.config.max_input_chars, segmented=True)
+        history, cut = session.history(), []
+
+        def build() -> Request:
+            cut.append(csm.history_overflow(turn.texts[0], history, **kw))
+            return turn.text_feed.open(**{**kw, "context": kw["context"] + history[cut[0]:]})
+
+        try:
+            return await self.state.build(build), kw["speaker"]
+        finally:
+            if cut:
+                session.drop_oldest_segments(cut[0])
 
     async def _send_audio(self, turn: Utterance, chunk: AudioChunk, new_segment: bool) -> None:
         audio = chunk.audio

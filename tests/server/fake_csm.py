@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from csmserve.api import CSM, Segment
+from csmserve.api import CSM
 from csmserve.config import EngineConfig
 from csmserve.engine.client import EngineClient
 from csmserve.engine.engine import Engine
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
-from csmserve.prompt.tokenizer import PromptSegment, load_tokenizer, prompt_frames_and_boundaries
+from csmserve.prompt.tokenizer import load_tokenizer
 
 FRAME = 1920
 
@@ -65,17 +65,10 @@ class FakeCSM:
         self.max_seq_len = cfg.max_seq_len
         self.ready = True
 
-    def prompt(self, text: str, speaker: int = 0, context: list[Segment] = (), max_audio_length_ms=None):
-        return self.prompt_and_boundaries(text, speaker, context, max_audio_length_ms)[:2]
-
-    def prompt_and_boundaries(self, text: str, speaker: int = 0, context: list[Segment] = (),
-                              max_audio_length_ms=None):
-        segs = [PromptSegment(s.speaker, s.text, s.codes) for s in context]
-        max_frames = None if max_audio_length_ms is None else max_audio_length_ms // 80
-        return prompt_frames_and_boundaries(self.tokenizer, segs, text, speaker, 32, max_frames, self.max_seq_len)
-
-    # CSM builds every request: the same builders over this prompt
-    request, long_request, segment_frames = CSM.request, CSM.long_request, CSM.segment_frames
+    # CSM builds every request and prompt: the same builders here
+    prompt, prompt_and_boundaries, _part, _room = CSM.prompt, CSM.prompt_and_boundaries, CSM._part, CSM._room
+    request, long_request, segment_frames, history_overflow = (CSM.request, CSM.long_request, CSM.segment_frames,
+                                                               CSM.history_overflow)
 
     def encode_audio(self, wav: np.ndarray) -> np.ndarray:
         n = max(1, len(wav) // FRAME)
