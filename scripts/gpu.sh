@@ -220,6 +220,16 @@ if [[ $what == load2 ]]; then
   [ -f "$OUT/b/serve_bench.txt" ] && grep -v "^(" "$OUT/b/serve_bench.txt" | tail -6 | tee "$OUT/serve_bench_b.txt"
   rm -rf "$OUT/b"
 fi
+if [[ $what == load3 ]]; then
+  # speculation's cost per k (issue 16; exact on CUDA since cea5d04), then the load benchmark at a prefill
+  # budget of LOAD_BUDGET (8,192) with the workers' Lead (server/lead.py) (~7 minutes)
+  use_bundle
+  timeout ${SPEC_TIMEOUT:-170} python bench/spec_depth.py ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} \
+    2>&1 | tee "$OUT/spec_depth.txt" | tail -30
+  SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET:-8192}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
+    closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
+    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -14
+fi
 if [[ $what == final3 ]]; then
   # one stream through the engine again (issue 17's check, a second sample), then Ray Serve against the plain
   # server at 256 and 1,024 users (issue 14; carry .bundle)
