@@ -79,7 +79,6 @@ def time_step(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
 
 
 def capture(runner: ModelRunner, spec: Speculator | None) -> None:
-    from csmserve.engine.graphs import FrameGraphs
     from csmserve.engine.slots import DepthKV
 
     runner.graphs = None
@@ -88,7 +87,7 @@ def capture(runner: ModelRunner, spec: Speculator | None) -> None:
     runner.spec = spec
     runner.depth_kv = spec.kv if spec is not None else DepthKV(runner.cfg, runner.buckets[-1], runner.dtype,
                                                                 runner.device)
-    runner.graphs = FrameGraphs(runner)
+    runner.graphs = runner.frame_graphs()
 
 
 def break_even_measured(alphas, times, plain) -> str:

@@ -20,10 +20,10 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests beyond the slots; past it add() raises SchedulerBusy
     max_seq_len: int = 2048  # backbone positions per slot: prompt frames + generated frames
     # prompt positions prefilled per engine step, over all slots: one graphed pass over the packed tokens
-    # of every prompt admitted (a 12-frame prompt is 12 positions). 4096, measured on the H200
-    # (docs/benchmarks.md): 1,024 WebSocket conversations (~300 positions a turn) first audio p50 110 ms
-    # against 1.9 s at 2048, a burst of 2,048 arrivals p99 0.53 s against 2.6 s
-    prefill_token_budget: int = 4096
+    # of every prompt admitted (a 12-frame prompt is 12 positions). Measured on the H200 (docs/benchmarks.md),
+    # 1,024 WebSocket conversations (~300 positions a turn) first audio p50 / p99: 1.9 / 2.0 s at 2048,
+    # 107 / 328 ms at 4096, 107 / 190 ms at 8192; a burst of 2,048 arrivals p99 2.6 s, 0.67 s, 0.28 s
+    prefill_token_budget: int = 8192
     max_prefill_chunk: int = 512  # prompt positions prefilled per step for one slot
     first_chunk_frames: int = 1  # frames in a request's first AudioChunk (time to first audio)
     # frames in each later AudioChunk. A playback started at the first byte with a buffer of b ms runs dry

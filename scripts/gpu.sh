@@ -230,6 +230,16 @@ if [[ $what == load3 ]]; then
     closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
     SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -14
 fi
+if [[ $what == load4 ]]; then
+  # speculation's cost per k (issue 16), then the load benchmark with the defaults and LOAD_SERVER_ARGS
+  # (e.g. --max-lead-s=1) for the scenarios the workers' CPU bounds (~5 minutes)
+  use_bundle
+  timeout ${SPEC_TIMEOUT:-150} python bench/spec_depth.py ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} \
+    2>&1 | tee "$OUT/spec_depth.txt" | tail -20
+  SERVE_ARGS="--server-args=${LOAD_SERVER_ARGS:---max-lead-s=1}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
+    closed:users=1024,format=mp3 closed:users=1024,format=opus"} \
+    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -10
+fi
 if [[ $what == final3 ]]; then
   # one stream through the engine again (issue 17's check, a second sample), then Ray Serve against the plain
   # server at 256 and 1,024 users (issue 14; carry .bundle)
