@@ -116,7 +116,7 @@ class ServerConfig:
     max_reader_lag_s: float = 30.0
     # while an API worker's event loop is saturated (encoding), a response already this many seconds of
     # audio ahead of real time waits before its next chunk is encoded (server/lead.py); 0: never
-    max_lead_s: float = 2.0
+    max_lead_s: float = 1.0
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None

@@ -87,7 +87,7 @@ def test_the_bound_is_a_checked_flag() -> None:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     server, _ = configs(parser.parse_args(["serve", "--max-lead-s", "0.5"]))
-    assert server.max_lead_s == 0.5 and ServerConfig().max_lead_s == 2.0
+    assert server.max_lead_s == 0.5 and ServerConfig().max_lead_s == 1.0
 
 
 @pytest.mark.inproc
