@@ -45,6 +45,9 @@ _HELP = {
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
+    "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "
+                       "proxy's event loop (less time per request); actor: Ray's default (actor calls, the "
+                       "router on a thread); sets RAY_SERVE_* variables of the Ray instance --ray starts",
 }
 
 
