@@ -3,9 +3,11 @@ serve`, its own process) and by `csmserve serve --ray`'s application (1 replica,
 request at a time, time from sending POST /v1/audio/speech to its first body byte. Ray's streaming
 path puts each ASGI message in the replica's queue and the proxy pulls whatever is there: no batching
 interval (unlike Ray Serve LLM's RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS / stream_batching_interval_ms,
-50 ms, which this path does not use); this measures what remains (an actor call per message batch).
+50 ms, which this path does not use); this measures what remains (the request's hop to the replica, one
+message per batch back: over gRPC by default, --proxy-transport actor for Ray's actor calls).
 
     python bench/ray_ttfa.py --model dummy-tiny --device cpu --requests 50
+    python bench/ray_ttfa.py --model dummy-tiny --device cpu --requests 50 --proxy-transport actor
     python bench/ray_ttfa.py --model dummy --device cuda --requests 100 --max-slots 64 --out ray_ttfa.md
 """
 from __future__ import annotations
@@ -104,20 +106,20 @@ def plain(args) -> Iterator[str]:
 
 @contextmanager
 def on_ray(args) -> Iterator[str]:
-    from csmserve.ray.app import PROXY_CALLBACK, PROXY_CALLBACK_ENV, build_app, ensure_importable
+    from csmserve.ray.app import build_app, ensure_importable, parse_flags, set_ray_environment, spec_from_args
 
+    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
+    app_flags = {**flags(args), "num_replicas": 1, "gpus_per_replica": gpus,
+                 "cpus_per_replica": args.cpus_per_replica, "proxy_transport": args.proxy_transport}
     ensure_importable()
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    set_ray_environment(spec_from_args(parse_flags(app_flags))[1])  # as `csmserve serve --ray` (--ray-env wins)
     import ray
     from ray import serve
 
     ray.init(include_dashboard=False, log_to_driver=False, **({"num_cpus": args.ray_cpus} if args.ray_cpus else {}))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
-    serve.run(build_app({**flags(args), "num_replicas": 1, "gpus_per_replica": gpus,
-                         "cpus_per_replica": args.cpus_per_replica}), name="csmserve", route_prefix="/")
+    serve.run(build_app(app_flags), name="csmserve", route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -145,6 +147,8 @@ def main() -> int:
     p.add_argument("--gpus-per-replica", type=float, default=None)
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
     p.add_argument("--ray-cpus", type=int, default=None, help="num_cpus of the local Ray instance")
+    p.add_argument("--proxy-transport", choices=("grpc", "actor"), default="grpc",
+                   help="serve --ray's --proxy-transport: how Serve's proxy reaches the replica")
     p.add_argument("--ray-env", action="append", default=[], metavar="K=V",
                    help="environment for the Ray instance (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     p.add_argument("--only", choices=("plain", "ray"), default=None)
@@ -152,7 +156,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.update(kv.split("=", 1) for kv in args.ray_env)
 
-    ray_name = "Ray Serve (1 replica)" + (f" {' '.join(args.ray_env)}" if args.ray_env else "")
+    ray_name = f"Ray Serve (1 replica, {args.proxy_transport})" + "".join(f" {kv}" for kv in args.ray_env)
     with ExitStack() as stack:
         urls = {}
         if args.only != "ray":

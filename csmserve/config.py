@@ -165,6 +165,7 @@ class ServerConfig:
 
 
 REPLICA_ENGINES = ("process", "thread")  # RayConfig.replica_engine
+PROXY_TRANSPORTS = ("grpc", "actor")  # RayConfig.proxy_transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +193,19 @@ class RayConfig:
     # "process": each replica starts its own engine-core process and attaches to it as an API worker does
     # (as `csmserve serve`); "thread": the engine loop on a thread of the replica's process (one GIL)
     replica_engine: str = "process"
+    # how Serve's proxy reaches the replicas (the Ray instance `serve --ray` starts; a cluster: the variables
+    # of csmserve.ray.app.ray_environment in `ray start`'s environment): "grpc": Ray's gRPC transport, its
+    # router on the proxy's own event loop (each streamed message crosses no thread); "actor": Ray's
+    # default, actor calls and the router on a thread of its own (~2-4 ms more per request, docs/scale-out.md)
+    proxy_transport: str = "grpc"
 
     def __post_init__(self) -> None:
         if self.replica_engine not in REPLICA_ENGINES:
             raise ValueError(f"RayConfig.replica_engine must be one of {', '.join(REPLICA_ENGINES)}, "
                              f"got {self.replica_engine!r}")
+        if self.proxy_transport not in PROXY_TRANSPORTS:
+            raise ValueError(f"RayConfig.proxy_transport must be one of {', '.join(PROXY_TRANSPORTS)}, "
+                             f"got {self.proxy_transport!r}")
         for name in ("num_replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
             if getattr(self, name) is not None and getattr(self, name) < (0 if name == "min_replicas" else 1):
                 raise ValueError(f"RayConfig.{name} must be >= {0 if name == 'min_replicas' else 1}, "

@@ -147,9 +147,15 @@ if [[ $what == ray ]]; then
   }
   MODEL_ARGS=${RAY_MODEL_ARGS:---model dummy}  # slots: sized from (the share of) GPU memory
   PARTS=${RAY_PARTS:-ttfa load}  # one device call is 10 minutes at most: RAY_PARTS=ttfa, then RAY_PARTS=load
-  # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating
-  [[ $PARTS == *ttfa* ]] && python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
-    --cpus-per-replica 4 ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
+  # 1. what Ray adds to the first chunk, 1 user: the plain server and 1 replica, requests alternating; once per
+  #    proxy transport (--proxy-transport: grpc, the default, against Ray's actor calls), one after the other
+  if [[ $PARTS == *ttfa* ]]; then
+    for transport in ${RAY_TTFA_TRANSPORTS:-grpc actor}; do
+      python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 --requests ${RAY_TTFA_REQUESTS:-200} \
+        --cpus-per-replica 4 --proxy-transport $transport ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa_$transport.md" 2>&1 \
+        | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa_$transport.txt"
+    done
+  fi
   # 2. the load benchmark (SERVE_BENCH_CMD, default bench/serve_bench.py --url ...; + SERVE_BENCH_ARGS) against:
   #    the plain server, Ray with 1 replica,
   #    Ray with 2 replicas of half the GPU each; one server at a time on port 8100

@@ -33,6 +33,7 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "csmserve.ray.affinity.proxy_middlewares"
 ROUTING_STATS_PERIOD_S = 0.5  # how soon the routers learn that a replica's engine failed
 NO_SLOT_LIMIT = 4096  # max_ongoing_requests base when --max-slots is unset (sized from GPU memory)
+GRPC_MAX_MESSAGE_BYTES = 256 << 20  # proxy <-> replica over gRPC, either way (ray_environment)
 
 
 def spec_from_args(args: argparse.Namespace) -> tuple[ReplicaSpec, RayConfig]:
@@ -120,6 +121,33 @@ def ensure_importable() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
 
 
+def ray_environment(cfg: RayConfig) -> dict[str, str]:
+    """The variables of the Ray instance csmserve starts (`serve --ray`, its tests and benchmarks): every Ray
+    process inherits them, and Serve's proxy and replicas read theirs once, when they start. On a cluster
+    they belong in the environment of `ray start` on every node (docs/scale-out.md)."""
+    grpc = cfg.proxy_transport == "grpc"
+    return {
+        PROXY_CALLBACK_ENV: PROXY_CALLBACK,  # body-based affinity in every proxy
+        "RAY_USAGE_STATS_ENABLED": "0",  # a local instance reports nothing anywhere
+        # Ray starts its workers at nice 15: the proxy, the replicas and their engine processes would lose
+        # the CPU to anything else on the node (`csmserve serve` runs at 0)
+        "RAY_worker_niceness": "0",
+        # proxy -> replica over gRPC, not a Ray streaming generator; with the router on the proxy's own
+        # loop, a response message reaches the proxy's HTTP side without a thread hop (docs/scale-out.md)
+        "RAY_SERVE_PROXY_USE_GRPC": "1" if grpc else "0",
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0" if grpc else "1",
+        # a replica batches whatever ASGI messages it has queued into one gRPC message: a proxy that fell
+        # behind a fast stream must not meet Ray's 4 MiB default
+        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES),
+    }
+
+
+def set_ray_environment(cfg: RayConfig) -> None:
+    """ray_environment(cfg) into os.environ, before Ray starts; a variable already set wins."""
+    for key, value in ray_environment(cfg).items():
+        os.environ.setdefault(key, value)
+
+
 def run_ray(args: argparse.Namespace) -> int:
     """`csmserve serve --ray`: a local Ray instance (or --ray-address), Serve's proxy on --host/--port."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -129,8 +157,7 @@ def run_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     ensure_importable()
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # body-based affinity in the proxies we start
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local instance reports nothing anywhere
+    set_ray_environment(cfg)  # the local instance's processes inherit it (a cluster's has its own)
 
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
@@ -140,9 +167,11 @@ def run_ray(args: argparse.Namespace) -> int:
             ray.init(include_dashboard=False)
         else:
             ray.init(address=cfg.ray_address)
-            log.info("joined a Ray cluster: routing by voice / conversation from the body needs %s=%s in the "
-                     "environment of `ray start` (headers and ?context_id= work without it)", PROXY_CALLBACK_ENV,
-                     PROXY_CALLBACK)
+            log.info("joined a Ray cluster: its proxies and replicas have the environment of `ray start`, which "
+                     "needs %s (routing by voice / conversation from the body: %s; headers and ?context_id= "
+                     "route without it; the rest is --proxy-transport %s)",
+                     " ".join(f"{k}={v}" for k, v in ray_environment(cfg).items() if k != "RAY_USAGE_STATS_ENABLED"),
+                     PROXY_CALLBACK_ENV, cfg.proxy_transport)
         signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C (after ray.init: its handler aborts)
         serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
         serve.run(app, name=cfg.app_name, route_prefix="/", blocking=False)

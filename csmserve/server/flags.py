@@ -47,6 +47,9 @@ _HELP = {
                   "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
+    "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "
+                       "proxy's event loop (less time per request); actor: Ray's default (actor calls, the "
+                       "router on a thread); sets RAY_SERVE_* variables of the Ray instance --ray starts",
 }
 
 

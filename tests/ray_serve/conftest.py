@@ -77,11 +77,14 @@ def cluster():
     _require_ray()
     from server_helpers import free_port
 
-    from csmserve.ray.app import PROXY_CALLBACK, PROXY_CALLBACK_ENV, ensure_importable
+    from csmserve.config import RayConfig
+    from csmserve.ray.app import ensure_importable, ray_environment
 
     faults = Path(tempfile.mkdtemp(prefix="csmserve-faults-"))
-    os.environ.update({PROXY_CALLBACK_ENV: PROXY_CALLBACK, "CSMSERVE_TEST_FAULTS": str(faults),
-                       "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"})
+    # the environment `csmserve serve --ray` gives its Ray instance (CSMSERVE_PROXY_TRANSPORT=actor: Ray's own path)
+    transport = os.environ.get("CSMSERVE_PROXY_TRANSPORT") or RayConfig().proxy_transport
+    os.environ.update({**ray_environment(RayConfig(proxy_transport=transport)), "CSMSERVE_TEST_FAULTS": str(faults),
+                       "RAY_DEDUP_LOGS": "0"})
     ensure_importable()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])  # ray_faults
     import ray

@@ -1,5 +1,6 @@
 """From `csmserve serve` flags (or Serve's builder args, or the RayService manifest) to the deployment's
 Ray options: replicas or autoscaling, GPU shares, Ray's per-replica cap, health checks, the router."""
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,14 @@ def test_the_rayservice_manifest_builds():
     assert build_app(app["args"]) is not None
     o = options(**app["args"])
     assert o["autoscaling_config"]["target_ongoing_requests"] == 384 and o["ray_actor_options"]["num_gpus"] == 1
+    from csmserve.config import RayConfig
+    from csmserve.ray.app import ray_environment
+
+    pod_env = {e["name"]: e.get("value") for e in
+               manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    serve_env = {k: v for k, v in ray_environment(RayConfig()).items()
+                 if k.startswith("RAY_SERVE_")}  # what `serve --ray` gives its own instance: the pods too
+    assert {k: pod_env.get(k) for k in serve_env} == serve_env
 
 
 def test_replicas_run_their_engine_in_a_process_by_default_and_a_flag_keeps_the_thread(monkeypatch):
@@ -64,3 +73,25 @@ def test_replicas_run_their_engine_in_a_process_by_default_and_a_flag_keeps_the_
     assert spec_from_args(parse_flags({"model": "dummy-tiny"}))[0].replica_engine == "thread"
     with pytest.raises(ValueError, match="replica_engine"):
         spec_from_args(parse_flags({"model": "dummy-tiny", "replica_engine": "fork"}))
+
+
+def test_the_proxy_reaches_replicas_over_grpc_by_default_and_a_flag_keeps_rays_actor_calls(monkeypatch):
+    from csmserve.ray.app import PROXY_CALLBACK, PROXY_CALLBACK_ENV, ray_environment, set_ray_environment
+
+    monkeypatch.delenv("CSMSERVE_PROXY_TRANSPORT", raising=False)
+    cfg = spec_from_args(parse_flags({"model": "dummy-tiny"}))[1]
+    env = ray_environment(cfg)
+    assert cfg.proxy_transport == "grpc"
+    assert env["RAY_SERVE_PROXY_USE_GRPC"] == "1" and env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 4 << 20  # a batch of queued audio fits
+    assert env[PROXY_CALLBACK_ENV] == PROXY_CALLBACK and env["RAY_worker_niceness"] == "0"
+    actor = ray_environment(spec_from_args(parse_flags({"model": "dummy-tiny", "proxy_transport": "actor"}))[1])
+    assert actor["RAY_SERVE_PROXY_USE_GRPC"] == "0" and actor["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
+    with pytest.raises(ValueError, match="proxy_transport"):
+        spec_from_args(parse_flags({"model": "dummy-tiny", "proxy_transport": "http"}))
+
+    for key in env:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")  # the user's own variable wins
+    set_ray_environment(cfg)
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0" and os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
