@@ -107,7 +107,7 @@ class ModelRunner:
                                                 self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
 
     def frame_graphs(self) -> FrameGraphs:
-        """The frame step, one CUDA graph per bucket (captured on first use of each)."""
+        """The frame step, one CUDA graph per bucket (all captured here)."""
         from csmserve.engine.graphs import FrameGraphs
 
         return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets, self.scratch, self.ring,

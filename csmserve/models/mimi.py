@@ -58,10 +58,13 @@ class Mimi(nn.Module):
         x = run_layers(self.encoder, wav.to(self.dtype), st)
         return self.downsample(self.encoder_transformer(x, st), st)
 
+    def decoder_input(self, codes: Tensor, st: RowView | None = None) -> Tensor:
+        # codes [B, K, T] -> the SEANet decoder's input [B, D, 2T] (quantizer, upsample, transformer)
+        return self.decoder_transformer(self.upsample(self.quantizer.decode(codes, self.dtype), st), st)
+
     def synth(self, codes: Tensor, st: RowView | None = None) -> Tensor:
         # codes [B, K, T] -> wav [B, 1, T * frame_size]
-        x = self.upsample(self.quantizer.decode(codes, self.dtype), st)
-        return run_layers(self.decoder, self.decoder_transformer(x, st), st)
+        return run_layers(self.decoder, self.decoder_input(codes, st), st)
 
     @torch.inference_mode()
     def encode(self, wav: Tensor) -> Tensor:
@@ -133,9 +136,8 @@ class MimiStream:
         view = self._view(rows, codes.shape[-1])
         if self.decoder is None:
             return self.mimi.synth(codes, view)[:, 0]
-        m = self.mimi
-        x = m.decoder_transformer(m.upsample(m.quantizer.decode(codes, m.dtype), view), view)  # [B, D, 2n]
-        return self.decoder(x.transpose(1, 2), view)  # [B, 2n, D] contiguous -> [B, n * frame_size]
+        x = self.mimi.decoder_input(codes, view)  # [B, D, 2n], a transposed view of [B, 2n, D]
+        return self.decoder(x.transpose(1, 2), view)  # -> [B, n * frame_size]
 
     @torch.inference_mode()
     def encode_step(self, wav: Tensor, rows: Tensor) -> Tensor:

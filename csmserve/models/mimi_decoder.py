@@ -19,6 +19,7 @@ Same math as the conv layout (tests/models/test_mimi_decoder.py: equal in float3
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from csmserve.models.mimi_layers import CausalConv, CausalConvTr, Elu, ResBlock, RowView, Stateful
@@ -35,12 +36,12 @@ def _elu_into(dst: Tensor, x: Tensor, act: bool) -> None:
 class _Conv:
     """A stride-1 causal conv: weight [Cout, Cin, K], dilation d; ctx = (K-1)*d input rows of state."""
 
-    def __init__(self, conv: CausalConv, key: str):
+    def __init__(self, conv: CausalConv, key: str, act: bool):
         w = conv.weight.detach()
         cout, cin, k = w.shape
         if conv.stride != 1 or conv.replicate:
             raise ValueError("the channels-last decoder takes stride-1, zero-padded causal convs")
-        self.key, self.k, self.d, self.cin, self.cout = key, k, conv.dilation, cin, cout
+        self.key, self.act, self.k, self.d, self.cin, self.cout = key, act, k, conv.dilation, cin, cout
         self.ctx = (k - 1) * conv.dilation
         b = conv.bias.detach() if conv.bias is not None else w.new_zeros(cout)
         self.unfold = k > 1 and cout >= cin
@@ -55,20 +56,19 @@ class _Conv:
     def spec(self) -> dict:
         return {self.key: ((self.ctx, self.cin), None)} if self.ctx else {}
 
-    def __call__(self, x: Tensor, act: bool, st: RowView | None) -> Tensor:
-        # x [B, T, Cin] (any strides) -> [B, T, Cout] contiguous; act: ELU on the input
+    def __call__(self, x: Tensor, st: RowView | None) -> Tensor:
+        # x [B, T, Cin] (any strides) -> [B, T, Cout] contiguous; ELU on the input if self.act
         B, T, _ = x.shape
         if not self.ctx:
-            inp = torch.empty(B, T, self.cin, dtype=x.dtype, device=x.device)
-            _elu_into(inp, x, act)
-            return torch.addmm(self.b, inp.view(B * T, self.cin), self.w).view(B, T, self.cout)
+            inp = F.elu(x) if self.act else x
+            return torch.addmm(self.b, inp.reshape(B * T, self.cin), self.w).view(B, T, self.cout)
         n = self.ctx + T
         inp = torch.empty(B, n, self.cin, dtype=x.dtype, device=x.device)  # [B, ctx + T, Cin]
         if st is None:
             inp[:, : self.ctx].zero_()
         else:
             inp[:, : self.ctx] = st.read(self.key)
-        _elu_into(inp[:, self.ctx:], x, act)
+        _elu_into(inp[:, self.ctx:], x, self.act)
         if st is not None:
             st.write(self.key, inp[:, T:])
         k, d, cout = self.k, self.d, self.cout
@@ -85,13 +85,13 @@ class _Conv:
 class _ConvTr:
     """A transposed conv, K = 2S, groups 1: weight [Cin, Cout, K]; state: the last input row."""
 
-    def __init__(self, conv: CausalConvTr, key: str):
+    def __init__(self, conv: CausalConvTr, key: str, act: bool):
         w = conv.weight.detach()
         cin, cout, k = w.shape
         s = conv.stride
         if conv.groups != 1 or k != 2 * s:
             raise ValueError("the channels-last decoder takes transposed convs with groups 1 and K = 2 * stride")
-        self.key, self.s, self.cin, self.cout = key, s, cin, cout
+        self.key, self.act, self.s, self.cin, self.cout = key, act, s, cin, cout
         self.wa = w[:, :, :s].permute(0, 2, 1).reshape(cin, s * cout).contiguous()  # [Cin, S*Cout] phase-major
         self.wb = w[:, :, s:].permute(0, 2, 1).reshape(cin, s * cout).contiguous()
         b = conv.bias.detach() if conv.bias is not None else w.new_zeros(cout)
@@ -100,8 +100,8 @@ class _ConvTr:
     def spec(self) -> dict:
         return {self.key: ((1, self.cin), None)}
 
-    def __call__(self, x: Tensor, act: bool, st: RowView | None) -> Tensor:
-        # x [B, T, Cin] -> [B, T*S, Cout] (a view with a gap row per batch row)
+    def __call__(self, x: Tensor, st: RowView | None) -> Tensor:
+        # x [B, T, Cin] -> [B, T*S, Cout] (a view with a gap row per batch row); ELU on the input if self.act
         B, T, _ = x.shape
         n = 1 + T
         inp = torch.empty(B, n, self.cin, dtype=x.dtype, device=x.device)  # [B, 1 + T, Cin]
@@ -109,7 +109,7 @@ class _ConvTr:
             inp[:, :1].zero_()
         else:
             inp[:, :1] = st.read(self.key)
-        _elu_into(inp[:, 1:], x, act)
+        _elu_into(inp[:, 1:], x, self.act)
         if st is not None:
             st.write(self.key, inp[:, T:])
         flat = inp.view(B * n, self.cin)
@@ -121,17 +121,31 @@ class _ConvTr:
         return out.view(B, n * self.s, self.cout)[:, : T * self.s]
 
 
+class _Res:
+    """ResBlock: x + conv2(elu(conv1(elu(x)))), conv2 K = 1."""
+
+    def __init__(self, block: ResBlock, key: str):
+        self.conv1, self.conv2 = _Conv(block.conv1, key + ".1", True), _Conv(block.conv2, key + ".2", True)
+
+    def spec(self) -> dict:
+        return {**self.conv1.spec(), **self.conv2.spec()}
+
+    def __call__(self, x: Tensor, st: RowView | None) -> Tensor:
+        return self.conv2(self.conv1(x, st), st).add_(x)  # [B, T, C]
+
+
 class ChannelsLastDecoder(Stateful):
     """`seanet_decoder`'s layers as a channels-last streaming step: [B, T, hidden] -> [B, T * hop].
 
     Built from the decoder as loaded (weights copied in GEMM layouts, the model's dtype and device);
-    its state specs name one buffer per conv (`key` + ".<layer>[.<conv>]").
+    its state specs name one buffer per conv (`key` + ".<layer>[.<conv>]"). An `Elu` layer becomes the
+    next conv's input activation.
     """
 
     def __init__(self, layers: nn.ModuleList, key: str = "decoder_cl"):
         super().__init__()
         self.key = key
-        self.ops: list[tuple[str, object, object]] = []  # (kind, op, second op of a ResBlock)
+        self.ops: list[_Conv | _ConvTr | _Res] = []
         act = False
         for i, layer in enumerate(layers):
             k = f"{key}.{i}"
@@ -139,30 +153,21 @@ class ChannelsLastDecoder(Stateful):
                 act = True
                 continue
             if isinstance(layer, CausalConv):
-                self.ops.append(("conv", _Conv(layer, k), act))
+                self.ops.append(_Conv(layer, k, act))
             elif isinstance(layer, CausalConvTr):
-                self.ops.append(("convtr", _ConvTr(layer, k), act))
-            elif isinstance(layer, ResBlock):
-                self.ops.append(("res", _Conv(layer.conv1, k + ".1"), _Conv(layer.conv2, k + ".2")))
+                self.ops.append(_ConvTr(layer, k, act))
+            elif isinstance(layer, ResBlock) and not act:
+                self.ops.append(_Res(layer, k))
             else:
-                raise ValueError(f"the channels-last decoder does not know {type(layer).__name__}")
+                raise ValueError(f"the channels-last decoder does not know {type(layer).__name__} here")
             act = False
 
     def state_specs(self, max_steps: int) -> dict:
-        specs: dict = {}
-        for kind, op, op2 in self.ops:
-            specs.update(op.spec())
-            if kind == "res":
-                specs.update(op2.spec())
+        specs = {k: v for op in self.ops for k, v in op.spec().items()}
         return {k[len(self.key) + 1:]: v for k, v in specs.items()}  # MimiStream prefixes `key.`
 
     def forward(self, x: Tensor, st: RowView | None = None) -> Tensor:
         # x [B, T, hidden] -> pcm [B, T * hop]
-        for kind, op, arg in self.ops:
-            if kind == "res":
-                h = op(x, True, st)  # [B, T, C/2]
-                y = arg(h, True, st)  # conv2(elu(h)) [B, T, C]
-                x = y.add_(x)
-            else:
-                x = op(x, arg, st)
+        for op in self.ops:
+            x = op(x, st)
         return x[..., 0]

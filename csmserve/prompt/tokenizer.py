@@ -98,26 +98,7 @@ class PromptSegment:
 
 def text_frames(ids: Sequence[int], num_codebooks: int) -> tuple[np.ndarray, np.ndarray]:
     # -> tokens [n, K+1] int64 (text in the last column), mask [n, K+1] bool (last column only)
-    n = len(ids)
-    tokens = np.zeros((n, num_codebooks + 1), dtype=np.int64)
-    mask = np.zeros((n, num_codebooks + 1), dtype=bool)
-    tokens[:, -1] = ids
-    mask[:, -1] = True
-    return tokens, mask
-
-
-def audio_frames(codes: np.ndarray, num_codebooks: int) -> tuple[np.ndarray, np.ndarray]:
-    # codes [n, K] -> tokens [n+1, K+1], mask [n+1, K+1]: the audio frames, then one all-zero EOS frame
-    codes = np.asarray(codes)
-    if codes.ndim != 2 or codes.shape[1] != num_codebooks:
-        raise ValueError(f"codes must be [frames, {num_codebooks}], got {list(codes.shape)}")
-    if codes.dtype.kind not in "iu":
-        raise ValueError(f"codes must be integers, got {codes.dtype}")
-    n = codes.shape[0]
-    tokens = np.zeros((n + 1, num_codebooks + 1), dtype=np.int64)
-    mask = np.zeros((n + 1, num_codebooks + 1), dtype=bool)
-    tokens[:n, :num_codebooks] = codes
-    mask[:, :num_codebooks] = True
+    tokens, mask, _ = assemble((), ids, num_codebooks, max_seq_len=len(ids))
     return tokens, mask
 
 

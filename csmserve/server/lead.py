@@ -23,7 +23,6 @@ class LoopLoad:
 
     def __init__(self, period_s: float = 0.01, busy_lag_s: float = BUSY_LAG_S, hold_s: float = BUSY_HOLD_S) -> None:
         self.period_s, self.busy_lag_s, self.hold_s = period_s, busy_lag_s, hold_s
-        self.lag_s = 0.0
         self.busy_until = 0.0
         self.task: asyncio.Task | None = None
 
@@ -45,8 +44,7 @@ class LoopLoad:
             t = time.monotonic()
             await asyncio.sleep(self.period_s)
             now = time.monotonic()
-            self.lag_s = now - t - self.period_s
-            if self.lag_s > self.busy_lag_s:
+            if now - t - self.period_s > self.busy_lag_s:  # the sleep came back this late
                 self.busy_until = now + self.hold_s
 
 

@@ -47,7 +47,7 @@ def text(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def audio(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Context audio frames + the all-zero EOS frame (tokenizer.audio_frames)."""
+    """Context audio frames + the all-zero EOS frame (tokenizer.assemble)."""
     n = len(codes)
     tokens = np.zeros((n + 1, K + 1), np.int64)
     tokens[:n, :K] = codes
