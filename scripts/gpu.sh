@@ -198,53 +198,28 @@ PY
   fi
 fi
 if [[ $what == load ]]; then
-  # issue 12's load benchmark through the real server (carry .bundle): the acceptance scenarios at a prefill
-  # budget of LOAD_BUDGET positions per step, then the two scenarios the budget binds (WebSocket conversations,
-  # the burst) at LOAD_BUDGET2, to choose the default from measurement (~8 minutes)
+  # issue 12's load benchmark through the real server at chosen settings (carry .bundle). This session's runs
+  # (docs/benchmarks.md names them load, load2..load4: the modes of their commits) are these variables:
+  #   LOAD_ENGINE=1   the engine benchmark first (one stream, 2,048)
+  #   LOAD_SPEC=1     speculation's cost per k first (bench/spec_depth.py, issue 16)
+  #   LOAD_ARGS       one `serve` flag for the first server, as --flag=value (e.g. --prefill-token-budget=4096);
+  #                   LOAD_SCENARIOS its scenarios
+  #   LOAD_ARGS2      a second server's flags (e.g. --chunk-frames=4), LOAD_SCENARIOS2 its set: the comparison
   use_bundle
-  SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET:-4096}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
-    closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
-    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve
-  mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
-  [[ -n ${LOAD_BUDGET2:-2048} ]] && SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET2:-2048}" \
-    SERVE_SCENARIOS=${LOAD_SCENARIOS2:-"ws:users=1024 burst:users=2048,within=3"} SERVE_RAMP=6 SERVE_DURATION=12 \
-    SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
-  [ -f "$OUT/b/serve_bench.txt" ] && cp "$OUT/b/serve_bench.txt" "$OUT/serve_bench_b.txt"
-fi
-if [[ $what == load2 ]]; then
-  # the engine benchmark (one stream, 2,048), the load benchmark with the defaults (prefill budget 4,096,
-  # chunks of 2 frames), then 2,048 pcm users again with chunks of 4 frames (the old default) (~7 minutes)
-  use_bundle
-  python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 \
-    | tee "$OUT/engine_bench.txt" | tail -8
-  SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus
-    ws:users=1024 burst:users=2048,within=3"} SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve \
-    | grep -v "^(" | tail -12
-  mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
-  SERVE_ARGS="--server-args=--chunk-frames=4" SERVE_SCENARIOS="closed:users=2048" SERVE_RAMP=6 SERVE_DURATION=12 \
-    SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
-  [ -f "$OUT/b/serve_bench.txt" ] && grep -v "^(" "$OUT/b/serve_bench.txt" | tail -6 | tee "$OUT/serve_bench_b.txt"
-  rm -rf "$OUT/b"
-fi
-if [[ $what == load3 ]]; then
-  # speculation's cost per k (issue 16; exact on CUDA since cea5d04), then the load benchmark at a prefill
-  # budget of LOAD_BUDGET (8,192) with the workers' Lead (server/lead.py) (~7 minutes)
-  use_bundle
-  timeout ${SPEC_TIMEOUT:-170} python bench/spec_depth.py ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} \
-    2>&1 | tee "$OUT/spec_depth.txt" | tail -30
-  SERVE_ARGS="--server-args=--prefill-token-budget=${LOAD_BUDGET:-8192}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
+  [[ -n ${LOAD_ENGINE:-} ]] && python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 \
+    --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -8
+  [[ -n ${LOAD_SPEC:-} ]] && timeout ${SPEC_TIMEOUT:-150} python bench/spec_depth.py \
+    ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} 2>&1 | tee "$OUT/spec_depth.txt" | tail -20
+  SERVE_ARGS=${LOAD_ARGS:+--server-args="$LOAD_ARGS"} SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
     closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
     SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -14
-fi
-if [[ $what == load4 ]]; then
-  # speculation's cost per k (issue 16), then the load benchmark with the defaults and LOAD_SERVER_ARGS
-  # (e.g. --max-lead-s=1) for the scenarios the workers' CPU bounds (~5 minutes)
-  use_bundle
-  timeout ${SPEC_TIMEOUT:-150} python bench/spec_depth.py ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} \
-    2>&1 | tee "$OUT/spec_depth.txt" | tail -20
-  SERVE_ARGS="--server-args=${LOAD_SERVER_ARGS:---max-lead-s=1}" SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
-    closed:users=1024,format=mp3 closed:users=1024,format=opus"} \
-    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -10
+  if [[ -n ${LOAD_ARGS2:-} ]]; then
+    mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
+    SERVE_ARGS=--server-args="$LOAD_ARGS2" SERVE_SCENARIOS=${LOAD_SCENARIOS2:-"closed:users=2048"} SERVE_RAMP=6 \
+      SERVE_DURATION=12 SERVE_DRAIN=15 OUT="$OUT/b" bash scripts/gpu.sh serve > /dev/null 2>&1
+    [ -f "$OUT/b/serve_bench.txt" ] && grep -v "^(" "$OUT/b/serve_bench.txt" | tail -6 | tee "$OUT/serve_bench_b.txt"
+    rm -rf "$OUT/b"
+  fi
 fi
 if [[ $what == final3 ]]; then
   # one stream through the engine again (issue 17's check, a second sample), then Ray Serve against the plain
