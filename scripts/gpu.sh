@@ -119,6 +119,21 @@ if [[ $what == layout ]]; then
   done
   wait
 fi
+if [[ $what == gemv ]]; then
+  # issue 16's second lever: GEMMs of <= 8 rows by kernels/gemv.py (CSMSERVE_GEMV=1, the default) against cuBLAS
+  # (CSMSERVE_GEMV=0): GPU tests (kernel == F.linear, graphs == eager with it), each GEMM of the frame step, the
+  # frame step at batches 1-8 and 64, one stream through the engine, the batch-1 profile (~8 minutes)
+  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/engine/test_runner_gpu.py \
+    tests/engine/test_engine_gpu.py tests/models} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
+  python bench/gemv.py --rows ${GEMV_ROWS:-1,2,4,8} 2>&1 | tee "$OUT/gemv.txt"
+  for g in 0 1; do
+    echo "## CSMSERVE_GEMV=$g" | tee -a "$OUT/frame_step_codec.txt" "$OUT/engine_bench.txt"
+    CSMSERVE_GEMV=$g python bench/frame_step.py --batches ${GEMV_BATCHES:-1,2,4,8,64} --steps 30 --fuse --codec 2>&1 \
+      | tee -a "$OUT/frame_step_codec.txt" | tail -6
+    CSMSERVE_GEMV=$g python bench/engine_bench.py --sweep 1 --frames 60 --probes 4 2>&1 | tee -a "$OUT/engine_bench.txt" | tail -6
+  done
+  python bench/profile_step.py --batches 1 --fuse --codec --rows ${PROFILE_ROWS:-16} 2>&1 | tee "$OUT/profile.txt" | head -40
+fi
 if [[ $what == final ]]; then
   # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
   log="$OUT/final.log"

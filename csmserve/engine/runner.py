@@ -12,6 +12,8 @@ count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 """
 from __future__ import annotations
 
+import os
+
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -75,9 +77,12 @@ class ModelRunner:
         if cuda:
             model.prepare_heads()
             if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
-                from csmserve.models.llama import fuse_elementwise
+                from csmserve.models.llama import fuse_elementwise, fuse_gemv
 
                 fuse_elementwise()
+                # GEMMs of <= 8 rows (batch 1-4) by our GEMV kernel, SiLU*up in the MLP's first one;
+                # CSMSERVE_GEMV=0: cuBLAS (docs/benchmarks.md compares them)
+                fuse_gemv(os.environ.get("CSMSERVE_GEMV", "1") != "0")
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)

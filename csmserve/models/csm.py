@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from csmserve.models import llama
 from csmserve.models.llama import KVView, Llama, LlamaConfig
 
 
@@ -84,7 +85,7 @@ class CSMModel(nn.Module):
     def codebook_logits(self, codebook: int, h_dec: Tensor) -> Tensor:
         # h_dec [B, Dd] -> [B, V]
         if self.head_t is not None:
-            return F.linear(h_dec, self.head_t[codebook - 1])[:, : self.cfg.audio_vocab_size]
+            return llama.matmul_t(h_dec, self.head_t[codebook - 1])[:, : self.cfg.audio_vocab_size]
         return h_dec @ self.audio_head[codebook - 1]
 
     def codebook_logits_at(self, codebooks: Tensor, h_dec: Tensor, rows: Tensor | None = None) -> Tensor:
@@ -116,12 +117,12 @@ class CSMModel(nn.Module):
         on h's device. Returns codes [B, K] int64.
         """
         B = h.shape[0]
-        c = sample(self.codebook0_head(h), 0)
+        c = sample(llama.linear(h, self.codebook0_head), 0)
         codes = [c]
         x = torch.stack([h, self.embed_audio(0, c)], dim=1)  # [B, 2, Db]
         p = pos[:2].expand(B, 2)
         for i in range(1, self.cfg.num_codebooks):
-            out = self.decoder(self.projection(x), p, kv)  # [B, S, Dd]
+            out = self.decoder(llama.linear(x, self.projection), p, kv)  # [B, S, Dd]
             c = sample(self.codebook_logits(i, out[:, -1]), i)
             codes.append(c)
             if i + 1 < self.cfg.num_codebooks:

@@ -96,9 +96,39 @@ def _silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _matmul_t(x: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(x, weight)
+
+
+def _matmul_t_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    from csmserve.kernels import gemv
+
+    return gemv.gemv(x, weight) if gemv.applies(x, weight) else F.linear(x, weight)
+
+
+def _glu_gemv(x: Tensor, layer: nn.Module) -> Tensor:
+    from csmserve.kernels import gemv
+
+    if type(layer) is nn.Linear and gemv.applies(x, layer.weight, glu=True):
+        return gemv.gemv(x, layer.weight, glu=True)
+    return silu_mul(linear(x, layer))
+
+
+def _glu(x: Tensor, layer: nn.Module) -> Tensor:
+    return silu_mul(linear(x, layer))
+
+
+def linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """layer(x) for a bias-free nn.Linear through `matmul_t` (a GEMV kernel at a few rows, once
+    `fuse_gemv()`); any other layer (FP8Linear) as it is."""
+    return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
+
+
 # The elementwise pieces, swappable for fused Triton kernels by `fuse_elementwise()` (same math,
-# one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up).
+# one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up), and the
+# GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up), swappable by `fuse_gemv()`.
 add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
+matmul_t, glu = _matmul_t, _glu
 
 
 def fuse_elementwise() -> None:
@@ -107,6 +137,13 @@ def fuse_elementwise() -> None:
     from csmserve.kernels.elementwise import add_rms_norm_triton, rope_qk_triton, silu_mul_triton
 
     add_rms_norm, rope_qk, silu_mul = add_rms_norm_triton, rope_qk_triton, silu_mul_triton
+
+
+def fuse_gemv(on: bool = True) -> None:
+    """GEMMs of <= 8 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
+    one; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
+    global matmul_t, glu
+    matmul_t, glu = (_matmul_t_gemv, _glu_gemv) if on else (_matmul_t, _glu)
 
 
 class KVView(Protocol):
@@ -175,11 +212,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         B, S, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, S, (Hq + 2 Hkv) hd]
+        qkv = linear(x, self.qkv_proj)  # [B, S, (Hq + 2 Hkv) hd]
         q, k = rope_qk(qkv, pos, cos_t, sin_t, self.n_heads, self.n_kv)
         v = qkv[..., (self.n_heads + self.n_kv) * self.hd:].view(B, S, self.n_kv, self.hd)
         out = kv.attend(layer, q, k, v)
-        return self.o_proj(out.reshape(B, S, self.n_heads * self.hd))
+        return linear(out.reshape(B, S, self.n_heads * self.hd), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -189,7 +226,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return linear(glu(x, self.gate_up_proj), self.down_proj)
 
 
 class Block(nn.Module):

@@ -1,0 +1,92 @@
+"""The frame step's GEMMs at a few rows: cuBLAS (F.linear) against kernels/gemv.py, per shape and M.
+
+python bench/gemv.py --rows 1,2,4,8
+
+Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
+> 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
+~2.4 GB of weights pass between two reads of one). Prints us per call and the bandwidth it reaches.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from csmserve.kernels import gemv
+
+# (name, N, K, glu): CSM-1B's backbone (Llama-1B) and depth decoder (100M), the projection, the heads
+SHAPES = [
+    ("backbone qkv", 3072, 2048, False), ("backbone o", 2048, 2048, False),
+    ("backbone gate_up+silu", 8192, 2048, True), ("backbone down", 2048, 8192, False),
+    ("codebook0 head", 2051, 2048, False), ("projection", 1024, 2048, False),
+    ("depth qkv", 1536, 1024, False), ("depth o", 1024, 1024, False),
+    ("depth gate_up+silu", 8192, 1024, True), ("depth down", 1024, 8192, False),
+    ("depth head", 2112, 1024, False),
+]
+
+
+def timed(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
+    return best  # us per call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--reps", type=int, default=64)
+    args = ap.parse_args()
+    dt = torch.bfloat16
+    print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, n, k, glu in SHAPES:
+        rows = 2 * n if glu else n
+        mb = rows * k * 2
+        copies = max(1, (256 << 20) // mb + 1)
+        ws = [torch.randn(rows, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+
+            def ref(w):
+                y = F.linear(x, w)
+                if glu:
+                    a, b = y.chunk(2, -1)
+                    y = F.silu(a) * b
+                return y
+
+            if not gemv.applies(x, ws[0], glu):
+                print(f"| {name} | {n}x{k} | {m} | | n/a | | | |")
+                continue
+
+            def run_ref():
+                for i in range(args.reps):
+                    ref(ws[i % copies])
+
+            def run_gemv():
+                for i in range(args.reps):
+                    gemv.gemv(x, ws[i % copies], glu)
+
+            t_ref, t_g = timed(run_ref, args.reps), timed(run_gemv, args.reps)
+            err = (gemv.gemv(x, ws[0], glu).float() - ref(ws[0]).float()).abs().max().item()
+            print(f"| {name} | {n}x{k} | {m} | {t_ref:.2f} | {t_g:.2f} | {mb / t_ref / 1e3:.0f} | "
+                  f"{mb / t_g / 1e3:.0f} | {err:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""GPU (`pytest -m gpu`): the skinny-GEMM kernel (kernels/gemv.py) against F.linear, and a Llama
+forward with it (fuse_gemv) against the same forward through cuBLAS."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k,glu", [(3072, 2048, False), (2048, 8192, False), (8192, 1024, True),
+                                     (2051, 2048, False), (2112, 1024, False), (1536, 1024, False), (40, 256, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_matches_linear(m, n, k, glu, dtype):
+    from csmserve.kernels import gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dtype) * 0.05
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert gemv.applies(x, w, glu)
+    ref = F.linear(x.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    out = gemv.gemv(x, w, glu)
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    # strided rows (the depth decoder's last position out[:, -1]) and a leading batch dim
+    x3 = torch.randn(m, 2, k, device="cuda", dtype=dtype)
+    torch.testing.assert_close(gemv.gemv(x3[:, -1], w, glu), gemv.gemv(x3[:, -1].contiguous(), w, glu))
+
+
+@cuda
+def test_gemv_does_not_apply_where_it_should_not():
+    from csmserve.kernels import gemv
+
+    w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert not gemv.applies(torch.randn(9, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
+    assert not gemv.applies(torch.randn(2, 256, device="cuda"), w.float())  # float32: cuBLAS
+    assert not gemv.applies(torch.randn(2, 256, dtype=torch.bfloat16), w.cpu())
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 2, 4, 16])
+def test_llama_forward_with_gemv_matches_cublas(batch):
+    from csmserve.models import llama
+    from csmserve.models.csm import llama_100m
+
+    torch.manual_seed(0)
+    cfg = llama_100m()
+    model = llama.Llama(cfg).to("cuda", torch.bfloat16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(batch, 2, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(2, device="cuda").expand(batch, 2)
+    outs = []
+    for on in (False, True):
+        llama.fuse_gemv(on)
+        try:
+            kv = model.new_kv(batch, 8, torch.bfloat16, "cuda")
+            outs.append(model(x, pos, kv).float())
+        finally:
+            llama.fuse_gemv(False)
+    torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
+    assert (outs[1] - outs[0]).abs().mean() < 1e-2
