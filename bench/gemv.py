@@ -51,7 +51,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=64)
+    ap.add_argument("--programs", type=int, default=None, help="gemv._PROGRAMS (the grid aimed at)")
+    ap.add_argument("--elems", type=int, default=None, help="gemv._ELEMS (weights per program per chunk)")
+    ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     args = ap.parse_args()
+    gemv._PROGRAMS = args.programs or gemv._PROGRAMS
+    gemv._ELEMS = args.elems or gemv._ELEMS
+    gemv.NUM_WARPS = args.warps or gemv.NUM_WARPS
+    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}")
     dt = torch.bfloat16
     print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -19,6 +19,8 @@ from torch import Tensor
 
 MAX_ROWS = 8  # above this, cuBLAS' GEMMs
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
+_ELEMS = 4096  # weights per program per chunk at 1-2 rows (8 KB bf16)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def blocks(m: int, n: int, k: int) -> tuple[int, int, int] | None:
     while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
         block_n //= 2
     # a program's chunk: ~4,096 weights (8 KB bf16), fewer as the rows grow ([M_PAD, BN, BK] fp32 products)
-    elems = max(1024, min(4096, 8192 // m_pad))
+    elems = max(1024, min(_ELEMS, 2 * _ELEMS // m_pad))
     block_k = min(triton.next_power_of_2(k), max(128, elems // block_n))
     if k % block_k:
         return None
@@ -82,5 +84,5 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
     m_pad, bn, bk = blocks(M, N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), N,
-                                        M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, num_warps=4)
+                                        M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, num_warps=NUM_WARPS)
     return y.reshape(*x.shape[:-1], N)
