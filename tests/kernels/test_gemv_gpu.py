@@ -9,7 +9,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k,glu", [(3072, 2048, False), (2048, 8192, False), (8192, 1024, True),
                                      (2051, 2048, False), (2112, 1024, False), (1536, 1024, False), (40, 256, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -37,14 +37,14 @@ def test_gemv_does_not_apply_where_it_should_not():
     from csmserve.kernels import gemv
 
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    assert not gemv.applies(torch.randn(9, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
+    assert not gemv.applies(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
     assert not gemv.applies(torch.randn(2, 256, device="cuda"), w.float())  # float32: cuBLAS
     assert not gemv.applies(torch.randn(2, 256, dtype=torch.bfloat16), w.cpu())
 
 
 @cuda
-@pytest.mark.parametrize("batch", [1, 2, 4, 16])
-def test_llama_forward_with_gemv_matches_cublas(batch):
+@pytest.mark.parametrize("batch,seq", [(1, 1), (2, 1), (1, 2), (16, 1)])
+def test_llama_forward_with_gemv_matches_cublas(batch, seq):
     from csmserve.models import llama
     from csmserve.models.csm import llama_100m
 
@@ -53,8 +53,8 @@ def test_llama_forward_with_gemv_matches_cublas(batch):
     model = llama.Llama(cfg).to("cuda", torch.bfloat16)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(batch, 2, cfg.dim, device="cuda", dtype=torch.bfloat16)
-    pos = torch.arange(2, device="cuda").expand(batch, 2)
+    x = torch.randn(batch, seq, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(seq, device="cuda").expand(batch, seq)
     outs = []
     for on in (False, True):
         llama.fuse_gemv(on)
