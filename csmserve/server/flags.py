@@ -45,6 +45,9 @@ _HELP = {
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
                   "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
+    "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
+                           "fewest open ones (keep-alive connections stay where they land); shared: every worker "
+                           "accepts on the listening socket",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
     "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "

@@ -57,8 +57,11 @@ class WorkerSpec:
     parent_pid: int | None = None  # the worker exits once this process is gone (it would hold the port)
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
-    """An API worker's main: the FastAPI app over the shared socket, its CSM attached to the engine."""
+def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket | None = None,
+               counters=None) -> None:
+    """An API worker's main: the FastAPI app over the shared socket (sock), or over the connections the
+    parent sends on `link` (ServerConfig.connection_dispatch balanced: server/dispatch.py), its CSM
+    attached to the engine."""
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     import uvicorn
@@ -79,7 +82,12 @@ def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
     else:
         app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
-    uvicorn.Server(config).run(sockets=[sock])
+    if link is not None:
+        from csmserve.server.dispatch import DispatchedServer
+
+        DispatchedServer(config, link, counters, spec.index).run()
+    else:
+        uvicorn.Server(config).run(sockets=[sock])
 
 
 def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600):
@@ -243,6 +251,11 @@ class Supervisor:
         self.sock.bind((server.host, server.port))
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
+        self.dispatcher = None
+        if server.connection_dispatch == "balanced":
+            from csmserve.server.dispatch import Dispatcher
+
+            self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
         self.engine = EngineProcess(self.spec)
         self.workers: list = [None] * workers
         self._next_client = 1
@@ -252,6 +265,8 @@ class Supervisor:
         self.engine.start()
         for i in range(self.workers_n):
             self._start_worker(i)
+        if self.dispatcher is not None:
+            self.dispatcher.start()
         log.info("csmserve: engine process (pid %d), %d API workers on http://%s:%d", self.engine.pid,
                  self.workers_n, self.server.host, self.server.port)
 
@@ -259,9 +274,15 @@ class Supervisor:
         spec = WorkerSpec(i, self._next_client, self.server, self.spec.address, self.spec.authkey, self.sessions_db,
                           self.log_level, parent_pid=os.getpid())
         self._next_client += 1
-        p = self.ctx.Process(target=run_named, args=(f"csmserve-api-{i}", run_worker, spec, self.sock),
-                             name=f"csmserve-worker-{i}")
+        if self.dispatcher is not None:  # connections come from the parent's dispatch thread
+            link = self.dispatcher.new_link(i)
+            args = (f"csmserve-api-{i}", run_worker, spec, None, link, self.dispatcher.counters)
+        else:
+            link, args = None, (f"csmserve-api-{i}", run_worker, spec, self.sock)
+        p = self.ctx.Process(target=run_named, args=args, name=f"csmserve-worker-{i}")
         p.start()
+        if link is not None:
+            link.close()  # the worker has its own copy
         self.workers[i] = p
         log.info("API worker %d started (pid %d)", i, p.pid)
 
@@ -289,6 +310,8 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self._stopping = True
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
         workers = [p for p in self.workers if p is not None]
         deadline = time.monotonic() + 15
         # the workers first (their streams end cleanly), then the engine: a worker outliving the engine

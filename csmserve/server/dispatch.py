@@ -1,0 +1,203 @@
+"""Connection dispatch: the parent accepts, each new connection goes to the API worker with the fewest.
+
+    parent:  Dispatcher(sock, n).start()      accept -> least-loaded ready worker -> its fd over a Unix socket
+    worker:  DispatchedServer(config, link)   uvicorn with no listener of its own: serves the sockets it is sent
+
+Why (ServerConfig.connection_dispatch, `balanced`): with one listening socket shared by every worker the
+kernel gives a new connection to whichever worker reaches accept() first, and a keep-alive connection then
+stays there for its whole life. Under a closed loop of 1,024 mp3 users (docs/benchmarks.md) that left the
+busiest worker at 0.99 of a core, saturated, and the least busy at 0.64, so the first chunks of the busiest
+one's streams waited. Here the parent counts each worker's open connections (what it sent minus what the
+worker reports closed: uvicorn's own connection set, so a WebSocket upgrade still counts) and sends each new
+one to the lowest. `shared`: the old way (every worker accepts on the shared socket).
+
+The worker's count lives in a shared array (`Counters`, one row per worker: received, open, ready),
+written by the worker every REPORT_S and read by the parent's dispatch thread; a worker restarted in its
+place starts from zero. No worker ready (all starting): the connection waits in the dispatch thread.
+"""
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import multiprocessing
+import socket
+import threading
+import time
+
+log = logging.getLogger("csmserve.server")
+REPORT_S = 0.02  # how often a worker writes its open-connection count
+_RECEIVED, _OPEN, _READY = 0, 1, 2
+
+
+class Counters:
+    """[n, 3] int64 in shared memory: per worker (received, open, ready). Created by the parent, passed to
+    the (spawned) workers as a Process argument."""
+
+    def __init__(self, n: int, ctx=None) -> None:
+        self.n = n
+        self.a = (ctx or multiprocessing).Array("q", 3 * n, lock=False)
+
+    def get(self, i: int, field: int) -> int:
+        return self.a[3 * i + field]
+
+    def set(self, i: int, field: int, value: int) -> None:
+        self.a[3 * i + field] = value
+
+    def reset(self, i: int) -> None:
+        for f in (_RECEIVED, _OPEN, _READY):
+            self.set(i, f, 0)
+
+
+class Dispatcher:
+    """The parent's accept loop on a thread: each connection to the ready worker with the fewest open ones
+    (ties in turn), its fd sent over that worker's link (a SOCK_SEQPACKET pair)."""
+
+    def __init__(self, sock: socket.socket, n: int, ctx=None) -> None:
+        self.sock, self.n = sock, n
+        self.counters = Counters(n, ctx)
+        self.sent = [0] * n  # connections sent to each worker (since it was last started)
+        self.links: list[socket.socket | None] = [None] * n  # the parent's ends
+        self._lock = threading.Lock()
+        self._stop = False
+        self._turn = -1
+        self.thread = threading.Thread(target=self._run, name="csmserve-dispatch", daemon=True)
+
+    def new_link(self, i: int) -> socket.socket:
+        """Before (re)starting worker i: a fresh link; returns the worker's end (pass it to the process)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with self._lock:
+            old, self.links[i] = self.links[i], parent
+            self.sent[i] = 0
+            self.counters.reset(i)
+        if old is not None:
+            old.close()
+        return child
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
+        except OSError:
+            pass
+
+    def load(self, i: int) -> int | None:
+        """Worker i's open connections (those sent it has not taken yet included); None: not ready."""
+        c = self.counters
+        if not c.get(i, _READY) or self.links[i] is None:
+            return None
+        return c.get(i, _OPEN) + self.sent[i] - c.get(i, _RECEIVED)
+
+    def pick(self) -> int | None:
+        """The ready worker with the fewest open connections; ties in turn (so one-request connections,
+        opened and closed one after another, still go round)."""
+        self._turn = (self._turn + 1) % self.n
+        order = [(self._turn + j) % self.n for j in range(self.n)]
+        loads = [(load, j) for j, i in enumerate(order) if (load := self.load(i)) is not None]
+        return order[min(loads)[1]] if loads else None
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                if self._stop:
+                    return
+                time.sleep(0.01)
+                continue
+            try:
+                self._hand(conn)
+            finally:
+                conn.close()  # the parent's copy: the worker has its own
+
+    def _hand(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + 30.0
+        while not self._stop and time.monotonic() < deadline:
+            with self._lock:
+                i = self.pick()
+                link = None if i is None else self.links[i]
+                if link is not None:
+                    try:
+                        socket.send_fds(link, [b"c"], [conn.fileno()])
+                        self.sent[i] += 1
+                        return
+                    except OSError as e:  # the worker is gone: not ready until restarted
+                        log.warning("API worker %d did not take a connection (%s)", i, e)
+                        self.counters.set(i, _READY, 0)
+                        continue
+            time.sleep(0.01)  # no worker ready yet (starting): the client waits
+        log.error("no API worker ready for 30 s: a connection was closed")
+
+
+class DispatchedServer:
+    """Builds a uvicorn.Server that listens on nothing and serves the sockets its link brings (in a worker).
+
+    The protocol of each socket is uvicorn's own (config.http_protocol_class, as uvicorn's create_server
+    would make it), so timeouts, limits, WebSocket upgrades and graceful shutdown behave the same."""
+
+    def __new__(cls, config, link: socket.socket, counters: Counters, index: int):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets=[])  # no listener: the lifespan, the state, nothing bound
+                if self.should_exit:
+                    return
+                _serve_link(self, link, counters, index)
+
+        return _Server(config)
+
+
+def _serve_link(server, link: socket.socket, counters: Counters, index: int) -> None:
+    loop = asyncio.get_running_loop()
+    config = server.config
+    n = array.array("q", [0, 0])  # received, and received but not yet connected (not in uvicorn's set yet)
+
+    def open_now() -> int:
+        return len(server.server_state.connections) + n[1]
+
+    def protocol() -> asyncio.Protocol:
+        return config.http_protocol_class(config=config, server_state=server.server_state,
+                                          app_state=server.lifespan.state, _loop=loop)
+
+    def readable() -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(link, 1, 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                msg, fds = b"", []
+            if not msg and not fds:  # the parent is gone (the worker exits with it, engine/core.py)
+                loop.remove_reader(link.fileno())
+                return
+            for fd in fds:
+                sock = socket.socket(fileno=fd)
+                sock.setblocking(False)
+                n[0] += 1
+                n[1] += 1
+                loop.create_task(_connect(loop, protocol, sock, config.ssl, n))
+            counters.set(index, _OPEN, open_now())
+            counters.set(index, _RECEIVED, n[0])
+
+    def report() -> None:
+        counters.set(index, _OPEN, open_now())
+        if not server.should_exit:
+            loop.call_later(REPORT_S, report)
+
+    link.setblocking(False)
+    loop.add_reader(link.fileno(), readable)
+    report()
+    counters.set(index, _READY, 1)
+
+
+async def _connect(loop, protocol, sock: socket.socket, ssl, n: array.array) -> None:
+    try:
+        await loop.connect_accepted_socket(protocol, sock, ssl=ssl)
+    except OSError:  # the client left before the worker took it
+        sock.close()
+    finally:
+        n[1] -= 1

@@ -1,0 +1,106 @@
+"""server/dispatch.py's Dispatcher without uvicorn: stand-in workers on threads take the fds it sends.
+
+Connections that stay open spread evenly; a worker not ready gets none; a worker whose link is gone
+(its process died) is skipped, and the connection goes to another; a restarted worker starts from zero.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from csmserve.server.dispatch import _OPEN, _READY, _RECEIVED, Dispatcher
+
+
+class FakeWorker:
+    """Takes connections from its link and keeps them open; reports like a real worker (open, received)."""
+
+    def __init__(self, d: Dispatcher, i: int, ready: bool = True) -> None:
+        self.d, self.i, self.link = d, i, d.new_link(i)
+        self.socks: list[socket.socket] = []
+        self.link.settimeout(0.05)
+        self.stop = False
+        if ready:
+            d.counters.set(i, _READY, 1)
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.link, 1, 4)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            if not msg:
+                return
+            self.socks += [socket.socket(fileno=fd) for fd in fds]
+            self.d.counters.set(self.i, _RECEIVED, len(self.socks))
+            self.d.counters.set(self.i, _OPEN, sum(s.fileno() >= 0 for s in self.socks))
+
+    def close_all(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.d.counters.set(self.i, _OPEN, 0)
+
+
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+def _connect(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_open_connections_spread_evenly_and_not_to_workers_not_ready():
+    lsock = _listener()
+    d = Dispatcher(lsock, 4)
+    workers = [FakeWorker(d, i, ready=i != 3) for i in range(4)]
+    d.start()
+    clients = _connect(lsock.getsockname()[1], 9)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 9)
+    assert [len(w.socks) for w in workers] == [3, 3, 3, 0]
+    # worker 1 loses its connections: the next three go there
+    workers[1].close_all()
+    clients += _connect(lsock.getsockname()[1], 3)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 12)
+    assert [len(w.socks) for w in workers] == [3, 6, 3, 0]
+    d.stop()
+    for c in clients:
+        c.close()
+
+
+def test_a_worker_gone_is_skipped_and_a_restarted_one_starts_from_zero():
+    lsock = _listener()
+    d = Dispatcher(lsock, 2)
+    workers = [FakeWorker(d, 0), FakeWorker(d, 1)]
+    d.start()
+    clients = _connect(lsock.getsockname()[1], 4)
+    assert _wait(lambda: [len(w.socks) for w in workers] == [2, 2])
+    workers[0].stop = True
+    workers[0].t.join()
+    workers[0].link.close()  # its process died: the parent's send fails
+    clients += _connect(lsock.getsockname()[1], 3)
+    assert _wait(lambda: len(workers[1].socks) == 5)
+    assert d.counters.get(0, _READY) == 0
+    # worker 0 again (a fresh process: a fresh link, counters from zero): it gets the next ones
+    workers[0] = FakeWorker(d, 0)
+    assert d.load(0) == 0
+    clients += _connect(lsock.getsockname()[1], 2)
+    assert _wait(lambda: len(workers[0].socks) == 2)
+    d.stop()
+    for c in clients:
+        c.close()
