@@ -9,6 +9,11 @@ cover N (every SM several, so enough loads are in flight), BLOCK_K so that a pro
 
 glu=True: w is [gate; up] [2I, K] and y = silu(x @ gate^T) * (x @ up^T) [M, I]: the MLP's first GEMM
 and its SiLU*up in one kernel (the gate and up tiles of a column block read together).
+
+norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it: h = x + delta,
+y = gemv(rms_norm(h) * norm_weight), with the rounding of kernels/elementwise.py's add_rms_norm (h and
+the normed row in the model dtype). Every program reads the row (K <= 8192: from L2) once for its sum of
+squares and again per chunk; program 0 writes h, the residual stream. Two launches less per layer.
 """
 from __future__ import annotations
 
@@ -95,3 +100,93 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
     _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), N,
                                         TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, num_warps=NUM_WARPS)
     return y.reshape(*x.shape[:-1], N)
+
+
+@triton.jit
+def _norm_gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
+                      UP_OFF, eps, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GLU: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = rn < N
+    rk0 = tl.arange(0, BLOCK_K)
+    dt = X.dtype.element_ty
+    # each row's sum of squares of h = x + delta (rounded to the model dtype, as `x + delta` is)
+    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + rk0
+        h0 = tl.load(X + rk)
+        if HAS_DELTA:
+            h0 = (h0.to(tl.float32) + tl.load(DELTA + rk).to(tl.float32)).to(dt)
+            if pid == 0:
+                tl.store(H + rk, h0)
+        ss0 += h0.to(tl.float32) * h0.to(tl.float32)
+        if TWO_ROWS:
+            r1 = (rk < K) & (M > 1)
+            h1 = tl.load(X + stride_xm + rk, mask=r1, other=0.0)
+            if HAS_DELTA:
+                h1 = (h1.to(tl.float32) + tl.load(DELTA + stride_dm + rk, mask=r1, other=0.0).to(tl.float32)).to(dt)
+                if pid == 0:
+                    tl.store(H + stride_hm + rk, h1, mask=r1)
+            ss1 += h1.to(tl.float32) * h1.to(tl.float32)
+    rstd0 = tl.rsqrt(tl.sum(ss0, axis=0) / K + eps)
+    rstd1 = tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + rk0
+        nw = tl.load(NW + rk).to(tl.float32)
+        h0 = tl.load(X + rk)
+        if HAS_DELTA:
+            h0 = (h0.to(tl.float32) + tl.load(DELTA + rk).to(tl.float32)).to(dt)
+        x0 = (nw * (h0.to(tl.float32) * rstd0).to(dt).to(tl.float32)).to(dt).to(tl.float32)[None, :]
+        w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
+        g0 += w * x0
+        if TWO_ROWS:
+            r1 = (rk < K) & (M > 1)
+            h1 = tl.load(X + stride_xm + rk, mask=r1, other=0.0)
+            if HAS_DELTA:
+                h1 = (h1.to(tl.float32) + tl.load(DELTA + stride_dm + rk, mask=r1, other=0.0).to(tl.float32)).to(dt)
+            x1 = (nw * (h1.to(tl.float32) * rstd1).to(dt).to(tl.float32)).to(dt).to(tl.float32)[None, :]
+            g1 += w * x1
+        if GLU:
+            u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
+            u0 += u * x0
+            if TWO_ROWS:
+                u1 += u * x1
+    y0 = tl.sum(g0, axis=1)
+    if GLU:
+        y0 = y0 / (1.0 + tl.exp(-y0)) * tl.sum(u0, axis=1)
+    tl.store(Y + rn, y0.to(Y.dtype.element_ty), mask=mn)
+    if TWO_ROWS:
+        y1 = tl.sum(g1, axis=1)
+        if GLU:
+            y1 = y1 / (1.0 + tl.exp(-y1)) * tl.sum(u1, axis=1)
+        tl.store(Y + stride_ym + rn, y1.to(Y.dtype.element_ty), mask=mn & (M > 1))
+
+
+def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False) -> bool:
+    return applies(x, weight, glu) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+
+
+def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+              glu: bool = False) -> tuple[Tensor, Tensor]:
+    """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
+    after it in one kernel. x/delta [..., K]; the caller checks `norm_applies`."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    d2 = x2 if delta is None else delta.reshape(-1, K).contiguous()
+    h = x2 if delta is None else torch.empty_like(x2)
+    M = x2.shape[0]
+    N = weight.shape[0] // (2 if glu else 1)
+    bn, bk = blocks(M, N, K, glu)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
+        x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
+        y.stride(0), N, eps, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu,
+        num_warps=NUM_WARPS)
+    return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

@@ -118,6 +118,21 @@ def _glu(x: Tensor, layer: nn.Module) -> Tensor:
     return silu_mul(linear(x, layer))
 
 
+def _norm_then(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Module, gated: bool
+               ) -> tuple[Tensor, Tensor]:
+    x, y = add_rms_norm(x, delta, norm.weight, norm.eps)
+    return x, (glu(y, layer) if gated else linear(y, layer))
+
+
+def _norm_then_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Module, gated: bool
+                    ) -> tuple[Tensor, Tensor]:
+    from csmserve.kernels import gemv
+
+    if type(layer) is nn.Linear and gemv.norm_applies(x, norm.weight, layer.weight, gated):
+        return gemv.norm_gemv(x, delta, norm.weight, norm.eps, layer.weight, gated)
+    return _norm_then(x, delta, norm, layer, gated)
+
+
 def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """layer(x) for a bias-free nn.Linear through `matmul_t` (a GEMV kernel at a few rows, once
     `fuse_gemv()`); any other layer (FP8Linear) as it is."""
@@ -126,9 +141,10 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
 
 # The elementwise pieces, swappable for fused Triton kernels by `fuse_elementwise()` (same math,
 # one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up), and the
-# GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up), swappable by `fuse_gemv()`.
+# GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up; norm_then: a block's residual
+# add + RMSNorm and the GEMM after it, (h, y) = (x + delta, layer(norm(h))), gated: glu), by `fuse_gemv()`.
 add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
-matmul_t, glu = _matmul_t, _glu
+matmul_t, glu, norm_then = _matmul_t, _glu, _norm_then
 
 
 def fuse_elementwise() -> None:
@@ -140,10 +156,10 @@ def fuse_elementwise() -> None:
 
 
 def fuse_gemv(on: bool = True) -> None:
-    """GEMMs of <= 8 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
-    one; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
-    global matmul_t, glu
-    matmul_t, glu = (_matmul_t_gemv, _glu_gemv) if on else (_matmul_t, _glu)
+    """GEMMs of 1-2 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
+    one and each block's two residual add + RMSNorm into the GEMM after them; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
+    global matmul_t, glu, norm_then
+    matmul_t, glu, norm_then = (_matmul_t_gemv, _glu_gemv, _norm_then_gemv) if on else (_matmul_t, _glu, _norm_then)
 
 
 class KVView(Protocol):
@@ -210,9 +226,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
-        B, S, _ = x.shape
-        qkv = linear(x, self.qkv_proj)  # [B, S, (Hq + 2 Hkv) hd]
+    def forward(self, qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
+        # qkv [B, S, (Hq + 2 Hkv) hd]: qkv_proj of the normed input (Block: norm_then)
+        B, S, _ = qkv.shape
         q, k = rope_qk(qkv, pos, cos_t, sin_t, self.n_heads, self.n_kv)
         v = qkv[..., (self.n_heads + self.n_kv) * self.hd:].view(B, S, self.n_kv, self.hd)
         out = kv.attend(layer, q, k, v)
@@ -241,10 +257,11 @@ class Block(nn.Module):
                 layer: int) -> tuple[Tensor, Tensor]:
         """The residual stream arrives as x + delta (the previous block's MLP output, not yet added: the
         add is fused into this block's first norm). Returns (residual, this block's MLP output)."""
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        x, y = add_rms_norm(x, delta, n1.weight, n1.eps)
-        x, y = add_rms_norm(x, self.self_attn(y, pos, cos_t, sin_t, kv, layer), n2.weight, n2.eps)
-        return x, self.mlp(y)
+        attn, mlp = self.self_attn, self.mlp
+        x, qkv = norm_then(x, delta, self.input_layernorm, attn.qkv_proj, False)
+        x, h = norm_then(x, attn(qkv, pos, cos_t, sin_t, kv, layer), self.post_attention_layernorm,
+                         mlp.gate_up_proj, True)  # h = silu(gate) * up
+        return x, linear(h, mlp.down_proj)
 
 
 class Llama(nn.Module):

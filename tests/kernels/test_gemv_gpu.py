@@ -65,3 +65,29 @@ def test_llama_forward_with_gemv_matches_cublas(batch, seq):
             llama.fuse_gemv(False)
     torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
     assert (outs[1] - outs[0]).abs().mean() < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k,glu", [(3072, 2048, False), (8192, 2048, True), (1536, 1024, False),
+                                     (8192, 1024, True)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_norm_gemv_matches_add_rms_norm_then_linear(m, n, k, glu, with_delta):
+    from csmserve.kernels import gemv
+    from csmserve.kernels.elementwise import add_rms_norm_triton
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    delta = torch.randn(m, k, device="cuda", dtype=dt) if with_delta else None
+    nw = (torch.rand(k, device="cuda") + 0.5).to(dt)
+    w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dt) * 0.05
+    assert gemv.norm_applies(x, nw, w, glu)
+    h_ref, y_ref = add_rms_norm_triton(x, delta, nw, 1e-5)
+    ref = F.linear(y_ref.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)
+    assert torch.equal(h, h_ref)  # the residual stream: bit for bit
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
