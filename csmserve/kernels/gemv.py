@@ -105,17 +105,18 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
 @triton.jit
 def _norm_gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
                       UP_OFF, eps, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GLU: tl.constexpr):
+                      BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = rn < N
     rk0 = tl.arange(0, BLOCK_K)
     dt = X.dtype.element_ty
     # each row's sum of squares of h = x + delta (rounded to the model dtype, as `x + delta` is)
-    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ss1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + rk0
+    # (in chunks of PRE_K >= BLOCK_K: this pass stands between the launch and the first weight load)
+    ss0 = tl.zeros([PRE_K], dtype=tl.float32)
+    ss1 = tl.zeros([PRE_K], dtype=tl.float32)
+    for k0 in range(0, K, PRE_K):
+        rk = k0 + tl.arange(0, PRE_K)
         h0 = tl.load(X + rk)
         if HAS_DELTA:
             h0 = (h0.to(tl.float32) + tl.load(DELTA + rk).to(tl.float32)).to(dt)
@@ -185,8 +186,11 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     N = weight.shape[0] // (2 if glu else 1)
     bn, bk = blocks(M, N, K, glu)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pre = bk  # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row
+    while pre * 2 <= 4096 // M and K % (pre * 2) == 0:
+        pre *= 2
     _norm_gemv_kernel[(triton.cdiv(N, bn),)](
         x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
         y.stride(0), N, eps, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu,
-        num_warps=NUM_WARPS)
+        PRE_K=pre, num_warps=NUM_WARPS)
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)
