@@ -18,7 +18,7 @@ from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
-from csmserve.voices import ResolvedVoice, VoiceBackend, VoiceNotFoundError
+from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.lead import Lead, LoopLoad
 from csmserve.server.metrics import Metrics
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from csmserve.api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
+# a speech input up to this long (and no context turns) is split and tokenized on the event loop: tens of
+# microseconds, where a thread's result waits for a busy loop to come back to it (a loaded worker's TTFA)
+INLINE_CHARS = 2000
 
 
 class ServerState:
@@ -94,6 +97,8 @@ class ServerState:
     # ---- voices and context
     async def resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
         key = voice.id if isinstance(voice, VoiceRef) else voice
+        if isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES:
+            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # a preset: no store read, no thread
         try:
             return await asyncio.to_thread(self.store.resolve, key)
         except VoiceNotFoundError:
@@ -182,9 +187,12 @@ class ServerState:
                     top_p=fields.top_p, seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms,
                     fit_cap=True)
 
-    async def build(self, builder: Callable[..., Request], *args, param: str = "context", **kw) -> Request:
-        """builder(*args, **kw), one of CSM's request builders, in a thread (tokenizing never runs on the
-        event loop: every stream and /health share it); a prompt that does not fit is a 400."""
+    async def build(self, builder: Callable[..., Request], *args, param: str = "context", inline: bool = False,
+                    **kw) -> Request:
+        """builder(*args, **kw), one of CSM's request builders, in a thread (a long prompt's tokenizing never
+        runs on the event loop: every stream and /health share it), or here with `inline` (a short text
+        without context: tens of microseconds, less than the wait for the loop to come back to a thread's
+        result while it is busy encoding); a prompt that does not fit is a 400."""
         def run() -> Request:
             try:
                 request = builder(*args, **kw)
@@ -194,7 +202,7 @@ class ServerState:
             self.last_prompt = (request.tokens, request.mask)
             return request
 
-        return await asyncio.to_thread(run)
+        return run() if inline else await asyncio.to_thread(run)
 
     async def speech_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
                              turns: Sequence[ContextTurn] = ()) -> tuple[Request, int, list[str]]:
@@ -202,14 +210,16 @@ class ServerState:
         sentences is long-form, spoken sentence by sentence in one slot (each seeing the earlier ones)."""
         from csmserve.prompt.segments import split_sentences
 
-        texts = await asyncio.to_thread(split_sentences, text)
+        short = len(text) <= INLINE_CHARS
+        texts = split_sentences(text) if short else await asyncio.to_thread(split_sentences, text)
+        inline = short and not turns
         if len(texts) > 1:
             kw = await self.speech_args(voice, fields, turns, total_chars=len(text),
                                         segment_chars=max(len(t) for t in texts), segmented=True)
-            request = await self.build(self.require_ready().long_request, texts, **kw)
+            request = await self.build(self.require_ready().long_request, texts, inline=inline, **kw)
         else:
             kw = await self.speech_args(voice, fields, turns, total_chars=len(text))
-            request = await self.build(self.require_ready().request, text, **kw)
+            request = await self.build(self.require_ready().request, text, inline=inline, **kw)
         return request, kw["speaker"], texts or [text]
 
     # ---- generation

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csmserve.voices.backend import (ALIASES, CODEBOOK_SIZE, NUM_CODEBOOKS, OPENAI_VOICES, ResolvedVoice, Voice,
+from csmserve.voices.backend import (ALIASES, VOICE_ID_PREFIX, CODEBOOK_SIZE, NUM_CODEBOOKS, OPENAI_VOICES, ResolvedVoice, Voice,
                                      VoiceBackend, VoiceInfo, VoiceNotFoundError, default_db_path)
 from csmserve.voices.sqlite import VoiceStore
 
-__all__ = ["ALIASES", "CODEBOOK_SIZE", "NUM_CODEBOOKS", "OPENAI_VOICES", "ResolvedVoice", "Voice", "VoiceBackend",
+__all__ = ["ALIASES", "VOICE_ID_PREFIX", "CODEBOOK_SIZE", "NUM_CODEBOOKS", "OPENAI_VOICES", "ResolvedVoice", "Voice", "VoiceBackend",
            "VoiceInfo", "VoiceNotFoundError", "VoiceStore", "default_db_path", "open_voice_store"]
 
 

@@ -25,6 +25,7 @@ NUM_CODEBOOKS = 32
 CODEBOOK_SIZE = 2048  # Mimi codes are 0..2047, so int16 holds them
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx",
                  "nova", "sage", "shimmer", "verse", "marin", "cedar")
+VOICE_ID_PREFIX = "voice_"  # every stored voice's id starts so: a preset name is never a stored id
 ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
 
 _INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at"
@@ -87,7 +88,7 @@ class VoiceBackend(ABC):
         if not name or not name.strip():
             raise ValueError("voice name must not be empty")
         codes16 = _check_codes(codes)
-        voice = Voice(id=f"voice_{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
+        voice = Voice(id=f"{VOICE_ID_PREFIX}{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
                       speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
                       created_at=time.time(), codes=codes16.astype(np.int64))
         self._insert(voice, codes16.tobytes())
