@@ -159,7 +159,11 @@ class Router:
             self.stats = out.stats
         streams, now = self.streams, None
         has_frame, ends, final = out.has_frame.tolist(), out.end.tolist(), out.final.tolist()  # no numpy scalars per row
-        for i, h in enumerate(out.handles.tolist()):  # only this client's rows
+        handles = out.handles.tolist()  # only this client's rows
+        # requests' first frames first: their consumers wake (and encode, and write) before the rest of the step's
+        order = np.argsort(out.frame_start != 0, kind="stable").tolist() if len(handles) > 1 else range(len(handles))
+        for i in order:
+            h = handles[i]
             st = streams.get(h)
             if st is None:
                 continue
