@@ -134,6 +134,17 @@ if [[ $what == gemv ]]; then
   done
   python bench/profile_step.py --batches 1 --fuse --codec --rows ${PROFILE_ROWS:-16} 2>&1 | tee "$OUT/profile.txt" | head -40
 fi
+if [[ $what == verify ]]; then
+  # the session's last check: every GPU test, the frame step at batch 1, 2, 64 (our GEMV at 1-2 rows), the engine
+  # at 1 and 2,048 streams (~6 minutes)
+  unpack_bundle > "$OUT/unpack.txt" 2>&1 &
+  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/engine tests/models} 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -15
+  python bench/frame_step.py --batches 1,2,64 --steps 30 --fuse --codec 2>&1 | tee "$OUT/frame_step_codec.txt" | tail -5
+  python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 --out "$OUT/engine_bench.md" 2>&1 \
+    | tee "$OUT/engine_bench.txt" | tail -10
+  wait
+fi
 if [[ $what == final ]]; then
   # Mimi's transposed convs: GEMM (default) or cuDNN's, whichever is faster here, then the load benchmark
   log="$OUT/final.log"
