@@ -45,6 +45,9 @@ _HELP = {
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
                   "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
+    "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
+                      "receipt to the first chunk written), engine steps and GC pauses there; "
+                      "python bench/trace_report.py DIR joins them (default: off)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
     "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "
