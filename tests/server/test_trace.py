@@ -53,7 +53,7 @@ def test_served_request_has_an_ordered_timeline(traced):
     text = "\n".join(trace_report.report(traced.trace_dir))
     for label, *_ in trace_report.PHASES:
         line = next(x for x in text.splitlines() if x.strip().startswith(label))
-        assert " - " not in line.split(label, 1)[1], line  # every phase measured
+        assert "-" not in line.split(label, 1)[1].split()[:2], line  # every phase measured (all requests)
     assert "engine steps" in text and "steps from drain to first frame step" in text
 
 
