@@ -57,6 +57,10 @@ class EngineConfig:
     # slows the engine down instead of losing its streams); past it that worker's streams there end
     # with an error, and the engine waits for it no more until it catches up
     reader_wait_s: float = 2.0
+    # a directory: every process of the server (engine core, API workers) appends per-request stamps,
+    # engine steps and GC pauses to its own file there (engine/trace.py; bench/trace_report.py joins
+    # them); None: off, nothing recorded
+    trace_requests: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",

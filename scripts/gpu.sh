@@ -51,14 +51,19 @@ if [[ $what == profile ]]; then
 fi
 if [[ $what == serve ]]; then
   # the load benchmark through the real server (needs the wheels: bash scripts/gpu_wheels.sh, carry .whl):
-  # one server start, then issue 12's acceptance set; SERVE_SCENARIOS replaces the set, SERVE_ARGS adds flags
+  # one server start, then issue 12's acceptance set; SERVE_SCENARIOS replaces the set, SERVE_ARGS adds flags;
+  # SERVE_TRACE=1: the server traces every request (--trace-requests into $OUT/serve_bench.trace), each
+  # scenario's trace_report table in $OUT/serve_bench.trace.txt, the raw files as $OUT/serve_bench.trace.tgz
   scenarios=${SERVE_SCENARIOS:-"closed:users=1,audio_ms=2000,ramp=0,warmup=1,duration=10,label=idle_1_pcm_2s
     closed:users=256 closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus
     ws:users=1024 burst:users=2048,within=3"}
   python bench/serve_bench.py --model dummy --max-seq-len 512 --max-slots ${SERVE_SLOTS:-2100} \
     --client-procs ${SERVE_PROCS:-4} --ramp ${SERVE_RAMP:-10} --warmup ${SERVE_WARMUP:-2} \
     --duration ${SERVE_DURATION:-20} --drain ${SERVE_DRAIN:-30} $(printf -- '--scenario %s ' $scenarios) \
-    --out "$OUT/serve_bench" ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
+    --out "$OUT/serve_bench" ${SERVE_TRACE:+--trace} ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
+  if [[ -n ${SERVE_TRACE:-} && -d "$OUT/serve_bench.trace" ]]; then
+    tar -C "$OUT" -czf "$OUT/serve_bench.trace.tgz" serve_bench.trace && rm -rf "$OUT/serve_bench.trace"
+  fi
 fi
 if [[ $what == soak ]]; then
   [ -f .bundle/ray-cp312.tar.xz ] && use_bundle  # or the wheels of .whl, installed above
@@ -231,6 +236,8 @@ if [[ $what == load ]]; then
   #   LOAD_ARGS       one `serve` flag for the first server, as --flag=value (e.g. --prefill-token-budget=4096);
   #                   LOAD_SCENARIOS its scenarios
   #   LOAD_ARGS2      a second server's flags (e.g. --chunk-frames=4), LOAD_SCENARIOS2 its set: the comparison
+  #   LOAD_TRACE=1    the first server traces every request (--trace-requests): per scenario, where the time to
+  #                   first audio went (bench/trace_report.py), printed after the table
   use_bundle
   [[ -n ${LOAD_ENGINE:-} ]] && python bench/engine_bench.py --sweep 1,2048 --frames 60 --probes 8 \
     --out "$OUT/engine_bench.md" 2>&1 | tee "$OUT/engine_bench.txt" | tail -8
@@ -238,7 +245,9 @@ if [[ $what == load ]]; then
     ${SPEC_ARGS:---ks 2,4,8 --batches 1,64,2048 --steps 10} 2>&1 | tee "$OUT/spec_depth.txt" | tail -20
   SERVE_ARGS=${LOAD_ARGS:+--server-args="$LOAD_ARGS"} SERVE_SCENARIOS=${LOAD_SCENARIOS:-"closed:users=2048
     closed:users=1024,format=mp3 closed:users=1024,format=opus ws:users=1024 burst:users=2048,within=3"} \
-    SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve | grep -v "^(" | tail -14
+    SERVE_TRACE=${LOAD_TRACE:-} SERVE_RAMP=6 SERVE_DURATION=12 SERVE_DRAIN=15 bash scripts/gpu.sh serve \
+    | grep -v "^(" | sed '/^### trace: /,$d' | tail -14
+  [[ -n ${LOAD_TRACE:-} && -f "$OUT/serve_bench.trace.txt" ]] && cat "$OUT/serve_bench.trace.txt"
   if [[ -n ${LOAD_ARGS2:-} ]]; then
     mv "$OUT/serve_bench.txt" "$OUT/serve_bench_a.txt"
     SERVE_ARGS=--server-args="$LOAD_ARGS2" SERVE_SCENARIOS=${LOAD_SCENARIOS2:-"closed:users=2048"} SERVE_RAMP=6 \

@@ -134,6 +134,9 @@ class EngineClient(ClientBase):
 
     def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
                progress: Progress | None = None) -> None:
+        tr = self.engine.tracer
+        if tr is not None and request.request_id in tr.pending:  # a server's request (the API's: not stamped)
+            tr.stamp(request.request_id, sent=time.perf_counter())
         self.engine.submit(request, sink, max_lag_s, progress)
 
     def abort(self, request_id: str) -> None:

@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from csmserve.config import EngineConfig
+from csmserve.engine import trace
 from csmserve.engine.outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
                                      CLIENT_SHIFT, client_of, error_payload)
 from csmserve.engine.pacing import LaunchPacer
 from csmserve.engine.prefix_cache import PrefixCache, default_prefix_cache_bytes
-from csmserve.engine.request import Request
+from csmserve.engine.request import Request, RequestStatus
 from csmserve.engine.output_ring import StepOutput
 from csmserve.engine.runner import ModelRunner
 from csmserve.engine.scheduler import Scheduler, StepRows
@@ -96,6 +97,11 @@ class Engine:
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
         self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
         self.pacer = LaunchPacer()  # EngineConfig.late_launch
+        # EngineConfig.trace_requests: stamps of the requests not yet at their first frame step, by id
+        self.tracer = trace.start(config.trace_requests, "engine") if config.trace_requests else None
+        self._traced: dict[str, dict] = {}
+        self._trace_prefilling: list[Request] = []  # admitted, first frame step not yet scheduled
+        self._t_drained = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="csmserve-engine", daemon=True)
         if start:  # start=False: tests (and the engine-core process) drive step() by hand
@@ -165,6 +171,8 @@ class Engine:
                 self.fatal = f"{type(e).__name__}: {e}".splitlines()[0]
                 log.critical("the device is lost (%s); restart the process", self.fatal)
             self._emit_events()
+        if self.tracer is not None:
+            self.tracer.maybe_flush()
 
     def _refuse(self, block: bool) -> None:
         """After a lost device: answer every new request with the reason at once (never a hang)."""
@@ -185,27 +193,41 @@ class Engine:
             delay = 0.0 if at is None else at - time.perf_counter()
             if delay > 2e-4:
                 time.sleep(delay)  # requests arriving meanwhile join this step
-        t_idle = time.perf_counter() - t_in
-        self._drain(block)
+        t_awake = time.perf_counter()
+        t_idle = t_awake - t_in
+        drained = self._drain(block)
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        tr = self.tracer
+        if tr is not None and (self._traced or batch.admissions):
+            self._trace_admitted(batch)
         self.runner.admit(batch.admissions)
         self.runner.resume(batch.resumes)
         self.runner.prefill(batch.prefills)
         self.runner.store_prefixes(batch.prefix_stores)
+        t_r = time.perf_counter()
         if self.emit is not None and len(batch.decode_slots):
             self._await_readers()
+        t_r = time.perf_counter() - t_r
         out = self.runner.step(batch.decode_slots, batch.step)
+        t_launched = time.perf_counter()
         if out is not None:  # the launch cost of a frame step, not of an empty iteration
-            self.pacer.launched(time.perf_counter() - t0)
+            self.pacer.launched(t_launched - t0)
+        if tr is not None and (out is not None or batch.admissions or batch.prefills):
+            tr.row("step", batch.step, t_in, t_awake, self._t_drained, t0, t_launched,
+                   len(batch.decode_slots), len(batch.admissions), sum(len(c.tokens) for c in batch.prefills),
+                   drained, t_r)
         if self._prev is not None:
             waited = not self._prev[1].done()
             t_w = time.perf_counter()
             self._prev[1].wait()
-            t_idle += time.perf_counter() - t_w
+            t_done = time.perf_counter()
+            t_idle += t_done - t_w
             self.stats["gpu_bound_steps"] += waited
-            self.pacer.step_done(time.perf_counter(), waited)
-            self._collect(*self._prev)
+            self.pacer.step_done(t_done, waited)
+            live = self._collect(*self._prev)
+            if tr is not None:
+                tr.row("collect", self._prev[0], t_w, t_done, time.perf_counter(), live)
         else:
             self._emit_events()
         if out is None:
@@ -238,8 +260,13 @@ class Engine:
             self._given_up.update(dict.fromkeys(lagging, step))
         self.stats["reader_wait_s"] += time.perf_counter() - t0
 
-    def _drain(self, block: bool) -> None:
-        for kind, a, b in self.inbox.get(block):
+    def _drain(self, block: bool) -> int:
+        """-> the number of messages drained."""
+        msgs = self.inbox.get(block)
+        if self.tracer is not None:
+            self._t_drained = time.perf_counter()  # the messages in hand (a blocking get waited for them)
+            self._trace_drained(msgs, self._t_drained)
+        for kind, a, b in msgs:
             if kind == ADD:
                 self._add(a, b)
             elif kind == ABORT:
@@ -250,6 +277,38 @@ class Engine:
                 req = self.scheduler.close(a)
                 if req is not None:
                     self._ended(req, EV_FINAL, req.status.finish_reason, segment=max(0, req.segment - 1))
+        return len(msgs)
+
+    # ---- EngineConfig.trace_requests (only requests that start touch Python)
+    def _trace_drained(self, msgs: list[tuple], t: float) -> None:
+        step = self.scheduler.last_step + 1  # the step this drain feeds
+        for kind, a, _ in msgs:
+            if kind == ADD:
+                self._traced[a.request_id] = {"id": a.request_id, "handle": a.handle, "drained": t, "dstep": step}
+
+    def _trace_admitted(self, batch) -> None:
+        """After schedule(): stamp this batch's admissions; a request whose first frame step is in this
+        batch (its prompt prefilled, or all of it cached) is written out."""
+        slots = self.scheduler.slots
+        for a in batch.admissions:
+            req = slots[a.slot]
+            rec = self._traced.get(req.request_id)
+            if rec is not None:
+                rec["admitted"], rec["astep"] = req.admit_time, batch.step
+                self._trace_prefilling.append(req)
+        if not self._trace_prefilling:
+            return
+        left = []
+        for req in self._trace_prefilling:
+            if req.status is RequestStatus.PREFILLING:
+                left.append(req)
+                continue
+            rec = self._traced.pop(req.request_id, None)
+            if rec is not None:
+                if req.status is RequestStatus.RUNNING:
+                    rec["fstep"] = batch.step
+                self.tracer.request(rec)
+        self._trace_prefilling = left
 
     def _add(self, request: Request, local: tuple | None) -> None:
         if local is not None:  # an in-process consumer: the router delivers its chunks
@@ -258,10 +317,16 @@ class Engine:
             self.scheduler.add(request)
         except Exception as e:  # busy, or a request that cannot run (ValueError): its own error, no one else's
             self._event(request.handle, EV_ERROR, error_payload(e))
+            if self.tracer is not None and request.request_id in self._traced:
+                self.tracer.request({**self._traced.pop(request.request_id), "refused": type(e).__name__})
             return
         self._live.setdefault(client_of(request.handle), set()).add(request.request_id)
 
     def _abort(self, request_id: str) -> None:
+        if self._traced:
+            rec = self._traced.pop(request_id, None)  # aborted before its first frame step
+            if rec is not None:
+                self.tracer.request({**rec, "aborted": True})
         req = self.scheduler.abort(request_id)
         if req is not None:
             self._ended(req, EV_FINAL, "abort", segment=req.segment)
@@ -288,7 +353,8 @@ class Engine:
     def _event(self, handle: int, kind: int, payload: object, segment: int = 0) -> None:
         self._events.setdefault(client_of(handle), []).append(Event(handle, kind, payload, segment))
 
-    def _collect(self, step: int, out: StepOutput) -> None:
+    def _collect(self, step: int, out: StepOutput) -> int:
+        """-> the step's live rows."""
         codes, pcm = out.wait()
         self.stats["steps"] += 1
         rows = self.scheduler.update(step, codes)
@@ -297,6 +363,7 @@ class Engine:
             req = rows.requests[i]
             self._live.get(client_of(req.handle), set()).discard(req.request_id)
         self._emit_rows(rows, out)
+        return len(rows)
 
     def _emit_rows(self, rows: StepRows, out: StepOutput | None) -> None:
         stats = self.engine_stats()
@@ -320,6 +387,8 @@ class Engine:
             step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows[m], rows.handles[m],
                               rows.frame_start[m], rows.segment[m], rows.has_frame[m], rows.end[m], rows.final[m],
                               self._events.pop(c, []), stats)
+            if self.tracer is not None:  # handed to the client's connection (it may read it before emit returns)
+                self.tracer.row("emit", rows.step, c, time.perf_counter())
             self.emit(c, step, out)
 
     def _emit_events(self) -> None:

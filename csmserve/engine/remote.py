@@ -23,6 +23,7 @@ from multiprocessing.connection import Client
 import numpy as np
 
 from csmserve.engine import messages as m
+from csmserve.engine import trace
 from csmserve.engine.client import ClientBase
 from csmserve.engine.output_ring import READERS, OutputRing
 from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStep, Event, Router, error_from, error_payload
@@ -61,6 +62,10 @@ class RemoteEngineClient(ClientBase):
         self._fatal: str | None = None
         self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.tracer = None  # EngineConfig.trace_requests: this worker's stamps (engine/trace.py)
+        if cfg.trace_requests:
+            self.tracer = trace.start(cfg.trace_requests, "worker", client=client_id)
+            self.tracer.run_flusher()
         self._reader = threading.Thread(target=self._read, name="csmserve-engine-reader", daemon=True)
         self._reader.start()
 
@@ -87,6 +92,8 @@ class RemoteEngineClient(ClientBase):
             self._on_loop(self.router.event, Event(request.handle, EV_ERROR, error_payload(EngineGone(self._fatal))))
             return
         try:
+            if self.tracer is not None:  # handed to the connection (the engine may read it before send returns)
+                self.tracer.stamp(request.request_id, sent=time.perf_counter())
             self._send(m.Submit(request))
         except EngineGone as e:
             self._on_loop(self.router.event, Event(request.handle, EV_ERROR, error_payload(e)))
@@ -133,7 +140,7 @@ class RemoteEngineClient(ClientBase):
             while True:
                 msg = pickle.loads(self.conn.recv_bytes())
                 if isinstance(msg, EngineStep):
-                    self._step(msg)
+                    self._step(msg, time.perf_counter() if self.tracer is not None else 0.0)
                 elif isinstance(msg, m.Encoded):
                     fut = self._calls.get(msg.call_id)
                     if fut is not None:
@@ -149,7 +156,7 @@ class RemoteEngineClient(ClientBase):
             log.exception("reading from the engine failed")
             self._gone(f"reading from the engine failed: {e}")
 
-    def _step(self, step: EngineStep) -> None:
+    def _step(self, step: EngineStep, t_recv: float = 0.0) -> None:
         codes = pcm = None
         if len(step.rows):
             r = step.ring
@@ -160,7 +167,14 @@ class RemoteEngineClient(ClientBase):
                 step.events = step.events + [Event(int(h), EV_ERROR, err) for h in step.handles]
                 step.handles = np.full_like(step.handles, -1)
             self.ring["acks"][self._ack] = step.step  # read: the engine may reuse the buffer
+        if self.tracer is not None and step.step >= 0:  # not a heartbeat
+            self._on_loop(self._traced_deliver, step, codes, pcm, t_recv)
+            return
         self._on_loop(self.router.deliver, step, codes, pcm)
+
+    def _traced_deliver(self, step: EngineStep, codes, pcm, t_recv: float) -> None:
+        self.tracer.row("recv", step.step, t_recv, time.perf_counter(), len(step.rows))
+        self.router.deliver(step, codes, pcm)
 
     def _gone(self, reason: str) -> None:
         self._fatal = reason

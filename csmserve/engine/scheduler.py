@@ -203,6 +203,11 @@ class Scheduler:
     def num_inflight_steps(self) -> int:
         return len(self._inflight)
 
+    @property
+    def last_step(self) -> int:
+        """The number of the last schedule()'s step (Batch.step)."""
+        return self._step
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

@@ -48,6 +48,9 @@ _HELP = {
     "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
                            "fewest open ones (keep-alive connections stay where they land); shared: every worker "
                            "accepts on the listening socket",
+    "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
+                      "receipt to the first chunk written), engine steps and GC pauses there; "
+                      "python bench/trace_report.py DIR joins them (default: off)",
     "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
                       "to it, as `csmserve serve`); thread: on a thread of the replica's process",
     "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "

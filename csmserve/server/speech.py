@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
 from csmserve.config import SAMPLE_RATE
+from csmserve.engine import trace
 from csmserve.engine.request import AudioChunk
 from csmserve.server import openapi
 from csmserve.prompt.segments import segment_spans
@@ -144,9 +145,13 @@ async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, 
 async def _audio(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder,
                  request_id: str, lead: Lead, speed: float) -> AsyncIterator[bytes]:
     encoded = _encoded(chunks, first, encoder, lead, speed)
+    tr = trace.current()
     try:
         async for data, _ in encoded:
             if data:
+                if tr is not None:  # the first bytes handed to the response: the request's record is complete
+                    tr.done(request_id, written=time.perf_counter())
+                    tr = None
                 yield data
     except APIError as e:
         log.error("speech %s failed after streaming began: %s", request_id, e.message)
@@ -191,9 +196,13 @@ async def _sse(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, enco
                request_id: str, timing: _Timing, lead: Lead, speed: float) -> AsyncIterator[str]:
     frames = 0
     encoded = _encoded(chunks, first, encoder, lead, speed)
+    tr = trace.current()
     try:
         async for data, chunk in encoded:
             if data:
+                if tr is not None:
+                    tr.done(request_id, written=time.perf_counter())
+                    tr = None
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
             if chunk is not None:
                 frames += len(chunk.codes)

@@ -16,6 +16,7 @@ import numpy as np
 
 from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
 from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig
+from csmserve.engine import trace
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError
@@ -193,6 +194,9 @@ class ServerState:
         runs on the event loop: every stream and /health share it), or here with `inline` (a short text
         without context: tens of microseconds, less than the wait for the loop to come back to a thread's
         result while it is busy encoding); a prompt that does not fit is a 400."""
+        tr = trace.current()
+        t_built = [0.0]  # the builder done (in the thread: the rest of the hop is the loop's lag)
+
         def run() -> Request:
             try:
                 request = builder(*args, **kw)
@@ -200,9 +204,16 @@ class ServerState:
                 code = "context_too_long" if "too long" in str(e) else "invalid_value"
                 raise bad_request(str(e), param, code) from None
             self.last_prompt = (request.tokens, request.mask)
+            if tr is not None:
+                t_built[0] = time.perf_counter()
             return request
 
-        return run() if inline else await asyncio.to_thread(run)
+        if tr is None:
+            return run() if inline else await asyncio.to_thread(run)
+        t0 = time.perf_counter()
+        request = run() if inline else await asyncio.to_thread(run)
+        tr.stamp(request.request_id, build0=t0, build1=t_built[0], built=time.perf_counter())
+        return request
 
     async def speech_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
                              turns: Sequence[ContextTurn] = ()) -> tuple[Request, int, list[str]]:
@@ -234,12 +245,17 @@ class ServerState:
             raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
                            "too_many_requests")
         self.active += 1
+        tr = trace.current()
+        if tr is not None:
+            tr.stamp(request.request_id, received=arrival)
         agen = csm.client.astream(request, on_submit=on_submit, max_lag_s=self.config.max_reader_lag_s)
         frames, reason, first = 0, "abort", None
         try:
             async for chunk in agen:
                 if first is None and len(chunk.codes):
                     first = time.perf_counter()
+                    if tr is not None:
+                        tr.stamp(request.request_id, chunk=first)
                     self.metrics.ttfa.observe(first - arrival)
                     admitted = getattr(request, "admit_time", None)
                     self.metrics.queue_time.observe((admitted or first) - (request.arrival_time or arrival))
@@ -254,6 +270,8 @@ class ServerState:
         finally:
             await agen.aclose()  # GeneratorExit at the engine's queue: abort, slot freed at the next frame
             self.active -= 1
+            if tr is not None:  # still pending: it ended before a route wrote its first chunk
+                tr.done(request.request_id, end=reason)
             self._account(arrival, frames, reason)
 
     def _account(self, arrival: float, frames: int, reason: str) -> None:

@@ -35,6 +35,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from csmserve.audio.encoders import to_s16le
+from csmserve.engine import trace
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.prompt.segments import segment_spans
 from csmserve.server.errors import APIError, check_bearer, validation_error
@@ -309,6 +310,8 @@ class Connection:
             async for chunk in self.state.stream(request, arrival, turn.text_feed.start if request.open else None):
                 if len(chunk.codes):
                     codes.setdefault(chunk.segment, []).append(chunk.codes)
+                    if not frames and trace.current() is not None:  # the turn's first audio goes out
+                        trace.current().done(request.request_id, written=time.perf_counter())
                     await self._send_audio(turn, chunk, new_segment=chunk.segment != shown)
                     shown = chunk.segment
                     frames += len(chunk.codes)

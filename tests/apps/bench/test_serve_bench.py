@@ -17,7 +17,7 @@ def test_serve_bench_end_to_end(tmp_path):
            "--max-slots", "8", "--client-procs", "2", "--users", "4", "--ramp", "0.3", "--warmup", "0.3",
            "--duration", "2", "--audio-ms", "480", "--drain", "20", "--out", str(out),
            "--scenario", "closed", "--scenario", "closed:format=mp3", "--scenario", "ws:voices=1",
-           "--scenario", "burst:within=0.3"]
+           "--scenario", "burst:within=0.3", "--trace"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t = time.monotonic()
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -41,3 +41,8 @@ def test_serve_bench_end_to_end(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| scenario | requests/s | TTFA p50 / p99 (ms)" in md and "| ws 4 ws 1v |" in md
     assert "TTFA p50 / p99" in p.stdout
+    # --trace: the server traced into OUT.trace, each scenario's window joined (bench/trace_report.py)
+    roles = sorted(f.name.split("-")[0] for f in out.with_suffix(".trace").iterdir())
+    assert roles[0] == "engine" and roles[1:] and set(roles[1:]) == {"worker"}, roles
+    traces = out.with_suffix(".trace.txt").read_text()
+    assert traces.count("TTFA (received -> written)") == 4 and "### trace: closed 4 pcm" in md, traces

@@ -79,6 +79,10 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g.add_argument("--text", default=None, help="the input of every request (default: a rotation of 10 s sentences)")
     g.add_argument("--backoff", type=float, default=0.25, help="s a user waits after an error (default 0.25)")
     g.add_argument("--ws-compression", action="store_true", help="offer permessage-deflate (default: off)")
+    g.add_argument("--trace", nargs="?", const="", default=None, metavar="DIR",
+                   help="start the server with --trace-requests into DIR (default OUT.trace, or a temp dir) and "
+                        "print bench/trace_report.py's table for each scenario's window (also OUT.trace.txt); "
+                        "with --url: the DIR that server was started with")
     g.add_argument("--save-records", action="store_true",
                    help="also write OUT.records.json: every request's record (csmserve/apps/bench/serve/users.py)")
     return ap
@@ -113,7 +117,20 @@ def server_args(args: argparse.Namespace) -> list[str]:
     for flag in ("device", "dtype", "max_slots"):
         if getattr(args, flag, None) is not None:
             out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "trace_dir", None):
+        out += ["--trace-requests", str(args.trace_dir)]
     return out + shlex.split(args.server_args or "")
+
+
+def trace_dir(args: argparse.Namespace, base: Path | None) -> Path | None:
+    """--trace: where the server's per-request timelines go (engine/trace.py); None: not traced."""
+    if args.trace is None:
+        return None
+    if args.trace:
+        return Path(args.trace)
+    if args.url:
+        raise ValueError("--trace with --url needs the directory that server writes its trace to (--trace DIR)")
+    return Path(f"{base}.trace") if base else Path(tempfile.mkdtemp(prefix="csmserve-trace-"))
 
 
 def start_or_attach(args: argparse.Namespace, serve_args: list[str], base: Path | None,
@@ -231,6 +248,7 @@ class Bench:
         after = None
         try:
             self.wait_events("drained", len(shares), t1 + self.args.drain)
+            t_drained = time.monotonic()
             after = sampler.scrape()  # before the stop: requests cut by it are no server error
         finally:
             for w, _ in shares:
@@ -244,6 +262,11 @@ class Bench:
         if server is not None and cpu.get("cores"):
             server["cpu"] = cpu["cores"]
         summary = report.summarize(sc, records, t_start, [msg for _, msg in results], server)
+        if getattr(self.args, "trace_dir", None) is not None:  # the requests received in the window (perf_counter = monotonic)
+            from csmserve.apps.bench.serve import trace_report
+
+            time.sleep(max(0.0, t_drained + 1.0 - time.monotonic()))  # flushed: 2 x engine/trace.py FLUSH_S
+            summary["trace"] = trace_report.report(self.args.trace_dir, t0, t1)
         if self.args.save_records:
             summary["records"] = records
         return summary
@@ -255,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     if procs < 1:
         raise ValueError(f"--client-procs must be >= 1, got {procs}")
     base = _out_base(args.out)
+    args.trace_dir = trace_dir(args, base)
     raise_fd_limit()
     events: queue.Queue = queue.Queue()
     workers = [Worker(i, events, _child_env()) for i in range(procs)]
@@ -288,6 +312,14 @@ def run(args: argparse.Namespace) -> int:
         emit()
         for s in results:
             emit(f"- {report.details(s)} ({s['elapsed_s']} s)")
+        # --trace: each scenario's trace_report (computed after it ran, over its window), after the table
+        traces = [line for s in results if "trace" in s for line in ["", f"### trace: {s['name']}", "", "```",
+                                                                     *s["trace"], "```"]]
+        for line in traces:
+            emit(line)
+        if traces and base:
+            base.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{base}.trace.txt").write_text("\n".join(traces) + "\n")
         if base:
             base.parent.mkdir(parents=True, exist_ok=True)
             meta = {"url": url, "server_args": None if args.url else server_args(args), "client_procs": procs,
