@@ -203,6 +203,16 @@ class CoreLoop:
                                            np.zeros(0, bool), [], stats), None)
 
 
+def freeze_gc() -> None:
+    """After a process has loaded (torch, the model, the app): its ~200-300k objects out of the collector's
+    reach (gc.freeze), so a full collection walks only what was made since, not every module and tensor
+    (a gen-2 pass over them stalls the loop for tens to hundreds of ms, every stream with it)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def exit_with_parent(parent_pid: int | None, paths: tuple[str, ...] = (), what: str = "the engine",
                      poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
     """Exit once the process that started this one is gone (parent_pid; SIGKILLed, a Ray actor killed:
@@ -251,6 +261,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
         if ready is not None:
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e
+    freeze_gc()
     encoder = _Encoder(csm)
     conns = Connections(listener, welcome, encoder)
     encoder.conns = conns

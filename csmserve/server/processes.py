@@ -66,7 +66,7 @@ def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     import uvicorn
 
-    from csmserve.engine.core import exit_with_parent
+    from csmserve.engine.core import exit_with_parent, freeze_gc
     from csmserve.server.app import create_app
     from csmserve.server.timeouts import uvicorn_config
 
@@ -82,6 +82,7 @@ def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket
     else:
         app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
+    freeze_gc()  # torch and the app imported: a full collection no longer walks them
     if link is not None:
         from csmserve.server.dispatch import DispatchedServer
 
