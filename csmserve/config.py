@@ -121,6 +121,9 @@ class ServerConfig:
     # while an API worker's event loop is saturated (encoding), a response already this many seconds of
     # audio ahead of real time waits before its next chunk is encoded (server/lead.py); 0: never
     max_lead_s: float = 1.0
+    # threads per API worker that encode a compressed stream's chunks after its first (libav releases the GIL
+    # while it encodes), so the event loop stays free for requests' first chunks; 0: on the event loop
+    encode_threads: int = 1
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None
@@ -162,6 +165,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_lead_s must be >= 0, got {self.max_lead_s}")
         if self.max_reader_lag_s <= 0:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
+        if self.encode_threads < 0:
+            raise ValueError(f"ServerConfig.encode_threads must be >= 0, got {self.encode_threads}")
         if self.connection_dispatch not in ("balanced", "shared"):
             raise ValueError(f"ServerConfig.connection_dispatch must be balanced or shared, got {self.connection_dispatch!r}")
         if self.api_workers is not None and self.api_workers < 0:

@@ -31,6 +31,7 @@ class Encoder:
 
     format: ClassVar[str]
     media_type: ClassVar[str]
+    heavy: ClassVar[bool] = False  # milliseconds of CPU per second of audio, mostly in libav (GIL released)
 
     def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
         self.sample_rate = sample_rate
@@ -159,6 +160,7 @@ class AvEncoder(Encoder):
 
     container: ClassVar[str]
     codec: ClassVar[str]
+    heavy = True
     bit_rate: ClassVar[int | None] = None
     container_options: ClassVar[dict[str, str]] = {}
     codec_options: ClassVar[dict[str, str]] = {}

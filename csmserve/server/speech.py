@@ -13,6 +13,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from functools import partial
 
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
@@ -79,10 +81,10 @@ async def create_speech(http: Request) -> StreamingResponse:
     if body.stream_format == "sse":
         timing = _Timing(script, spans, body.speed, dialogue=is_dialogue(body), enabled=body.add_timestamps)
         content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing, state.lead,
-                       body.speed)
+                       body.speed, state.encode_pool)
         return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)
     media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
-    audio = _audio(chunks, first, encoder, request.request_id, state.lead, body.speed)
+    audio = _audio(chunks, first, encoder, request.request_id, state.lead, body.speed, state.encode_pool)
     return _closing(ClosingStreamingResponse(audio, media_type=media_type, headers=headers), state)
 
 
@@ -119,15 +121,19 @@ def _closing(response: ClosingStreamingResponse, state: ServerState) -> ClosingS
     return response
 
 
-async def _encode(encoder: Encoder, chunk: AudioChunk | None) -> bytes:
-    """Encode one chunk (None: close)."""
-    return encoder.close() if chunk is None else encoder.write(chunk.audio)
+async def _encode(encoder: Encoder, chunk: AudioChunk | None, pool: Executor | None = None) -> bytes:
+    """Encode one chunk (None: close); a heavy encoder's in `pool` (ServerConfig.encode_threads), if given."""
+    if pool is None or not encoder.heavy:
+        return encoder.close() if chunk is None else encoder.write(chunk.audio)
+    work = encoder.close if chunk is None else partial(encoder.write, chunk.audio)
+    return await asyncio.get_running_loop().run_in_executor(pool, work)
 
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, lead: Lead,
-                   speed: float = 1.0) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
+                   speed: float = 1.0, pool: Executor | None = None) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
     # -> (bytes, the chunk they encode); the encoder's tail comes last, with None. While the worker is
-    # saturated, a stream far ahead of real time waits (server/lead.py)
+    # saturated, a stream far ahead of real time waits (server/lead.py). The first chunk is encoded here at
+    # once (time to first audio); the rest in `pool`, if given
     try:
         if first is not None:
             t_first = time.monotonic()
@@ -135,16 +141,16 @@ async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, 
             audio_s = first.audio.size / SAMPLE_RATE / speed
             async for chunk in chunks:
                 await lead.wait(t_first, audio_s)
-                yield await _encode(encoder, chunk), chunk
+                yield await _encode(encoder, chunk, pool), chunk
                 audio_s += chunk.audio.size / SAMPLE_RATE / speed
-        yield await _encode(encoder, None), None
+        yield await _encode(encoder, None, pool), None
     finally:
         await chunks.aclose()
 
 
 async def _audio(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder,
-                 request_id: str, lead: Lead, speed: float) -> AsyncIterator[bytes]:
-    encoded = _encoded(chunks, first, encoder, lead, speed)
+                 request_id: str, lead: Lead, speed: float, pool: Executor | None = None) -> AsyncIterator[bytes]:
+    encoded = _encoded(chunks, first, encoder, lead, speed, pool)
     tr = trace.current()
     try:
         async for data, _ in encoded:
@@ -193,9 +199,10 @@ class _Timing:
 
 
 async def _sse(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, prompt_len: int,
-               request_id: str, timing: _Timing, lead: Lead, speed: float) -> AsyncIterator[str]:
+               request_id: str, timing: _Timing, lead: Lead, speed: float, pool: Executor | None = None
+               ) -> AsyncIterator[str]:
     frames = 0
-    encoded = _encoded(chunks, first, encoder, lead, speed)
+    encoded = _encoded(chunks, first, encoder, lead, speed, pool)
     tr = trace.current()
     try:
         async for data, chunk in encoded:

@@ -10,6 +10,7 @@ import binascii
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +46,9 @@ class ServerState:
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
         self.metrics = Metrics(config.model_name, self.engine_stats)
         self.lead = Lead(LoopLoad(), config.max_lead_s)  # LoopLoad started by the app's lifespan
+        # ServerConfig.encode_threads: compressed streams' chunks after the first are encoded there
+        self.encode_pool = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="csmserve-encode") \
+            if config.encode_threads else None
 
     # ---- readiness and limits
     @property
