@@ -122,8 +122,9 @@ class ServerConfig:
     # audio ahead of real time waits before its next chunk is encoded (server/lead.py); 0: never
     max_lead_s: float = 1.0
     # threads per API worker that encode a compressed stream's chunks after its first (libav releases the GIL
-    # while it encodes), so the event loop stays free for requests' first chunks; 0: on the event loop
-    encode_threads: int = 1
+    # while it encodes), so the event loop stays free for requests' first chunks; 0: on the event loop (the
+    # default until it is measured on the H200: docs/benchmarks.md)
+    encode_threads: int = 0
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None

@@ -46,7 +46,7 @@ _HELP = {
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
                   "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
     "encode_threads": "threads per API worker encoding mp3/opus/aac/flac chunks after a stream's first one "
-                      "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop",
+                      "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop (default)",
     "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
                            "fewest open ones (keep-alive connections stay where they land); shared: every worker "
                            "accepts on the listening socket",
