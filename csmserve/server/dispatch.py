@@ -66,6 +66,7 @@ class Dispatcher:
     def new_link(self, i: int) -> socket.socket:
         """Before (re)starting worker i: a fresh link; returns the worker's end (pass it to the process)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent.setblocking(False)  # a worker that stops reading its link is passed over, never waited for
         with self._lock:
             old, self.links[i] = self.links[i], parent
             self.sent[i] = 0
@@ -91,12 +92,12 @@ class Dispatcher:
             return None
         return c.get(i, _OPEN) + self.sent[i] - c.get(i, _RECEIVED)
 
-    def pick(self) -> int | None:
+    def pick(self, skip: frozenset[int] = frozenset()) -> int | None:
         """The ready worker with the fewest open connections; ties in turn (so one-request connections,
         opened and closed one after another, still go round)."""
         self._turn = (self._turn + 1) % self.n
         order = [(self._turn + j) % self.n for j in range(self.n)]
-        loads = [(load, j) for j, i in enumerate(order) if (load := self.load(i)) is not None]
+        loads = [(load, j) for j, i in enumerate(order) if i not in skip and (load := self.load(i)) is not None]
         return order[min(loads)[1]] if loads else None
 
     def _run(self) -> None:
@@ -116,19 +117,19 @@ class Dispatcher:
     def _hand(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + 30.0
         while not self._stop and time.monotonic() < deadline:
+            full: set[int] = set()  # workers whose link is full now (not reading): the next one instead
             with self._lock:
-                i = self.pick()
-                link = None if i is None else self.links[i]
-                if link is not None:
+                while (i := self.pick(frozenset(full))) is not None:
                     try:
-                        socket.send_fds(link, [b"c"], [conn.fileno()])
+                        socket.send_fds(self.links[i], [b"c"], [conn.fileno()])
                         self.sent[i] += 1
                         return
+                    except BlockingIOError:
+                        full.add(i)
                     except OSError as e:  # the worker is gone: not ready until restarted
                         log.warning("API worker %d did not take a connection (%s)", i, e)
                         self.counters.set(i, _READY, 0)
-                        continue
-            time.sleep(0.01)  # no worker ready yet (starting): the client waits
+            time.sleep(0.01)  # no worker ready (starting, or all of them stalled): the client waits
         log.error("no API worker ready for 30 s: a connection was closed")
 
 

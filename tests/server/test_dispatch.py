@@ -15,8 +15,9 @@ from csmserve.server.dispatch import _OPEN, _READY, _RECEIVED, Dispatcher
 class FakeWorker:
     """Takes connections from its link and keeps them open; reports like a real worker (open, received)."""
 
-    def __init__(self, d: Dispatcher, i: int, ready: bool = True) -> None:
+    def __init__(self, d: Dispatcher, i: int, ready: bool = True, extra_open: int = 0) -> None:
         self.d, self.i, self.link = d, i, d.new_link(i)
+        self.extra_open = extra_open  # reported on top of its own (a worker that looks busy)
         self.socks: list[socket.socket] = []
         self.link.settimeout(0.05)
         self.stop = False
@@ -37,7 +38,7 @@ class FakeWorker:
                 return
             self.socks += [socket.socket(fileno=fd) for fd in fds]
             self.d.counters.set(self.i, _RECEIVED, len(self.socks))
-            self.d.counters.set(self.i, _OPEN, sum(s.fileno() >= 0 for s in self.socks))
+            self.d.counters.set(self.i, _OPEN, self.extra_open + sum(s.fileno() >= 0 for s in self.socks))
 
     def close_all(self) -> None:
         for s in self.socks:
@@ -101,6 +102,27 @@ def test_a_worker_gone_is_skipped_and_a_restarted_one_starts_from_zero():
     assert d.load(0) == 0
     clients += _connect(lsock.getsockname()[1], 2)
     assert _wait(lambda: len(workers[0].socks) == 2)
+    d.stop()
+    for c in clients:
+        c.close()
+
+
+def test_a_worker_that_stops_reading_its_link_is_passed_over():
+    lsock = _listener()
+    d = Dispatcher(lsock, 2)
+    stalled = FakeWorker(d, 0)
+    stalled.stop = True  # its process hangs: the link is never read again
+    stalled.t.join()
+    live = FakeWorker(d, 1, extra_open=10**6)  # looks far busier: the stalled one stays the least loaded
+    d.counters.set(1, _OPEN, 10**6)
+    d.start()
+    n = 0
+    clients = []
+    while n < 2000 and len(live.socks) < 50:  # far more than a link's buffer holds
+        clients += _connect(lsock.getsockname()[1], 10)
+        n += 10
+        assert _wait(lambda: sum(d.sent) >= n, timeout=10), (n, d.sent)
+    assert len(live.socks) >= 50 and d.sent[0] > 50  # the stalled one got what its link holds, then no more
     d.stop()
     for c in clients:
         c.close()
