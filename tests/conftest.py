@@ -2,9 +2,16 @@ import os
 import uuid
 
 import pytest
-import torch
 
-# Tiny models: intra-op threads only add synchronisation on a 2-core CI machine.
+# Tiny models: intra-op threads only add synchronisation on a 2-core CI machine. Set before torch is
+# imported, and inherited by every process the tests start (`csmserve serve` trees, the CLI, the soak,
+# Ray's workers): an engine process with 2 OpenMP threads, beside its API workers and the clients on 2
+# cores, waits at every parallel region for a thread that is not running (8 streams of 8 s took 80 to
+# 250 s instead of 10).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
 torch.set_num_threads(1)
 
 
