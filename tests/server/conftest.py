@@ -3,8 +3,9 @@
 `server` runs every test that uses it twice: "inproc", a uvicorn server in a thread around
 `create_app(csm, config)` (the engine on a thread of the test process: tests may look inside), and
 "procs", `csmserve serve --api-workers 2` as users run it (parent, engine-core process, two API
-workers; one per test module), where only the public API exists: tests marked `inproc` (they read
-server.state) run in the first mode only. `serve(**config)` starts in-process servers with a config.
+workers; one for the session: every module's procs tests share it, so they use context_ids of their
+own and look at counters as deltas once the engine is idle), where only the public API exists: tests
+marked `inproc` (they read server.state) run in the first mode only. `serve(**config)` starts in-process servers with a config.
 
 `csm` is `CSM("dummy-tiny", engine=True)`; with CSMSERVE_TEST_FAKE_CSM=1 the stand-in in fake_csm.py.
 """
@@ -61,8 +62,11 @@ def serve(csm, tmp_path):
         s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def proc_server(tmp_path_factory):
+    """The procs server, started once (a tree takes ~6 s to start on the 2-core CI machine): the same
+    flags for every module, and no test that uses it kills or reconfigures it (test_processes and
+    test_durability start trees of their own)."""
     s = ProcServer(tmp_path_factory.mktemp("procs")).start()
     yield s
     s.stop()

@@ -83,7 +83,7 @@ def test_ws_segment_done_equals_the_audio_frames_of_each_segment(server):
 
 def test_ws_binary_progress_segment_messages_carry_audio_start_ms(server):
     with connect(ws_url(server, "?binary=1&progress=1")) as ws:
-        ws.send(json.dumps({"context_id": "b", "text": TEXT, "flush": True, "temperature": 0,
+        ws.send(json.dumps({"context_id": "ts-b", "text": TEXT, "flush": True, "temperature": 0,
                             "max_audio_length_ms": 3 * 80, "add_timestamps": True}))
         audio, msgs = turn(ws)
     starts = [m for m in msgs if m["type"] == "segment"]

@@ -11,7 +11,7 @@ from websockets.sync.client import connect
 from csmserve.api import Segment
 from csmserve.config import ServerConfig
 from csmserve.server.state import Sessions, SessionTurn
-from server_helpers import metrics, wait_metrics, wav_bytes
+from server_helpers import metrics, wait_idle, wait_metrics, wav_bytes
 from test_ws import audio_rows, turn, ws_url
 
 
@@ -122,7 +122,10 @@ def test_a_growing_conversation_reuses_the_previous_turns_prefix(server):
     user = {"speaker": 1, "text": "Tell me a story.", "audio": base64.b64encode(wav_bytes(0.3)).decode()}
     names = ("csmserve:prefix_cache_hits", "csmserve:prefix_cache_hit_positions")
     hit_positions = []
-    hits, pos = metrics(server, *names)  # nothing ran yet: every worker's copy agrees
+    assert wait_idle(server)  # the procs server is the session's: earlier modules' requests have ended
+    if server.state is None:
+        time.sleep(0.5)  # and two heartbeats later every API worker's copy of the counters agrees
+    hits, pos = metrics(server, *names)
     with connect(ws_url(server)) as ws:
         for i, text in enumerate(["Once upon a time.", "There was a fox.", "The end."]):
             msg = {"context_id": "grow", "text": text, "flush": True, "temperature": 0, "max_audio_length_ms": 160}
