@@ -10,7 +10,9 @@ load_factor x (the mean + 1). A hot voice therefore spills onto its second repli
 rather than queueing on one. Every other key (a named conversation, `ctx:`: a WebSocket's or a
 request's `context_id`; a client's own x-session-id) is stricter: a session lives on its replica, so it
 leaves only a replica Ray finds full (max_ongoing_requests). Without a key: the less loaded of two
-random replicas (power of two choices).
+random replicas (power of two choices), at equal loads the one this router sent fewer to, so idle
+replicas take turns; the other is the fallback (tried if the first is full or does not answer Ray's
+probe in time).
 Replicas whose engine failed (routing stats `fatal`) get nothing while another is left.
 
 Replica loads are Ray's own counts of ongoing requests per replica (the router's queue-length cache,
@@ -55,6 +57,15 @@ def preference(key: str, replicas: Sequence[str], loads: Mapping[str, int], load
     return under + [r for r in order if loads.get(r, 0) >= bound]
 
 
+def unkeyed(replicas: Sequence[str], loads: Mapping[str, int], sent: Mapping[str, int],
+            rng: random.Random | None = None) -> list[str]:
+    """Two random replicas in the order a request without a key tries them: the less loaded first;
+    at equal loads the one sent fewer requests. Ray's own tie-break would favour whichever replica
+    answers its queue-length probe first, or the one already in its cache."""
+    pair = (rng or random).sample(list(replicas), min(2, len(replicas)))
+    return sorted(pair, key=lambda r: (loads.get(r, 0), sent.get(r, 0)))
+
+
 class AffinityRouter(RequestRouter):
     """request_router_kwargs: load_factor (RayConfig.affinity_load_factor)."""
 
@@ -63,6 +74,7 @@ class AffinityRouter(RequestRouter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reserved: dict[str, deque[float]] = defaultdict(deque)  # replica -> when each was chosen
+        self._sent: dict[str, int] = defaultdict(int)  # replica -> unkeyed requests this router chose it for
 
     def initialize_state(self, load_factor: float = 1.25, **kwargs) -> None:
         self.load_factor = float(load_factor)
@@ -81,10 +93,12 @@ class AffinityRouter(RequestRouter):
         if not healthy:
             return []
         key = pending_request.metadata.session_id if pending_request is not None else ""
-        if not key or len(healthy) == 1:
-            return [random.sample(healthy, min(2, len(healthy)))]  # the less loaded of two wins
         by_id = {r.replica_id.unique_id: r for r in healthy}
         loads = {rid: self._load(r) for rid, r in by_id.items()}
+        if not key or len(healthy) == 1:
+            order = unkeyed(list(by_id), loads, self._sent)
+            self._sent[order[0]] += 1
+            return [[by_id[rid]] for rid in order]
         order = preference(key, list(by_id), loads, self.load_factor)
         if key.startswith(BOUNDED):
             self._reserved[order[0]].append(time.monotonic())

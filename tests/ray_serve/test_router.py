@@ -4,7 +4,9 @@ from collections import Counter
 import pytest
 
 pytest.importorskip("ray.serve.request_router")
-from csmserve.ray.router import preference, rendezvous  # noqa: E402
+import random  # noqa: E402
+
+from csmserve.ray.router import preference, rendezvous, unkeyed  # noqa: E402
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -51,3 +53,16 @@ def test_keys_spread_and_losing_a_replica_moves_only_its_keys():
     for k in keys:
         if home[k] != "r2":
             assert rendezvous(k, left)[0] == home[k]
+
+
+def test_unkeyed_requests_go_to_the_less_loaded_of_two_and_idle_replicas_take_turns():
+    rng = random.Random(0)
+    assert unkeyed(["r0", "r1"], {"r0": 3, "r1": 1}, {}, rng) == ["r1", "r0"]  # less loaded first
+    sent: Counter = Counter()
+    for _ in range(10):  # sequential requests on idle replicas: load 0 each time
+        first = unkeyed(["r0", "r1"], {}, sent, rng)[0]
+        sent[first] += 1
+    assert sent == {"r0": 5, "r1": 5}
+    picks = Counter(unkeyed(REPLICAS, {"r3": 9}, {}, rng)[0] for _ in range(400))
+    assert picks["r3"] == 0 and min(picks[r] for r in REPLICAS[:3]) > 80  # two random: r3 never wins
+    assert unkeyed(["r0"], {}, {}, rng) == ["r0"]

@@ -103,9 +103,11 @@ def test_requests_spread_over_both_replicas_and_ready_counts_them(cluster):
     url = cluster.use()
     body = httpx.get(f"{url}/ready", timeout=10).json()
     assert body["status"] == "ready" and body["replicas"]["ready"] == body["replicas"]["total"] == 2
-    served = [speak(url) for _ in range(10)]
+    served = []
+    while len(served) < 20 and len({r for _, r, _ in served}) < 2:  # idle replicas take turns (router.unkeyed);
+        served.append(speak(url))  # the bound leaves Ray's proxy time to learn of both on a loaded machine
     assert all(status == 200 and len(audio) == 5 * 1920 * 2 for status, _, audio in served)
-    assert {r for _, r, _ in served} == replicas(url)  # least loaded (power of two) over both
+    assert {r for _, r, _ in served} == replicas(url)
 
 
 def test_metrics_of_every_replica_labelled_by_replica(cluster):
