@@ -29,13 +29,58 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
-                 TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr):
+def _chunk(X, DELTA, nw, rk, mask, rstd, dt, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """One row's input chunk [BK] in fp32: x, or rms_norm(x + delta) * nw rounded as add_rms_norm does."""
+    x = tl.load(X + rk, mask=mask, other=0.0)
+    if NORM:
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(DELTA + rk, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        x = (nw * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rstd(X, DELTA, H, K, mask_row, write_h, eps, dt, HAS_DELTA: tl.constexpr, PRE_K: tl.constexpr):
+    """1 / rms of one row of h = x + delta (rounded to the model dtype, as `x + delta` is); h stored if write_h.
+    In chunks of PRE_K >= BLOCK_K: this pass stands between the launch and the first weight load."""
+    ss = tl.zeros([PRE_K], dtype=tl.float32)
+    for k0 in range(0, K, PRE_K):
+        rk = k0 + tl.arange(0, PRE_K)
+        m = (rk < K) & mask_row
+        h = tl.load(X + rk, mask=m, other=0.0)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(DELTA + rk, mask=m, other=0.0).to(tl.float32)).to(dt)
+            if write_h:
+                tl.store(H + rk, h, mask=m)
+        ss += h.to(tl.float32) * h.to(tl.float32)
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _store(Y, rn, mask, g, u, GLU: tl.constexpr):
+    y = tl.sum(g, axis=1)  # [BN]
+    if GLU:
+        y = y / (1.0 + tl.exp(-y)) * tl.sum(u, axis=1)
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
+                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr):
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
     rk0 = tl.arange(0, BLOCK_K)
+    dt = X.dtype.element_ty
+    two = M > 1
+    rstd0 = 1.0
+    rstd1 = 1.0
+    if NORM:  # program 0 writes h, the residual stream
+        rstd0 = _rstd(X, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
+        if TWO_ROWS:
+            rstd1 = _rstd(X + stride_xm, DELTA + stride_dm, H + stride_hm, K, two, pid == 0, eps, dt, HAS_DELTA, PRE_K)
     w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
     g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -43,26 +88,23 @@ def _gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
     u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (blocks() checks)
         rk = k0 + rk0
-        x0 = tl.load(X + rk).to(tl.float32)[None, :]
+        nw = 1.0
+        if NORM:
+            nw = tl.load(NW + rk).to(tl.float32)
+        x0 = _chunk(X, DELTA, nw, rk, rk < K, rstd0, dt, NORM, HAS_DELTA)[None, :]
         w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)  # [BN, BK]
         g0 += w * x0
         if TWO_ROWS:
-            x1 = tl.load(X + stride_xm + rk, mask=(rk < K) & (M > 1), other=0.0).to(tl.float32)[None, :]
+            x1 = _chunk(X + stride_xm, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
             g1 += w * x1
         if GLU:
             u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
             u0 += u * x0
             if TWO_ROWS:
                 u1 += u * x1
-    y0 = tl.sum(g0, axis=1)  # [BN]
-    if GLU:
-        y0 = y0 / (1.0 + tl.exp(-y0)) * tl.sum(u0, axis=1)
-    tl.store(Y + rn, y0.to(Y.dtype.element_ty), mask=mn)
+    _store(Y, rn, mn, g0, u0, GLU)
     if TWO_ROWS:
-        y1 = tl.sum(g1, axis=1)
-        if GLU:
-            y1 = y1 / (1.0 + tl.exp(-y1)) * tl.sum(u1, axis=1)
-        tl.store(Y + stride_ym + rn, y1.to(Y.dtype.element_ty), mask=mn & (M > 1))
+        _store(Y + stride_ym, rn, mn & two, g1, u1, GLU)
 
 
 def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
@@ -97,77 +139,10 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
     N = weight.shape[0] // (2 if glu else 1)
     bn, bk = blocks(M, N, K, glu)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), N,
-                                        TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, num_warps=NUM_WARPS)
+    _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, y, M, N, K, x2.stride(0), 0, 0, weight.stride(0),
+                                        y.stride(0), N, 0.0, NORM=False, HAS_DELTA=False, TWO_ROWS=M > 1,
+                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, num_warps=NUM_WARPS)
     return y.reshape(*x.shape[:-1], N)
-
-
-@triton.jit
-def _norm_gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
-                      UP_OFF, eps, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = rn < N
-    rk0 = tl.arange(0, BLOCK_K)
-    dt = X.dtype.element_ty
-    # each row's sum of squares of h = x + delta (rounded to the model dtype, as `x + delta` is)
-    # (in chunks of PRE_K >= BLOCK_K: this pass stands between the launch and the first weight load)
-    ss0 = tl.zeros([PRE_K], dtype=tl.float32)
-    ss1 = tl.zeros([PRE_K], dtype=tl.float32)
-    for k0 in range(0, K, PRE_K):
-        rk = k0 + tl.arange(0, PRE_K)
-        h0 = tl.load(X + rk)
-        if HAS_DELTA:
-            h0 = (h0.to(tl.float32) + tl.load(DELTA + rk).to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(H + rk, h0)
-        ss0 += h0.to(tl.float32) * h0.to(tl.float32)
-        if TWO_ROWS:
-            r1 = (rk < K) & (M > 1)
-            h1 = tl.load(X + stride_xm + rk, mask=r1, other=0.0)
-            if HAS_DELTA:
-                h1 = (h1.to(tl.float32) + tl.load(DELTA + stride_dm + rk, mask=r1, other=0.0).to(tl.float32)).to(dt)
-                if pid == 0:
-                    tl.store(H + stride_hm + rk, h1, mask=r1)
-            ss1 += h1.to(tl.float32) * h1.to(tl.float32)
-    rstd0 = tl.rsqrt(tl.sum(ss0, axis=0) / K + eps)
-    rstd1 = tl.rsqrt(tl.sum(ss1, axis=0) / K + eps)
-    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
-    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + rk0
-        nw = tl.load(NW + rk).to(tl.float32)
-        h0 = tl.load(X + rk)
-        if HAS_DELTA:
-            h0 = (h0.to(tl.float32) + tl.load(DELTA + rk).to(tl.float32)).to(dt)
-        x0 = (nw * (h0.to(tl.float32) * rstd0).to(dt).to(tl.float32)).to(dt).to(tl.float32)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
-        g0 += w * x0
-        if TWO_ROWS:
-            r1 = (rk < K) & (M > 1)
-            h1 = tl.load(X + stride_xm + rk, mask=r1, other=0.0)
-            if HAS_DELTA:
-                h1 = (h1.to(tl.float32) + tl.load(DELTA + stride_dm + rk, mask=r1, other=0.0).to(tl.float32)).to(dt)
-            x1 = (nw * (h1.to(tl.float32) * rstd1).to(dt).to(tl.float32)).to(dt).to(tl.float32)[None, :]
-            g1 += w * x1
-        if GLU:
-            u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
-            u0 += u * x0
-            if TWO_ROWS:
-                u1 += u * x1
-    y0 = tl.sum(g0, axis=1)
-    if GLU:
-        y0 = y0 / (1.0 + tl.exp(-y0)) * tl.sum(u0, axis=1)
-    tl.store(Y + rn, y0.to(Y.dtype.element_ty), mask=mn)
-    if TWO_ROWS:
-        y1 = tl.sum(g1, axis=1)
-        if GLU:
-            y1 = y1 / (1.0 + tl.exp(-y1)) * tl.sum(u1, axis=1)
-        tl.store(Y + stride_ym + rn, y1.to(Y.dtype.element_ty), mask=mn & (M > 1))
 
 
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False) -> bool:
@@ -189,8 +164,8 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     pre = bk  # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row
     while pre * 2 <= 4096 // M and K % (pre * 2) == 0:
         pre *= 2
-    _norm_gemv_kernel[(triton.cdiv(N, bn),)](
+    _gemv_kernel[(triton.cdiv(N, bn),)](
         x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
-        y.stride(0), N, eps, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu,
-        PRE_K=pre, num_warps=NUM_WARPS)
+        y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk,
+        GLU=glu, PRE_K=pre, num_warps=NUM_WARPS)
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)
