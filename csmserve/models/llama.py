@@ -236,13 +236,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The MLP's weights only: Block applies them (gate_up fused with the norm before it, `norm_then`)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)  # [gate; up]
         self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(glu(x, self.gate_up_proj), self.down_proj)
 
 
 class Block(nn.Module):

@@ -9,6 +9,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from csmserve.server.dispatch import _OPEN, _READY, _RECEIVED, Dispatcher
 
 
@@ -46,15 +48,38 @@ class FakeWorker:
         self.d.counters.set(self.i, _OPEN, 0)
 
 
-def _listener() -> socket.socket:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(64)
-    return s
+class Rig:
+    """A Dispatcher on a listening socket of its own, and the client connections made to it."""
+
+    def __init__(self, workers: int) -> None:
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.d = Dispatcher(self.lsock, workers)
+        self.clients: list[socket.socket] = []
+
+    def connect(self, n: int) -> None:
+        self.clients += [socket.create_connection(self.lsock.getsockname()[:2]) for _ in range(n)]
+
+    def close(self) -> None:
+        self.d.stop()
+        for c in self.clients:
+            c.close()
+        self.lsock.close()
 
 
-def _connect(port: int, n: int) -> list[socket.socket]:
-    return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+@pytest.fixture
+def rig():
+    """rig(workers) -> a Rig; every one stopped at teardown, whether the test passed or not."""
+    rigs: list[Rig] = []
+
+    def make(workers: int) -> Rig:
+        rigs.append(Rig(workers))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
 
 
 def _wait(cond, timeout: float = 5.0) -> bool:
@@ -66,63 +91,50 @@ def _wait(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
-def test_open_connections_spread_evenly_and_not_to_workers_not_ready():
-    lsock = _listener()
-    d = Dispatcher(lsock, 4)
-    workers = [FakeWorker(d, i, ready=i != 3) for i in range(4)]
-    d.start()
-    clients = _connect(lsock.getsockname()[1], 9)
+def test_open_connections_spread_evenly_and_not_to_workers_not_ready(rig):
+    r = rig(4)
+    workers = [FakeWorker(r.d, i, ready=i != 3) for i in range(4)]
+    r.d.start()
+    r.connect(9)
     assert _wait(lambda: sum(len(w.socks) for w in workers) == 9)
     assert [len(w.socks) for w in workers] == [3, 3, 3, 0]
     # worker 1 loses its connections: the next three go there
     workers[1].close_all()
-    clients += _connect(lsock.getsockname()[1], 3)
+    r.connect(3)
     assert _wait(lambda: sum(len(w.socks) for w in workers) == 12)
     assert [len(w.socks) for w in workers] == [3, 6, 3, 0]
-    d.stop()
-    for c in clients:
-        c.close()
 
 
-def test_a_worker_gone_is_skipped_and_a_restarted_one_starts_from_zero():
-    lsock = _listener()
-    d = Dispatcher(lsock, 2)
-    workers = [FakeWorker(d, 0), FakeWorker(d, 1)]
-    d.start()
-    clients = _connect(lsock.getsockname()[1], 4)
+def test_a_worker_gone_is_skipped_and_a_restarted_one_starts_from_zero(rig):
+    r = rig(2)
+    workers = [FakeWorker(r.d, 0), FakeWorker(r.d, 1)]
+    r.d.start()
+    r.connect(4)
     assert _wait(lambda: [len(w.socks) for w in workers] == [2, 2])
     workers[0].stop = True
     workers[0].t.join()
     workers[0].link.close()  # its process died: the parent's send fails
-    clients += _connect(lsock.getsockname()[1], 3)
+    r.connect(3)
     assert _wait(lambda: len(workers[1].socks) == 5)
-    assert d.counters.get(0, _READY) == 0
+    assert r.d.counters.get(0, _READY) == 0
     # worker 0 again (a fresh process: a fresh link, counters from zero): it gets the next ones
-    workers[0] = FakeWorker(d, 0)
-    assert d.load(0) == 0
-    clients += _connect(lsock.getsockname()[1], 2)
+    workers[0] = FakeWorker(r.d, 0)
+    assert r.d.load(0) == 0
+    r.connect(2)
     assert _wait(lambda: len(workers[0].socks) == 2)
-    d.stop()
-    for c in clients:
-        c.close()
 
 
-def test_a_worker_that_stops_reading_its_link_is_passed_over():
-    lsock = _listener()
-    d = Dispatcher(lsock, 2)
-    stalled = FakeWorker(d, 0)
+def test_a_worker_that_stops_reading_its_link_is_passed_over(rig):
+    r = rig(2)
+    stalled = FakeWorker(r.d, 0)
     stalled.stop = True  # its process hangs: the link is never read again
     stalled.t.join()
-    live = FakeWorker(d, 1, extra_open=10**6)  # looks far busier: the stalled one stays the least loaded
-    d.counters.set(1, _OPEN, 10**6)
-    d.start()
+    live = FakeWorker(r.d, 1, extra_open=10**6)  # looks far busier: the stalled one stays the least loaded
+    r.d.counters.set(1, _OPEN, 10**6)
+    r.d.start()
     n = 0
-    clients = []
     while n < 2000 and len(live.socks) < 50:  # far more than a link's buffer holds
-        clients += _connect(lsock.getsockname()[1], 10)
+        r.connect(10)
         n += 10
-        assert _wait(lambda: sum(d.sent) >= n, timeout=10), (n, d.sent)
-    assert len(live.socks) >= 50 and d.sent[0] > 50  # the stalled one got what its link holds, then no more
-    d.stop()
-    for c in clients:
-        c.close()
+        assert _wait(lambda: sum(r.d.sent) >= n, timeout=10), (n, r.d.sent)
+    assert len(live.socks) >= 50 and r.d.sent[0] > 50  # the stalled one got what its link holds, then no more
