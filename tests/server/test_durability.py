@@ -27,8 +27,6 @@ from websockets.sync.client import connect
 from csmserve.apps.bench.serve.tree import ServerTree, alive
 from server_helpers import ProcServer, wav_bytes
 
-pytestmark = pytest.mark.serial  # kill -9 and restart timings: alone, not beside another xdist worker
-
 TRIALS = 5
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm",
           "max_audio_length_ms": 160}

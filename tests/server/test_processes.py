@@ -21,8 +21,6 @@ from websockets.sync.client import connect
 from server_helpers import ProcServer, metric, wait_idle, wav_bytes
 from test_ws import turn
 
-pytestmark = pytest.mark.serial  # kill -9 and restart timings: alone, not beside another xdist worker
-
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"}
 
 
