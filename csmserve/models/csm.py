@@ -48,19 +48,28 @@ class CSMConfig:
 Sampler = Callable[[Tensor, int], Tensor]
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(n, dim) with its own N(0, 1) init, skipped on the meta device (loader.empty_model):
+    normal_ on meta imports torch._dynamo and sympy, ~2 s in every process that builds a model."""
+    w = torch.empty(n, dim)
+    if not w.is_meta:
+        nn.init.normal_(w)
+    return nn.Embedding(n, dim, _weight=w)
+
+
 class CSMModel(nn.Module):
     def __init__(self, cfg: CSMConfig) -> None:
         super().__init__()
         self.cfg = cfg
         K, V, Db, Dd = cfg.num_codebooks, cfg.audio_vocab_size, cfg.backbone.dim, cfg.decoder.dim
-        self.text_embeddings = nn.Embedding(cfg.text_vocab_size, Db)
-        self.audio_embeddings = nn.Embedding(V * K, Db)  # row = code + codebook * V
+        self.text_embeddings = _embedding(cfg.text_vocab_size, Db)
+        self.audio_embeddings = _embedding(V * K, Db)  # row = code + codebook * V
         self.backbone = Llama(cfg.backbone)
         self.decoder = Llama(cfg.decoder)
         self.projection = nn.Linear(Db, Dd, bias=False)
         self.codebook0_head = nn.Linear(Db, V, bias=False)
         self.audio_head = nn.Parameter(torch.empty(K - 1, Dd, V))  # codebook i>=1 uses [i-1]
-        self.register_buffer("codebook_offsets", torch.arange(K) * V, persistent=False)  # [K]
+        self.register_buffer("codebook_offsets", torch.arange(K, device="cpu") * V, persistent=False)  # [K] (not on meta: see _embedding)
         self.head_t: Tensor | None = None  # [K-1, Vp, Dd] aligned copy of audio_head (prepare_heads)
 
     def embed_frames(self, tokens: Tensor, mask: Tensor) -> Tensor:

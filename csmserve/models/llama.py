@@ -40,7 +40,7 @@ class LlamaConfig:
 def llama3_inv_freq(cfg: LlamaConfig) -> Tensor:
     """Inverse frequencies [head_dim/2], float32, llama3-scaled as in HF `_compute_llama3_parameters`."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     if cfg.rope_factor is None:
         return inv
     low_wavelen = cfg.rope_original_max_pos / cfg.rope_low_freq_factor
@@ -56,8 +56,9 @@ def llama3_inv_freq(cfg: LlamaConfig) -> Tensor:
 
 
 def rope_tables(cfg: LlamaConfig) -> tuple[Tensor, Tensor]:
-    """cos, sin [max_seq_len, head_dim] float32, rotate-half layout."""
-    pos = torch.arange(cfg.max_seq_len, dtype=torch.float32)
+    """cos, sin [max_seq_len, head_dim] float32, rotate-half layout, computed on the CPU whatever the default
+    device (arange on meta, in loader.empty_model, imports sympy: ~2 s in every process that builds a model)."""
+    pos = torch.arange(cfg.max_seq_len, dtype=torch.float32, device="cpu")
     freqs = pos[:, None] * llama3_inv_freq(cfg)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from csmserve.models.csm import CSMConfig, CSMModel, llama_100m, llama_1b
 from csmserve.models.llama import LlamaConfig, rope_tables
@@ -299,7 +299,9 @@ def empty_model(cfg: CSMConfig, device: torch.device | str, dtype: torch.dtype) 
     """CSMModel with uninitialised parameters allocated once, directly on `device` in `dtype`."""
     with torch.device("meta"):
         model = CSMModel(cfg)
-    model.to(dtype=dtype).to_empty(device=device)
+    for mod in model.modules():  # not Module.to_empty: its empty_like on meta imports sympy (~1 s a process)
+        for name, p in mod.named_parameters(recurse=False):
+            mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), p.requires_grad)
     _reset_buffers(model, device)
     return model.eval().requires_grad_(False)
 
