@@ -6,7 +6,9 @@ CPU ms (process time, every thread counted) per second of audio, the threads eac
 setup cost of one encoder (make_encoder + first write + close of a 1-chunk stream).
 
 Variants (each in a fresh process, libav state is process-wide):
-  default   make_encoder as the server calls it
+  default   make_encoder as the server calls it (mp3 / opus: their libraries called directly, audio/lame.py
+            and audio/opus.py)
+  libav     mp3 / opus through PyAV / libav instead (make_encoder(native=False)); the variants below too
   codec1    + the codec context's thread_count = 1, thread_type NONE (set before the codec opens)
   cpu1      + av_cpu_force_count(1) in libavutil (ctypes): the auto thread count of every libav object,
             the filter graph PyAV's encode() re-blocks audio through included
@@ -31,7 +33,7 @@ import numpy as np
 
 RATE = 24_000
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
-VARIANTS = ("default", "codec1", "cpu1", "cpu16", "opts")
+VARIANTS = ("default", "libav", "codec1", "cpu1", "cpu16", "opts")
 
 
 def threads() -> int:
@@ -71,7 +73,7 @@ def make(fmt: str, variant: str, options: dict[str, dict[str, str]] | None = Non
         cls = ENCODERS[fmt]
         cls = type(cls.__name__, (cls,), {"codec_options": {**cls.codec_options, **options[fmt]}})
         return cls(RATE)
-    enc = make_encoder(fmt, RATE)
+    enc = make_encoder(fmt, RATE, native=variant == "default")
     if variant == "codec1" and hasattr(enc, "stream"):
         ctx = enc.stream.codec_context
         ctx.thread_count = 1
@@ -119,8 +121,9 @@ def child(args: argparse.Namespace) -> None:
     options = parse_options(args.options[-1] if args.options else "")
     pcm = signal(args.signal, args.seconds)
     for fmt in args.formats.split(","):
-        if args.child != "default" and (fmt in ("pcm", "wav") or (args.child == "opts" and fmt not in options)):
-            continue  # no libav in them / no options given for it
+        if args.child != "default" and (fmt in ("pcm", "wav") or (args.child == "opts" and fmt not in options)
+                                        or (args.child == "libav" and fmt not in ("mp3", "opus"))):
+            continue  # no libav in them / no options given for it / libav already in default
         for chunk_ms in map(int, args.chunks.split(",")):
             for streams in map(int, args.streams.split(",")):
                 r = measure(fmt, chunk_ms, streams, args.child, pcm, args.repeats, options)

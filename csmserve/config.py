@@ -115,6 +115,9 @@ class ServerConfig:
     # cost 5.0 and 2.8 ms of CPU per second of audio (LAME's 3 and opus' 10: 8.6 and 10; docs/benchmarks.md)
     mp3_compression_level: int = 7
     opus_complexity: int = 5
+    # mp3 / opus through libmp3lame / libopus called directly (audio/lame.py, audio/opus.py; the same codec
+    # settings, less CPU per stream); False: through PyAV / libav (what it replaced; an A/B through the server)
+    native_codecs: bool = True
     # a client reading the audio this many seconds behind real time (playback from its first chunk)
     # has its request stopped and its slot freed; also the longest a response write may stall
     max_reader_lag_s: float = 30.0

@@ -11,9 +11,14 @@ no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the wav header, no sample count o
 in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at 24 kHz:
 pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead).
 speed != 1 adds about one chunk of lag (atempo's analysis window).
+
+mp3 and opus default to their libraries called directly (audio/lame.py, audio/opus.py: the same codec
+settings, ~25-40% less CPU per stream); Mp3Encoder and OpusEncoder here are the libav path, used where
+those libraries do not load or with CSMSERVE_NATIVE_CODECS=0.
 """
 from __future__ import annotations
 
+import os
 import struct
 from fractions import Fraction
 from typing import ClassVar
@@ -21,52 +26,10 @@ from typing import ClassVar
 import av
 import numpy as np
 
-from csmserve.audio.tempo import TimeStretch, check_speed
+from csmserve.audio import lame, opus
+from csmserve.audio.base import Encoder
 from csmserve.config import SAMPLE_RATE
 
-
-
-class Encoder:
-    """Base: validates chunks, applies `speed` (atempo), then hands PCM to `_encode`."""
-
-    format: ClassVar[str]
-    media_type: ClassVar[str]
-    heavy: ClassVar[bool] = False  # milliseconds of CPU per second of audio, mostly in libav (GIL released)
-
-    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
-        self.sample_rate = sample_rate
-        self.stretch = TimeStretch(sample_rate, speed) if check_speed(speed) != 1.0 else None
-        self.closed = False
-
-    def write(self, pcm: np.ndarray) -> bytes:
-        if self.closed:
-            raise RuntimeError("write() after close()")
-        pcm = _as_mono_f32(pcm)
-        if self.stretch is not None:
-            pcm = self.stretch.write(pcm)
-        return self._encode(pcm) if pcm.size else b""
-
-    def close(self) -> bytes:
-        if self.closed:
-            return b""
-        self.closed = True
-        tail = self._encode(self.stretch.flush()) if self.stretch is not None else b""
-        return tail + self._finish()
-
-    def _encode(self, pcm: np.ndarray) -> bytes:  # pcm: [n>0] float32
-        raise NotImplementedError
-
-    def _finish(self) -> bytes:
-        return b""
-
-
-def _as_mono_f32(pcm: np.ndarray) -> np.ndarray:
-    pcm = np.asarray(pcm)
-    if pcm.ndim == 2 and 1 in pcm.shape:  # [1, n] or [n, 1]
-        pcm = pcm.reshape(-1)
-    if pcm.ndim != 1:
-        raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
-    return np.ascontiguousarray(pcm, dtype=np.float32)
 
 
 def to_s16le(pcm: np.ndarray) -> bytes:
@@ -211,21 +174,21 @@ class Mp3Encoder(AvEncoder):
     default (--mp3-compression-level): 5.0 ms of CPU per second of audio against 8.6 at its default,
     for speech at 64 kb/s (docs/benchmarks.md)."""
 
-    format, media_type = "mp3", "audio/mpeg"
-    container, codec, bit_rate = "mp3", "libmp3lame", 64_000
+    format, media_type = lame.FORMAT, lame.MEDIA_TYPE
+    container, codec, bit_rate = "mp3", "libmp3lame", lame.BIT_RATE
     container_options = {"write_xing": "0", "id3v2_version": "0"}
-    codec_options = {"compression_level": "7"}
+    codec_options = {"compression_level": str(lame.QUALITY)}
 
 
 class OpusEncoder(AvEncoder):
     """Ogg/Opus at 24 kHz in (libopus takes it directly; decoders output 48 kHz).
     page_duration 20 ms: one Ogg page per Opus packet, so pages leave every write."""
 
-    format, media_type = "opus", "audio/ogg; codecs=opus"
-    container, codec, bit_rate = "ogg", "libopus", 32_000
+    format, media_type = opus.FORMAT, opus.MEDIA_TYPE
+    container, codec, bit_rate = "ogg", "libopus", opus.BIT_RATE
     container_options = {"page_duration": "20000"}
     # complexity 5 (--opus-complexity): 2.8 ms of CPU per second of audio against 10 at libopus' 10
-    codec_options = {"compression_level": "5"}
+    codec_options = {"compression_level": str(opus.COMPLEXITY)}
 
 
 class AacEncoder(AvEncoder):
@@ -252,13 +215,30 @@ FORMATS = tuple(ENCODERS)  # OpenAI's response_format values
 MEDIA_TYPES = {name: cls.media_type for name, cls in ENCODERS.items()}
 
 
-def make_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
-                 codec_options: dict[str, str] | None = None) -> Encoder:
-    """codec_options: libav options of the format's codec (e.g. {"compression_level": "9"}); pcm/wav none."""
+def native_codecs() -> bool:
+    """mp3 and opus through their libraries called directly (audio/lame.py, audio/opus.py), not libav;
+    CSMSERVE_NATIVE_CODECS=0 keeps libav (the A/B in bench/encoder_cost.py and through the server)."""
+    return os.environ.get("CSMSERVE_NATIVE_CODECS", "1") != "0"
+
+
+def encoder_class(fmt: str, native: bool | None = None) -> type[Encoder]:
+    """The class make_encoder(fmt) builds: for mp3 / opus the direct one where its library loads."""
     try:
         cls = ENCODERS[fmt]
     except KeyError:
         raise ValueError(f"unknown response_format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
-    if issubclass(cls, AvEncoder):
-        return cls(sample_rate, speed, codec_options)
-    return cls(sample_rate, speed)
+    if fmt in ("mp3", "opus") and (native_codecs() if native is None else native):
+        direct = lame if fmt == "mp3" else opus
+        if direct.library() is not None:
+            return lame.LameEncoder if fmt == "mp3" else opus.LibopusEncoder
+    return cls
+
+
+def make_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
+                 codec_options: dict[str, str] | None = None, native: bool | None = None) -> Encoder:
+    """codec_options: libav options of the format's codec (e.g. {"compression_level": "9"}); pcm/wav none.
+    native: mp3 / opus through their libraries directly (default: native_codecs()) or through libav."""
+    cls = encoder_class(fmt, native)
+    if issubclass(cls, PcmEncoder):  # pcm, wav: no codec
+        return cls(sample_rate, speed)
+    return cls(sample_rate, speed, codec_options)

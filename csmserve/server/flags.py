@@ -47,6 +47,8 @@ _HELP = {
                   "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
     "encode_threads": "threads per API worker encoding mp3/opus/aac/flac chunks after a stream's first one "
                       "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop (default)",
+    "native_codecs": "mp3 and opus through libmp3lame and libopus called directly (the default; less CPU per "
+                     "stream); false: through PyAV / libav",
     "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
                            "fewest open ones (keep-alive connections stay where they land); shared: every worker "
                            "accepts on the listening socket",

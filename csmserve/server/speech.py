@@ -74,7 +74,7 @@ async def create_speech(http: Request) -> StreamingResponse:
         request, speaker, texts = await state.speech_request(body.input, body.voice, body, body.context)
         script, spans = Script(texts, [speaker] * len(texts), [0] * len(texts)), segment_spans(body.input, texts)
     encoder = make_encoder(body.response_format, speed=body.speed,
-                           codec_options=state.codec_options(body.response_format))
+                           codec_options=state.codec_options(body.response_format), native=state.config.native_codecs)
     chunks = state.stream(request, arrival)
     first = await _first_or_gone(chunks, http)
     headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,53 @@
+"""Encoder: the base of every format's streaming encoder (audio/encoders.py, lame.py, opus.py).
+Validates chunks, applies `speed` (atempo, audio/tempo.py), then hands mono float32 PCM to `_encode`."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from csmserve.audio.tempo import TimeStretch, check_speed
+from csmserve.config import SAMPLE_RATE
+
+
+class Encoder:
+    """Base: validates chunks, applies `speed` (atempo), then hands PCM to `_encode`."""
+
+    format: ClassVar[str]
+    media_type: ClassVar[str]
+    heavy: ClassVar[bool] = False  # a codec: ms of CPU per second of audio, in libav or a library (GIL released)
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
+        self.sample_rate = sample_rate
+        self.stretch = TimeStretch(sample_rate, speed) if check_speed(speed) != 1.0 else None
+        self.closed = False
+
+    def write(self, pcm: np.ndarray) -> bytes:
+        if self.closed:
+            raise RuntimeError("write() after close()")
+        pcm = _as_mono_f32(pcm)
+        if self.stretch is not None:
+            pcm = self.stretch.write(pcm)
+        return self._encode(pcm) if pcm.size else b""
+
+    def close(self) -> bytes:
+        if self.closed:
+            return b""
+        self.closed = True
+        tail = self._encode(self.stretch.flush()) if self.stretch is not None else b""
+        return tail + self._finish()
+
+    def _encode(self, pcm: np.ndarray) -> bytes:  # pcm: [n>0] float32
+        raise NotImplementedError
+
+    def _finish(self) -> bytes:
+        return b""
+
+
+def _as_mono_f32(pcm: np.ndarray) -> np.ndarray:
+    pcm = np.asarray(pcm)
+    if pcm.ndim == 2 and 1 in pcm.shape:  # [1, n] or [n, 1]
+        pcm = pcm.reshape(-1)
+    if pcm.ndim != 1:
+        raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
+    return np.ascontiguousarray(pcm, dtype=np.float32)
