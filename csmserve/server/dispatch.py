@@ -13,7 +13,10 @@ one to the lowest. `shared`: the old way (every worker accepts on the shared soc
 
 The worker's count lives in a shared array (`Counters`, one row per worker: received, open, ready),
 written by the worker every REPORT_S and read by the parent's dispatch thread; a worker restarted in its
-place starts from zero. No worker ready (all starting): the connection waits in the dispatch thread.
+place starts from zero. Ready is SERVING (worker 0 answers while its engine link is still attaching:
+/health 200, the routes 503 model_not_ready) or ATTACHED; connections go to the attached workers while
+any is, so a client told /ready 200 by one worker never lands on one still attaching. No worker ready
+(all starting): the connection waits in the dispatch thread.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import time
 log = logging.getLogger("csmserve.server")
 REPORT_S = 0.02  # how often a worker writes its open-connection count
 _RECEIVED, _OPEN, _READY = 0, 1, 2
+SERVING, ATTACHED = 1, 2  # values of _READY (0: not ready)
 
 
 class Counters:
@@ -93,12 +97,13 @@ class Dispatcher:
         return c.get(i, _OPEN) + self.sent[i] - c.get(i, _RECEIVED)
 
     def pick(self, skip: frozenset[int] = frozenset()) -> int | None:
-        """The ready worker with the fewest open connections; ties in turn (so one-request connections,
-        opened and closed one after another, still go round)."""
+        """Of the most ready workers (attached, else serving), the one with the fewest open connections;
+        ties in turn (so one-request connections, opened and closed one after another, still go round)."""
         self._turn = (self._turn + 1) % self.n
         order = [(self._turn + j) % self.n for j in range(self.n)]
-        loads = [(load, j) for j, i in enumerate(order) if i not in skip and (load := self.load(i)) is not None]
-        return order[min(loads)[1]] if loads else None
+        loads = [(-self.counters.get(i, _READY), load, j) for j, i in enumerate(order)
+                 if i not in skip and (load := self.load(i)) is not None]
+        return order[min(loads)[2]] if loads else None
 
     def _run(self) -> None:
         while not self._stop:
@@ -139,7 +144,8 @@ class DispatchedServer:
     The protocol of each socket is uvicorn's own (config.http_protocol_class, as uvicorn's create_server
     would make it), so timeouts, limits, WebSocket upgrades and graceful shutdown behave the same."""
 
-    def __new__(cls, config, link: socket.socket, counters: Counters, index: int):
+    def __new__(cls, config, link: socket.socket, counters: Counters, index: int, attached=lambda: True):
+        """attached() -> whether the worker's model (its engine link) is up: until then, SERVING only."""
         import uvicorn
 
         class _Server(uvicorn.Server):
@@ -147,12 +153,12 @@ class DispatchedServer:
                 await super().startup(sockets=[])  # no listener: the lifespan, the state, nothing bound
                 if self.should_exit:
                     return
-                _serve_link(self, link, counters, index)
+                _serve_link(self, link, counters, index, attached)
 
         return _Server(config)
 
 
-def _serve_link(server, link: socket.socket, counters: Counters, index: int) -> None:
+def _serve_link(server, link: socket.socket, counters: Counters, index: int, attached=lambda: True) -> None:
     loop = asyncio.get_running_loop()
     config = server.config
     n = array.array("q", [0, 0])  # received, and received but not yet connected (not in uvicorn's set yet)
@@ -186,13 +192,15 @@ def _serve_link(server, link: socket.socket, counters: Counters, index: int) -> 
 
     def report() -> None:
         counters.set(index, _OPEN, open_now())
+        if counters.get(index, _READY) == SERVING and attached():
+            counters.set(index, _READY, ATTACHED)
         if not server.should_exit:
             loop.call_later(REPORT_S, report)
 
     link.setblocking(False)
     loop.add_reader(link.fileno(), readable)
+    counters.set(index, _READY, ATTACHED if attached() else SERVING)
     report()
-    counters.set(index, _READY, 1)
 
 
 async def _connect(loop, protocol, sock: socket.socket, ssl, n: array.array) -> None:

@@ -86,7 +86,8 @@ def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket
     if link is not None:
         from csmserve.server.dispatch import DispatchedServer
 
-        DispatchedServer(config, link, counters, spec.index).run()
+        state = app.state.server
+        DispatchedServer(config, link, counters, spec.index, attached=lambda: state.ready).run()
     else:
         uvicorn.Server(config).run(sockets=[sock])
 

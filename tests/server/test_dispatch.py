@@ -11,20 +11,20 @@ import time
 
 import pytest
 
-from csmserve.server.dispatch import _OPEN, _READY, _RECEIVED, Dispatcher
+from csmserve.server.dispatch import _OPEN, _READY, _RECEIVED, ATTACHED, SERVING, Dispatcher
 
 
 class FakeWorker:
     """Takes connections from its link and keeps them open; reports like a real worker (open, received)."""
 
-    def __init__(self, d: Dispatcher, i: int, ready: bool = True, extra_open: int = 0) -> None:
+    def __init__(self, d: Dispatcher, i: int, ready: bool = True, extra_open: int = 0, level: int = ATTACHED) -> None:
         self.d, self.i, self.link = d, i, d.new_link(i)
         self.extra_open = extra_open  # reported on top of its own (a worker that looks busy)
         self.socks: list[socket.socket] = []
         self.link.settimeout(0.05)
         self.stop = False
         if ready:
-            d.counters.set(i, _READY, 1)
+            d.counters.set(i, _READY, level)
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
 
@@ -138,3 +138,21 @@ def test_a_worker_that_stops_reading_its_link_is_passed_over(rig):
         n += 10
         assert _wait(lambda: sum(r.d.sent) >= n, timeout=10), (n, r.d.sent)
     assert len(live.socks) >= 50 and r.d.sent[0] > 50  # the stalled one got what its link holds, then no more
+
+
+def test_connections_go_to_attached_workers_while_any_is_and_to_a_serving_one_otherwise(rig):
+    r = rig(3)  # worker 0 serves while its engine link attaches (/health 200, the routes 503 model_not_ready)
+    workers = [FakeWorker(r.d, 0, level=SERVING), FakeWorker(r.d, 1), FakeWorker(r.d, 2)]
+    r.d.start()
+    r.connect(6)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 6)
+    assert [len(w.socks) for w in workers] == [0, 3, 3]  # a client told /ready 200 never lands on worker 0
+    r.d.counters.set(0, _READY, ATTACHED)  # attached now: it catches up
+    r.connect(6)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 12)
+    assert [len(w.socks) for w in workers] == [4, 4, 4]
+    alone = rig(1)
+    only = FakeWorker(alone.d, 0, level=SERVING)
+    alone.d.start()
+    alone.connect(2)  # no worker attached yet: the serving one answers (its /health, /ready 503)
+    assert _wait(lambda: len(only.socks) == 2)
