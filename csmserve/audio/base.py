@@ -51,3 +51,14 @@ def _as_mono_f32(pcm: np.ndarray) -> np.ndarray:
     if pcm.ndim != 1:
         raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
     return np.ascontiguousarray(pcm, dtype=np.float32)
+
+
+def compression_level(fmt: str, codec_options: dict[str, str] | None, default: int, top: int) -> int:
+    """The one codec option the direct encoders take (lame.py, opus.py): compression_level in 0..top."""
+    options = dict(codec_options or {})
+    level = int(options.pop("compression_level", default))
+    if options:
+        raise ValueError(f"{fmt} takes only compression_level, got {sorted(options)}")
+    if not 0 <= level <= top:
+        raise ValueError(f"{fmt} compression_level must be in 0..{top}, got {level}")
+    return level

@@ -28,6 +28,7 @@ import numpy as np
 
 from csmserve.audio import lame, opus
 from csmserve.audio.base import Encoder
+from csmserve.audio.libs import native
 from csmserve.config import SAMPLE_RATE
 
 
@@ -104,18 +105,9 @@ def single_threaded_libav() -> None:
     if _single_threaded:
         return
     _single_threaded = True
-    import ctypes
-    import glob
-    import os
-
-    base = os.path.dirname(av.__file__)
-    found = glob.glob(os.path.join(base, os.pardir, "av.libs", "libavutil*")) or \
-        glob.glob(os.path.join(base, "**", "libavutil*"), recursive=True)
-    try:
-        lib = ctypes.CDLL(found[0]) if found else ctypes.CDLL("libavutil.so")
+    lib = native("avutil")
+    if lib is not None and hasattr(lib, "av_cpu_force_count"):  # else a libav without it: its default threads
         lib.av_cpu_force_count(1)
-    except (OSError, AttributeError, IndexError):  # a libav without it: its default threads stay
-        pass
 
 
 class AvEncoder(Encoder):

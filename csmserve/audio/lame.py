@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from csmserve.audio.base import Encoder
+from csmserve.audio.base import Encoder, compression_level
 from csmserve.audio.libs import native
 from csmserve.config import SAMPLE_RATE
 
@@ -51,12 +51,7 @@ class LameEncoder(Encoder):
 
     def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
                  codec_options: dict[str, str] | None = None) -> None:
-        options = dict(codec_options or {})
-        quality = int(options.pop("compression_level", QUALITY))
-        if options:
-            raise ValueError(f"mp3 takes only compression_level, got {sorted(options)}")
-        if not 0 <= quality <= 9:
-            raise ValueError(f"mp3 compression_level must be in 0..9, got {quality}")
+        quality = compression_level(FORMAT, codec_options, QUALITY, 9)
         super().__init__(sample_rate, speed)
         lib = library()
         if lib is None:

@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from csmserve.audio.base import Encoder
+from csmserve.audio.base import Encoder, compression_level
 from csmserve.audio.libs import native
 from csmserve.config import SAMPLE_RATE
 
@@ -98,12 +98,7 @@ class LibopusEncoder(Encoder):
 
     def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0,
                  codec_options: dict[str, str] | None = None) -> None:
-        options = dict(codec_options or {})
-        complexity = int(options.pop("compression_level", COMPLEXITY))
-        if options:
-            raise ValueError(f"opus takes only compression_level, got {sorted(options)}")
-        if not 0 <= complexity <= 10:
-            raise ValueError(f"opus compression_level must be in 0..10, got {complexity}")
+        complexity = compression_level(FORMAT, codec_options, COMPLEXITY, 10)
         if sample_rate not in _RATES:
             raise ValueError(f"libopus takes {_RATES} Hz, not {sample_rate}")
         super().__init__(sample_rate, speed)
