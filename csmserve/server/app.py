@@ -50,11 +50,11 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
             loader = partial(_start_engine, state.csm)
         task = asyncio.create_task(_load(state, loader)) if loader is not None else None
         _bind(state.csm)
-        state.lead.load.start()
+        state.lead.start()
         try:
             yield
         finally:
-            state.lead.load.stop()
+            state.lead.stop()
             if task is not None:
                 task.cancel()
             if owns_csm and state.csm is not None:

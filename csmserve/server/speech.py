@@ -121,29 +121,34 @@ def _closing(response: ClosingStreamingResponse, state: ServerState) -> ClosingS
     return response
 
 
-async def _encode(encoder: Encoder, chunk: AudioChunk | None, pool: Executor | None = None) -> bytes:
-    """Encode one chunk (None: close); a heavy encoder's in `pool` (ServerConfig.encode_threads), if given."""
-    if pool is None or not encoder.heavy:
-        return encoder.close() if chunk is None else encoder.write(chunk.audio)
+async def _encode(encoder: Encoder, chunk: AudioChunk | None, lead: Lead, deadline: float,
+                  pool: Executor | None = None) -> bytes:
+    """Encode one chunk (None: close). A heavy encoder's turn comes from the worker's EncodeQueue, most urgent
+    `deadline` first (server/encode_queue.py), or from `pool` (ServerConfig.encode_threads), if given."""
     work = encoder.close if chunk is None else partial(encoder.write, chunk.audio)
-    return await asyncio.get_running_loop().run_in_executor(pool, work)
+    if not encoder.heavy:
+        return work()
+    if pool is not None:
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+    return await lead.queue.run(deadline, work)
 
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, lead: Lead,
                    speed: float = 1.0, pool: Executor | None = None) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
-    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None. While the worker is
-    # saturated, a stream far ahead of real time waits (server/lead.py). The first chunk is encoded here at
-    # once (time to first audio); the rest in `pool`, if given
+    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None. A chunk's deadline: when
+    # playback from the first chunk would reach it (the first: now). While the worker is saturated, a stream far
+    # ahead of real time waits (server/lead.py). The first chunk never goes to `pool` (time to first audio)
     try:
+        t_first = time.monotonic()
+        audio_s = 0.0
         if first is not None:
-            t_first = time.monotonic()
-            yield await _encode(encoder, first), first
+            yield await _encode(encoder, first, lead, t_first), first
             audio_s = first.audio.size / SAMPLE_RATE / speed
             async for chunk in chunks:
                 await lead.wait(t_first, audio_s)
-                yield await _encode(encoder, chunk, pool), chunk
+                yield await _encode(encoder, chunk, lead, t_first + audio_s, pool), chunk
                 audio_s += chunk.audio.size / SAMPLE_RATE / speed
-        yield await _encode(encoder, None, pool), None
+        yield await _encode(encoder, None, lead, t_first + audio_s, pool), None
     finally:
         await chunks.aclose()
 
