@@ -58,7 +58,7 @@ if [[ $what == serve ]]; then
     closed:users=256 closed:users=2048 closed:users=1024,format=mp3 closed:users=1024,format=opus
     ws:users=1024 burst:users=2048,within=3"}
   python bench/serve_bench.py --model dummy --max-seq-len 512 --max-slots ${SERVE_SLOTS:-2100} \
-    --client-procs ${SERVE_PROCS:-4} --ramp ${SERVE_RAMP:-10} --warmup ${SERVE_WARMUP:-2} \
+    --client-procs ${SERVE_PROCS:-8} --ramp ${SERVE_RAMP:-10} --warmup ${SERVE_WARMUP:-2} \
     --duration ${SERVE_DURATION:-20} --drain ${SERVE_DRAIN:-30} $(printf -- '--scenario %s ' $scenarios) \
     --out "$OUT/serve_bench" ${SERVE_TRACE:+--trace} ${SERVE_ARGS:-} 2>&1 | tee "$OUT/serve_bench.txt"
   if [[ -n ${SERVE_TRACE:-} && -d "$OUT/serve_bench.trace" ]]; then

@@ -33,7 +33,9 @@ SENTENCES = (
 
 
 def default_client_procs() -> int:
-    return max(1, min(12, (os.cpu_count() or 2) // 4))
+    # cores / 2: on the H200's 16 cores, 4 processes for 2,048 pcm users lagged 40 ms at p99 (their own share of
+    # the measured TTFA); 8 lagged 14 (docs/benchmarks.md, the server under load, run 4)
+    return max(1, min(12, (os.cpu_count() or 2) // 2))
 
 
 def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse.ArgumentParser:
@@ -75,7 +77,7 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g.add_argument("--drain", type=float, default=30.0,
                    help="after the window, s to wait for the counted requests to end (the load goes on; default 30)")
     g.add_argument("--client-procs", type=int, default=None,
-                   help=f"client processes (default cores / 4, here {default_client_procs()})")
+                   help=f"client processes (default cores / 2, here {default_client_procs()})")
     g.add_argument("--text", default=None, help="the input of every request (default: a rotation of 10 s sentences)")
     g.add_argument("--backoff", type=float, default=0.25, help="s a user waits after an error (default 0.25)")
     g.add_argument("--ws-compression", action="store_true", help="offer permessage-deflate (default: off)")

@@ -74,7 +74,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ramp", type=float, default=None, help="users start spread over this many s (default "
                                                            "min(10, duration / 10))")
     g.add_argument("--client-procs", type=int, default=None,
-                   help=f"client processes (default cores / 4, here {default_client_procs()})")
+                   help=f"client processes (default cores / 2, here {default_client_procs()})")
     g.add_argument("--ws-users", type=float, default=0.2, help="share of users on WebSocket conversations (0.2)")
     g.add_argument("--voice-users", type=int, default=None, help="users creating and deleting voices "
                                                                  "(default users / 50, at least 1)")
