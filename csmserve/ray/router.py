@@ -94,11 +94,12 @@ class AffinityRouter(RequestRouter):
             return []
         key = pending_request.metadata.session_id if pending_request is not None else ""
         by_id = {r.replica_id.unique_id: r for r in healthy}
-        loads = {rid: self._load(r) for rid, r in by_id.items()}
-        if not key or len(healthy) == 1:
-            order = unkeyed(list(by_id), loads, self._sent)
+        if not key or len(healthy) == 1:  # only the two sampled replicas' loads are read
+            pair = random.sample(list(by_id), min(2, len(by_id)))
+            order = unkeyed(pair, {rid: self._load(by_id[rid]) for rid in pair}, self._sent)
             self._sent[order[0]] += 1
             return [[by_id[rid]] for rid in order]
+        loads = {rid: self._load(r) for rid, r in by_id.items()}  # the bound is over the mean of every replica
         order = preference(key, list(by_id), loads, self.load_factor)
         if key.startswith(BOUNDED):
             self._reserved[order[0]].append(time.monotonic())
