@@ -139,6 +139,22 @@ if [[ $what == gemv ]]; then
   done
   python bench/profile_step.py --batches 1 --fuse --codec --rows ${PROFILE_ROWS:-16} 2>&1 | tee "$OUT/profile.txt" | head -40
 fi
+if [[ $what == depthfused ]]; then
+  # issue 16, lever 2: the depth decoder's RoPE + K/V store + attention in one kernel (kernels/depth_attention.py,
+  # CSMSERVE_DEPTH_FUSED=1) against the three kernels it replaces: its GPU tests, the runner's graphs == eager
+  # with it on, then the frame step at batch 1, 2, 64, 2,048 and one stream through the engine, off then on (~6 min)
+  python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_depth_attention_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -4
+  CSMSERVE_DEPTH_FUSED=1 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_runner_gpu.py \
+    tests/engine/test_speculate_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -4
+  for f in 0 1; do
+    echo "## CSMSERVE_DEPTH_FUSED=$f" | tee -a "$OUT/frame_step_codec.txt" "$OUT/engine_bench.txt"
+    CSMSERVE_DEPTH_FUSED=$f python bench/frame_step.py --batches 1,2,64,2048 --steps 30 --fuse --codec 2>&1 \
+      | tee -a "$OUT/frame_step_codec.txt" | tail -6
+    CSMSERVE_DEPTH_FUSED=$f python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
+      | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
+  done
+  CSMSERVE_DEPTH_FUSED=1 python bench/profile_step.py --batches 1 --fuse --codec --rows 16 2>&1 | tee "$OUT/profile.txt" | head -30
+fi
 if [[ $what == verify ]]; then
   # the session's last check: every GPU test, the frame step at batch 1, 2, 64 (our GEMV at 1-2 rows), the engine
   # at 1 and 2,048 streams (~6 minutes)

@@ -5,6 +5,8 @@ padded graph replay never touches a live stream. Everything is allocated once.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -75,6 +77,8 @@ class DepthKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(batch, device=device)
         self.use_triton = device.type == "cuda" and d.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
+        # kernels/depth_attention.py: RoPE + K/V store + attention in one launch (not yet measured on the H200)
+        self.fused = self.use_triton and os.environ.get("CSMSERVE_DEPTH_FUSED", "0") == "1"
         self.pos = self.lengths = self.mask = None
 
     def begin(self, pos: Tensor) -> None:
@@ -84,6 +88,16 @@ class DepthKV:
         else:
             keys = torch.arange(self.k.shape[3], device=pos.device)
             self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
+
+    def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
+        """qkv [B, S, (n_q + 2 n_kv) hd] -> attention output [B, S, n_q hd] in one kernel (S == 1, fused), or
+        None: the caller ropes q and k and calls attend()."""
+        if not self.fused or qkv.shape[1] != 1:
+            return None
+        from csmserve.kernels.depth_attention import depth_attend_triton
+
+        out = depth_attend_triton(qkv[:, 0], self.pos[:, 0], cos, sin, self.k[layer], self.v[layer], n_q, n_kv)
+        return out[:, None]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, S = q.shape[:2]

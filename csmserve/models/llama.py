@@ -230,6 +230,10 @@ class Attention(nn.Module):
     def forward(self, qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         # qkv [B, S, (Hq + 2 Hkv) hd]: qkv_proj of the normed input (Block: norm_then)
         B, S, _ = qkv.shape
+        fused = getattr(kv, "attend_qkv", None)  # a KV that ropes, stores and attends in one kernel (DepthKV)
+        out = fused(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv) if fused is not None else None
+        if out is not None:
+            return linear(out, self.o_proj)
         q, k = rope_qk(qkv, pos, cos_t, sin_t, self.n_heads, self.n_kv)
         v = qkv[..., (self.n_heads + self.n_kv) * self.hd:].view(B, S, self.n_kv, self.hd)
         out = kv.attend(layer, q, k, v)
