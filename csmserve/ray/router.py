@@ -27,7 +27,7 @@ import math
 import random
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -57,13 +57,14 @@ def preference(key: str, replicas: Sequence[str], loads: Mapping[str, int], load
     return under + [r for r in order if loads.get(r, 0) >= bound]
 
 
-def unkeyed(replicas: Sequence[str], loads: Mapping[str, int], sent: Mapping[str, int],
+def unkeyed(replicas: Sequence[str], load: Callable[[str], int], sent: Mapping[str, int],
             rng: random.Random | None = None) -> list[str]:
     """Two random replicas in the order a request without a key tries them: the less loaded first;
     at equal loads the one sent fewer requests. Ray's own tie-break would favour whichever replica
-    answers its queue-length probe first, or the one already in its cache."""
+    answers its queue-length probe first, or the one already in its cache. load(replica) is read for
+    the two sampled replicas only."""
     pair = (rng or random).sample(list(replicas), min(2, len(replicas)))
-    return sorted(pair, key=lambda r: (loads.get(r, 0), sent.get(r, 0)))
+    return sorted(pair, key=lambda r: (load(r), sent.get(r, 0)))
 
 
 class AffinityRouter(RequestRouter):
@@ -94,9 +95,8 @@ class AffinityRouter(RequestRouter):
             return []
         key = pending_request.metadata.session_id if pending_request is not None else ""
         by_id = {r.replica_id.unique_id: r for r in healthy}
-        if not key or len(healthy) == 1:  # only the two sampled replicas' loads are read
-            pair = random.sample(list(by_id), min(2, len(by_id)))
-            order = unkeyed(pair, {rid: self._load(by_id[rid]) for rid in pair}, self._sent)
+        if not key or len(healthy) == 1:
+            order = unkeyed(list(by_id), lambda rid: self._load(by_id[rid]), self._sent)
             self._sent[order[0]] += 1
             return [[by_id[rid]] for rid in order]
         loads = {rid: self._load(r) for rid, r in by_id.items()}  # the bound is over the mean of every replica

@@ -57,12 +57,15 @@ def test_keys_spread_and_losing_a_replica_moves_only_its_keys():
 
 def test_unkeyed_requests_go_to_the_less_loaded_of_two_and_idle_replicas_take_turns():
     rng = random.Random(0)
-    assert unkeyed(["r0", "r1"], {"r0": 3, "r1": 1}, {}, rng) == ["r1", "r0"]  # less loaded first
+    assert unkeyed(["r0", "r1"], {"r0": 3, "r1": 1}.__getitem__, {}, rng) == ["r1", "r0"]  # less loaded first
     sent: Counter = Counter()
     for _ in range(10):  # sequential requests on idle replicas: load 0 each time
-        first = unkeyed(["r0", "r1"], {}, sent, rng)[0]
+        first = unkeyed(["r0", "r1"], lambda r: 0, sent, rng)[0]
         sent[first] += 1
     assert sent == {"r0": 5, "r1": 5}
-    picks = Counter(unkeyed(REPLICAS, {"r3": 9}, {}, rng)[0] for _ in range(400))
+    picks = Counter(unkeyed(REPLICAS, lambda r: {"r3": 9}.get(r, 0), {}, rng)[0] for _ in range(400))
     assert picks["r3"] == 0 and min(picks[r] for r in REPLICAS[:3]) > 80  # two random: r3 never wins
-    assert unkeyed(["r0"], {}, {}, rng) == ["r0"]
+    assert unkeyed(["r0"], lambda r: 0, {}, rng) == ["r0"]
+    read: list[str] = []
+    unkeyed(REPLICAS, lambda r: read.append(r) or 0, {}, rng)
+    assert len(set(read)) == 2  # only the sampled pair's loads are read, not every replica's
