@@ -207,6 +207,10 @@ FORMATS = tuple(ENCODERS)  # OpenAI's response_format values
 MEDIA_TYPES = {name: cls.media_type for name, cls in ENCODERS.items()}
 
 
+# fmt -> (its library loader: a CDLL or None, the encoder that calls it directly)
+_DIRECT = {"mp3": (lame.library, lame.LameEncoder), "opus": (opus.library, opus.LibopusEncoder)}
+
+
 def native_codecs() -> bool:
     """mp3 and opus through their libraries called directly (audio/lame.py, audio/opus.py), not libav;
     CSMSERVE_NATIVE_CODECS=0 keeps libav (the A/B in bench/encoder_cost.py and through the server)."""
@@ -219,10 +223,9 @@ def encoder_class(fmt: str, native: bool | None = None) -> type[Encoder]:
         cls = ENCODERS[fmt]
     except KeyError:
         raise ValueError(f"unknown response_format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
-    if fmt in ("mp3", "opus") and (native_codecs() if native is None else native):
-        direct = lame if fmt == "mp3" else opus
-        if direct.library() is not None:
-            return lame.LameEncoder if fmt == "mp3" else opus.LibopusEncoder
+    direct = _DIRECT.get(fmt)
+    if direct is not None and (native_codecs() if native is None else native) and direct[0]() is not None:
+        return direct[1]
     return cls
 
 

@@ -95,8 +95,11 @@ def test_depth_kv_fused_equals_unfused(monkeypatch):
     for fused in ("0", "1"):
         monkeypatch.setenv("CSMSERVE_DEPTH_FUSED", fused)
         kv = DepthKV(cfg, B, torch.float32, torch.device(DEV))
-        kv.use_triton = True  # on the CPU too, under the interpreter
-        kv.fused = fused == "1"
+        if DEV == "cuda":
+            assert kv.use_triton and kv.fused == (fused == "1")  # the flag, read when the cache is built
+        else:  # under the interpreter: DepthKV keeps the torch path off CUDA
+            assert not kv.fused
+            kv.use_triton, kv.fused = True, fused == "1"
         torch.manual_seed(2)
         hs = []
         with torch.no_grad():
