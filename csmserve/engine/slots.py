@@ -84,7 +84,8 @@ class DepthKV:
     def begin(self, pos: Tensor) -> None:
         self.pos = pos  # [B, S]
         if pos.shape[1] == 1 and self.use_triton:
-            self.lengths = (pos[:, 0] + 1).to(torch.int32)
+            if not self.fused:  # the fused kernel reads pos itself: two launches less per depth step
+                self.lengths = (pos[:, 0] + 1).to(torch.int32)
         else:
             keys = torch.arange(self.k.shape[3], device=pos.device)
             self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]

@@ -19,7 +19,10 @@ import math
 import torch
 from torch import Tensor
 
+from csmserve.kernels import tuning
+
 _kernel = None
+NUM_WARPS = tuning.DEPTH_ATTENTION["warps"]
 
 
 def _get_kernel():  # lazy: triton is only present with CUDA builds of torch (and the interpreter's tests)
@@ -68,7 +71,10 @@ def _get_kernel():  # lazy: triton is only present with CUDA builds of torch (an
             valid = n < p
             kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HALF]
             kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
+            if HALF < 16:  # tl.dot needs K >= 16: head_dim 16 (the tests' tiny models) as a broadcast sum
+                sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kc1.to(tl.float32)[None, :, :], 2)
+                      + tl.sum(q2.to(tl.float32)[:, None, :] * kc2.to(tl.float32)[None, :, :], 2))
+            elif IEEE:
                 sc = tl.dot(q1, tl.trans(kc1), input_precision="ieee") + tl.dot(q2, tl.trans(kc2), input_precision="ieee")
             else:
                 sc = tl.dot(q1, tl.trans(kc1)) + tl.dot(q2, tl.trans(kc2))
@@ -113,5 +119,5 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
                              G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2, BLOCK_N=block_n,
-                             IEEE=qkv.dtype == torch.float32, num_warps=4)
+                             IEEE=qkv.dtype == torch.float32, num_warps=NUM_WARPS)
     return out

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from csmserve.kernels import tuning
+
 MAX_ROWS = 2  # above this, cuBLAS' GEMMs (bench/gemv.py: at 4-8 rows it is faster than this kernel)
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
@@ -107,6 +109,24 @@ def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm
         _store(Y + stride_ym, rn, mn & two, g1, u1, GLU)
 
 
+# (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): CSM-1B's shapes (kernels/tuning.py); any
+# other shape takes blocks()' rule with NUM_WARPS and Triton's default stages
+TUNED: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV)
+
+
+def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages or None) for an [m, k] @ [n, k]^T; the caller checks `applies`."""
+    tuned = TUNED.get((m, n, k, glu, norm))
+    if tuned is not None:
+        return tuned
+    bn, bk = blocks(m, n, k, glu)
+    return bn, bk, NUM_WARPS, None
+
+
+def _launch_opts(warps: int, stages: int | None) -> dict:
+    return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+
+
 def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply."""
     if not 1 <= m <= MAX_ROWS or k < 128:
@@ -137,11 +157,11 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk = blocks(M, N, K, glu)
+    bn, bk, warps, stages = config(M, N, K, glu)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, y, M, N, K, x2.stride(0), 0, 0, weight.stride(0),
                                         y.stride(0), N, 0.0, NORM=False, HAS_DELTA=False, TWO_ROWS=M > 1,
-                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, num_warps=NUM_WARPS)
+                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, **_launch_opts(warps, stages))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -159,7 +179,7 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     h = x2 if delta is None else torch.empty_like(x2)
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk = blocks(M, N, K, glu)
+    bn, bk, warps, stages = config(M, N, K, glu, True)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pre = bk  # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row
     while pre * 2 <= 4096 // M and K % (pre * 2) == 0:
@@ -167,5 +187,5 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
         y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk,
-        GLU=glu, PRE_K=pre, num_warps=NUM_WARPS)
+        GLU=glu, PRE_K=pre, **_launch_opts(warps, stages))
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

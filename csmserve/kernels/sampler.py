@@ -1,7 +1,7 @@
 """The sampler of models/sampler.py as one Triton kernel: a program per row, the vocab in registers.
 
-No sort: the top-k cut-off is the k-th largest logit found by bisection over the logits' order-
-preserving integer keys (32 counting passes), and the top-p cut-off the smallest logit whose
+No sort: the top-k cut-off is the k-th largest logit found by an ARITY-way search over the logits'
+order-preserving integer keys (~32 / log2(ARITY) counting passes), and the top-p cut-off the smallest logit whose
 strictly-larger mass is <= top_p, found the same way. Ties at a cut-off are kept, as in the torch
 reference; the two agree exactly whenever no two candidate logits are equal. As there, a temperature
 below GREEDY_BELOW (or NaN) is greedy and a NaN logit is never chosen; x = +inf (a huge logit) makes
@@ -15,10 +15,13 @@ import triton.language as tl
 from torch import Tensor
 
 from csmserve import sampling as ref
+from csmserve.kernels import tuning
 
 MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
 GREEDY_BELOW: tl.constexpr = tl.constexpr(ref.GREEDY_BELOW)
+ARITY = tuning.SAMPLER["arity"]  # thresholds per pass of the top-k search (kernels/tuning.py)
+NUM_WARPS = tuning.SAMPLER["warps"]
 
 
 @triton.jit
@@ -31,7 +34,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr):
+def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
+                   ARITY: tl.constexpr):
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     valid = i < V
@@ -45,14 +49,20 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
     k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
-    # k-th largest key: the largest t with count(key >= t) >= k
+    # k-th largest key: the largest t with count(key >= t) >= k, in [lo, hi]. Each pass counts at ARITY
+    # thresholds in one reduction (t_0 = lo, where the count is >= k) and keeps the sub-range after the last
+    # threshold that still counts >= k: ~32 / log2(ARITY) passes, each one block-wide reduction.
     lo = tl.min(tl.where(valid, key, 2147483647), 0).to(tl.int64)  # scalars in int64: no overflow
     hi = tl.max(key, 0).to(tl.int64)
-    for _ in range(33):
-        mid = lo + (hi - lo + 1) // 2
-        ok = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
+    j = tl.arange(0, ARITY).to(tl.int64)
+    while lo < hi:
+        w = hi - lo + 1
+        t = lo + (w * j) // ARITY  # [ARITY] ascending, t[0] = lo
+        cnt = tl.sum((key[None, :] >= t[:, None].to(tl.int32)).to(tl.int32), 1)  # [ARITY]
+        last = tl.sum((cnt >= k).to(tl.int32), 0) - 1  # counts fall with t: the ok ones are a prefix
+        nxt = last + 1
+        hi = tl.where(nxt < ARITY, lo + (w * nxt) // ARITY - 1, hi)  # t[nxt] counts < k, and t[nxt] > t[last]
+        lo = lo + (w * last) // ARITY
     kth = lo
     cut = kth
     if top_p < 1.0:  # top-p: the smallest t >= kth with mass(key > t) <= top_p
@@ -86,5 +96,5 @@ def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), num_warps=4)
+                         BLOCK=triton.next_power_of_2(V), ARITY=ARITY, num_warps=NUM_WARPS)
     return out

@@ -81,7 +81,9 @@ class CSMModel(nn.Module):
         return (audio * m[..., :K, None]).sum(2) + text * m[..., K, None]
 
     def embed_audio(self, codebook: int, codes: Tensor) -> Tensor:
-        return self.audio_embeddings(codes + codebook * self.cfg.audio_vocab_size)
+        # codebook's rows of the table (a view): one gather per depth step, no offset add before it
+        V = self.cfg.audio_vocab_size
+        return F.embedding(codes, self.audio_embeddings.weight[codebook * V:(codebook + 1) * V])
 
     def embed_codes(self, codes: Tensor) -> Tensor:
         # codes [B, K] of one generated frame -> [B, Db] backbone input of the next position

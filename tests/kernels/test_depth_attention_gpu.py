@@ -36,7 +36,7 @@ def _reference_step(qkv, pos, cos, sin, kc, vc, n_q, n_kv):
 
 @run
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (5, 8, 2, 128, 32), (3, 4, 4, 32, 20)])
+@pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (5, 8, 2, 128, 32), (3, 4, 4, 32, 20), (2, 4, 2, 16, 33)])
 def test_a_frame_of_steps_equals_the_unfused_path(dtype, B, n_q, n_kv, hd, P):
     from csmserve.kernels.depth_attention import depth_attend_triton
 

@@ -91,3 +91,38 @@ def test_norm_gemv_matches_add_rms_norm_then_linear(m, n, k, glu, with_delta):
     h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)
     assert torch.equal(h, h_ref)  # the residual stream: bit for bit
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+def _tuned():
+    from csmserve.kernels import tuning
+
+    return sorted(tuning.GEMV)
+
+
+@cuda
+@pytest.mark.parametrize("key", _tuned())
+def test_every_tuned_config_matches_linear(key):
+    """Each launch configuration of kernels/tuning.py's table (or CSMSERVE_KERNEL_TUNING's file) on its shape:
+    the same result as F.linear (after the fused norm where the frame step fuses one)."""
+    from csmserve.kernels import gemv
+    from csmserve.kernels.elementwise import add_rms_norm_triton
+
+    m, n, k, glu, norm = key
+    assert gemv.config(*key) == gemv.TUNED[key]
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dt) * 0.05
+    delta = torch.randn(m, k, device="cuda", dtype=dt)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(dt)
+    if norm:
+        h_ref, y = add_rms_norm_triton(x, delta, nw, 1e-5)
+        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)
+        assert torch.equal(h, h_ref)
+    else:
+        y, out = x, gemv.gemv(x, w, glu)
+    ref = F.linear(y.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)

@@ -1,6 +1,8 @@
 """GPU (`pytest -m gpu`): the Triton sampler on the values the schema admits that the torch reference
 guards: temperatures down to the smallest float32 (greedy), top_p tiny, top_k 1, NaN / inf logits;
 always an index < V, the same token as the reference, and through a graphed frame step."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,8 @@ from csmserve.models.sampler import GREEDY_BELOW, sample_torch
 
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernels on the CPU (a triton on the path)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = [1.175494351e-38, 1e-38, 5e-38, 1e-30, 1e-12, GREEDY_BELOW / 2]
 
 
@@ -105,3 +109,36 @@ def test_triton_sampler_matches_torch(V, B):
             b = sample_torch(logits, temperature, top_k, tp, seed, frame, cb)
             agree = (a == b).float().mean().item()
             assert agree >= (1.0 if top_p == 1.0 else 0.95), agree
+
+
+@pytest.mark.skipif(DEV != "cuda" and not INTERPRET, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("arity", [2, 4, 8, 16])
+def test_topk_search_of_any_arity_matches_torch(arity, monkeypatch):
+    """The k-th largest key by an ARITY-way search: the same tokens as the torch reference, ties at the
+    cut-off included (integer logits: many equal keys), k from 1 past V, and at logits spanning the range."""
+    from csmserve.kernels import sampler
+
+    monkeypatch.setattr(sampler, "ARITY", arity)
+    torch.manual_seed(arity)
+    B, V = 12, 2051
+    logits = torch.randn(B, V, device=DEV) * 3
+    logits[:4] = torch.randint(-5, 6, (4, V), device=DEV).float()  # ties everywhere
+    logits[4, :5] = torch.tensor([3e38, -3e38, 1e-38, -1e-38, 0.0])  # keys at both ends of the int32 range
+    t = torch.full((B,), 0.9, device=DEV)
+    t[1] = 1.0
+    seed = torch.randint(0, 2**62, (B,), device=DEV)
+    frame = torch.randint(0, 500, (B,), device=DEV)
+    k = torch.tensor([1, 2, 50, 3, 1, 50, 400, V - 1, V, V + 5, 0, -1], device=DEV)
+    p = torch.ones(B, device=DEV)
+    a = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
+    assert torch.equal(a, sample_torch(logits, t, k, p, seed, frame, 3))
+    # hot and flat: tokens just past the cut-off would be drawn often if the search kept them
+    B = 256
+    logits = torch.randn(B, V, device=DEV)
+    t = torch.full((B,), 4.0, device=DEV)
+    k = torch.randint(1, 12, (B,), device=DEV)
+    seed = torch.randint(0, 2**62, (B,), device=DEV)
+    frame = torch.randint(0, 500, (B,), device=DEV)
+    p = torch.ones(B, device=DEV)
+    assert torch.equal(sampler.sample_triton(logits, t, k, p, seed, frame, 3),
+                       sample_torch(logits, t, k, p, seed, frame, 3))

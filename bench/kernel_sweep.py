@@ -1,0 +1,229 @@
+"""Launch configurations of the frame step's small kernels on CSM-1B's shapes: the GEMV at 1-2 rows (BLOCK_N,
+BLOCK_K, warps, stages), the sampler (the top-k search's arity, warps), the depth attention (warps).
+
+python bench/kernel_sweep.py --out tuning.json [--budget-s 300]
+
+Each candidate is timed as a CUDA graph of `--reps` calls (GEMVs over weight copies of > 256 MB, so every
+call reads HBM, as in the frame step). Prints, per shape, the rule's time (kernels/tuning.py "off") and the
+best found, and writes them as CSMSERVE_KERNEL_TUNING's JSON (kernels/tuning.py). The best config's output is
+checked against the rule's (max abs difference, printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from csmserve.kernels import depth_attention, gemv, sampler
+
+# (name, m, n, k, glu, norm): as the frame step calls them (norm: norm_gemv, the residual add + RMSNorm fused)
+DEPTH = [("depth qkv", 1536, 1024, False, True), ("depth o", 1024, 1024, False, False),
+         ("depth gate_up+silu", 8192, 1024, True, True), ("depth down", 1024, 8192, False, False),
+         ("depth head", 2112, 1024, False, False), ("projection", 1024, 2048, False, False)]
+BACKBONE = [("backbone qkv", 3072, 2048, False, True), ("backbone o", 2048, 2048, False, False),
+            ("backbone gate_up+silu", 8192, 2048, True, True), ("backbone down", 2048, 8192, False, False),
+            ("codebook0 head", 2051, 2048, False, False)]
+
+
+def timed(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(4):
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
+    return best  # us per call
+
+
+def gemv_candidates(m: int, n: int, k: int, glu: bool) -> list[tuple[int, int, int, int]]:
+    tiles = m * (2 if glu else 1)
+    out = []
+    for bn in (1, 2, 4, 8, 16, 32):
+        if not 64 <= math.ceil(n / bn) <= 8192:
+            continue
+        for bk in (128, 256, 512, 1024, 2048, 4096):
+            if bk > k or k % bk or not 1024 <= bn * bk * tiles <= 16384:
+                continue
+            for w in (4, 8):
+                if bn * bk >= w * 32 * 2:
+                    out.append((bn, bk, w, 3))  # 3: Triton's default stages on CUDA
+    return out
+
+
+def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
+    found = []
+    print("| shape | M | N x K | rule (us) | best (us) | best GB/s | config (BN, BK, warps, stages) | tried | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        for name, n, k, glu, norm in shapes:
+            t0 = time.perf_counter()
+            wrows = 2 * n if glu else n
+            mb = wrows * k * 2
+            copies = max(1, (256 << 20) // mb + 1)
+            ws = [torch.randn(wrows, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            delta = torch.randn(m, k, device="cuda", dtype=dt)
+            nw = torch.rand(k, device="cuda", dtype=dt) + 0.5
+            key = (m, n, k, glu, norm)
+
+            def call(w):
+                if norm:
+                    return gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)[1]
+                return gemv.gemv(x, w, glu)
+
+            def run():
+                for i in range(reps):
+                    call(ws[i % copies])
+
+            gemv.TUNED.pop(key, None)
+            ref = call(ws[0]).float()
+            rule = timed(run, reps)
+            results = []
+            bn0, bk0 = gemv.blocks(m, n, k, glu)  # nearest the rule's blocks first: the budget may end the list
+            cands = sorted(gemv_candidates(m, n, k, glu), key=lambda c: (
+                abs(math.log2(c[0] / bn0)) + abs(math.log2(c[1] / bk0)), c[2] != gemv.NUM_WARPS))
+            for cfg in cands:
+                if time.perf_counter() - t0 > budget_s:
+                    break
+                gemv.TUNED[key] = cfg
+                try:
+                    results.append((timed(run, reps), cfg))
+                except Exception as e:  # a config Triton cannot build (registers, shared memory): skip it
+                    print(f"  {name} {cfg}: {type(e).__name__}")
+            results.sort(key=lambda r: r[0])
+            for _, (bn, bk, w, _) in results[:3]:  # the best three again with other stages
+                for st in (1, 2, 4):
+                    if time.perf_counter() - t0 > budget_s * 1.5:
+                        break
+                    gemv.TUNED[key] = (bn, bk, w, st)
+                    try:
+                        results.append((timed(run, reps), (bn, bk, w, st)))
+                    except Exception as e:
+                        print(f"  {name} {(bn, bk, w, st)}: {type(e).__name__}")
+            results.sort(key=lambda r: r[0])
+            best_t, best = results[0] if results else (rule, None)
+            diff, cfg_s = 0.0, "rule"
+            if best is not None:  # the winner of many noisy timings, timed again against the rule
+                gemv.TUNED.pop(key, None)
+                rule = min(rule, timed(run, reps))
+                gemv.TUNED[key] = best
+                best_t = timed(run, reps)
+            if best is not None and best_t < rule * 0.98:  # within noise of the rule: keep the rule
+                gemv.TUNED[key] = best
+                diff = (call(ws[0]).float() - ref).abs().max().item()
+                found.append([m, n, k, glu, norm, *best])
+                cfg_s = str(best)
+            else:
+                gemv.TUNED.pop(key, None)
+            print(f"| {name} | {m} | {n}x{k} | {rule:.2f} | {min(best_t, rule):.2f} | "
+                  f"{mb / min(best_t, rule) / 1e3:.0f} | {cfg_s} | {len(results)} | {diff:.1e} |", flush=True)
+    return found
+
+
+def sweep_sampler(batches, reps: int) -> dict:
+    V = 2051
+    print("\n| sampler | B | arity | warps | us per call (temperature 0.9, top_k 50) | greedy (us) |")
+    print("|---|---|---|---|---|---|")
+    best = {}
+    for B in batches:
+        logits = torch.randn(B, V, device="cuda") * 3
+        t = torch.full((B,), 0.9, device="cuda")
+        k = torch.full((B,), 50, device="cuda")
+        p = torch.ones(B, device="cuda")
+        seed = torch.randint(0, 2**62, (B,), device="cuda")
+        frame = torch.randint(0, 500, (B,), device="cuda")
+        greedy_t = torch.zeros(B, device="cuda")
+        ref = None
+        for arity in (2, 4, 8, 16):
+            for w in (2, 4, 8, 16):
+                sampler.ARITY, sampler.NUM_WARPS = arity, w
+                try:
+                    out = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
+                    ref = out if ref is None else ref
+                    same = torch.equal(out, ref)
+                    us = timed(lambda: [sampler.sample_triton(logits, t, k, p, seed, frame, 3) for _ in range(reps)], reps)
+                    g = timed(lambda: [sampler.sample_triton(logits, greedy_t, k, p, seed, frame, 3)
+                                       for _ in range(reps)], reps)
+                except Exception as e:
+                    print(f"| | {B} | {arity} | {w} | {type(e).__name__} | |")
+                    continue
+                print(f"| | {B} | {arity} | {w} | {us:.2f}{'' if same else ' (DIFFERENT TOKENS)'} | {g:.2f} |",
+                      flush=True)
+                if same:
+                    best.setdefault(B, []).append((us, arity, w))
+    # the config best at batch 1 unless it costs > 5% at a larger batch against that batch's best
+    rank = sorted(best[batches[0]])
+    for us, arity, w in rank:
+        if all(next(u for u, a, ww in best[b] if (a, ww) == (arity, w)) <= 1.05 * min(best[b])[0]
+               for b in batches[1:]):
+            return {"arity": arity, "warps": w}
+    return {"arity": rank[0][1], "warps": rank[0][2]}
+
+
+def sweep_depth_attention(batches, reps: int) -> dict:
+    n_q, n_kv, hd, P = 8, 2, 128, 32
+    print("\n| depth attention | B | warps | us per call (position 15 of 32) |")
+    print("|---|---|---|---|")
+    from csmserve.models.llama import LlamaConfig, rope_tables
+
+    cfg = LlamaConfig(dim=1024, n_layers=4, n_heads=n_q, n_kv_heads=n_kv, intermediate=8192, max_seq_len=64)
+    cos, sin = (t.cuda() for t in rope_tables(cfg))
+    res = {}
+    for B in batches:
+        qkv = torch.randn(B, (n_q + 2 * n_kv) * hd, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(B, n_kv, P, hd, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        pos = torch.full((B,), 15, device="cuda")
+        for w in (1, 2, 4, 8):
+            depth_attention.NUM_WARPS = w
+            us = timed(lambda: [depth_attention.depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
+                                for _ in range(reps)], reps)
+            print(f"| | {B} | {w} | {us:.2f} |", flush=True)
+            res.setdefault(w, []).append(us)
+    w = min(res, key=lambda w: (res[w][0], sum(res[w])))
+    if any(res[w][i] > 1.05 * min(r[i] for r in res.values()) for i in range(1, len(batches))):
+        w = min(res, key=lambda w: sum(r / min(x[i] for x in res.values()) for i, r in enumerate(res[w])))
+    return {"warps": w}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tuning.json")
+    ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--reps", type=int, default=48)
+    ap.add_argument("--budget-s", type=float, default=14.0, help="seconds per GEMV shape and row count")
+    ap.add_argument("--backbone", action="store_true", help="the backbone's GEMVs too (once per frame)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = DEPTH + (BACKBONE if args.backbone else [])
+    t0 = time.perf_counter()
+    doc = {"gpu": torch.cuda.get_device_name()}
+    doc["sampler"] = sweep_sampler([1, 64, 2048], args.reps)
+    print(f"sampler: {doc['sampler']}")
+    doc["depth_attention"] = sweep_depth_attention([1, 64, 2048], args.reps)
+    print(f"depth attention: {doc['depth_attention']}\n")
+    doc["gemv"] = sweep_gemv(shapes, rows, args.reps, args.budget_s, torch.bfloat16)
+    with open(args.out, "w") as f:
+        json.dump(doc, f)
+    print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    print("H200_GEMV = {" + ", ".join(f"({m}, {n}, {k}, {glu}, {norm}): ({bn}, {bk}, {w}, {st})"
+                                      for m, n, k, glu, norm, bn, bk, w, st in doc["gemv"]) + "}")
+
+
+if __name__ == "__main__":
+    main()
