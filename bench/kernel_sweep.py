@@ -1,5 +1,5 @@
 """Launch configurations of the frame step's small kernels on CSM-1B's shapes: the GEMV at 1-2 rows (BLOCK_N,
-BLOCK_K, warps, stages), the sampler (the top-k search's arity, warps), the depth attention (warps).
+BLOCK_K, warps, stages), the sampler (warps), the depth attention (warps), per batch size.
 
 python bench/kernel_sweep.py --out tuning.json [--budget-s 300]
 
@@ -134,10 +134,19 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
     return found
 
 
+def _table(best: dict[int, int]) -> list[list[int]]:
+    """{rows: warps} at the measured batch sizes -> a tuning warps table (each measured size's best from it up)."""
+    table = []
+    for rows in sorted(best):
+        if not table or table[-1][1] != best[rows]:
+            table.append([rows if table else 1, best[rows]])
+    return table
+
+
 def sweep_sampler(batches, reps: int) -> dict:
-    V = 2051
-    print("\n| sampler | B | arity | warps | us per call (temperature 0.9, top_k 50) | greedy (us) |")
-    print("|---|---|---|---|---|---|")
+    V = 2048  # the sampleable codes (CSMConfig.sampleable_codes)
+    print("\n| sampler | B | warps | us per call (temperature 0.9, top_k 50) | greedy (us) |")
+    print("|---|---|---|---|---|")
     best = {}
     for B in batches:
         logits = torch.randn(B, V, device="cuda") * 3
@@ -148,30 +157,20 @@ def sweep_sampler(batches, reps: int) -> dict:
         frame = torch.randint(0, 500, (B,), device="cuda")
         greedy_t = torch.zeros(B, device="cuda")
         ref = None
-        for arity in (2, 4, 8, 16):
-            for w in (2, 4, 8, 16):
-                sampler.ARITY, sampler.NUM_WARPS = arity, w
-                try:
-                    out = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
-                    ref = out if ref is None else ref
-                    same = torch.equal(out, ref)
-                    us = timed(lambda: [sampler.sample_triton(logits, t, k, p, seed, frame, 3) for _ in range(reps)], reps)
-                    g = timed(lambda: [sampler.sample_triton(logits, greedy_t, k, p, seed, frame, 3)
-                                       for _ in range(reps)], reps)
-                except Exception as e:
-                    print(f"| | {B} | {arity} | {w} | {type(e).__name__} | |")
-                    continue
-                print(f"| | {B} | {arity} | {w} | {us:.2f}{'' if same else ' (DIFFERENT TOKENS)'} | {g:.2f} |",
-                      flush=True)
-                if same:
-                    best.setdefault(B, []).append((us, arity, w))
-    # the config best at batch 1 unless it costs > 5% at a larger batch against that batch's best
-    rank = sorted(best[batches[0]])
-    for us, arity, w in rank:
-        if all(next(u for u, a, ww in best[b] if (a, ww) == (arity, w)) <= 1.05 * min(best[b])[0]
-               for b in batches[1:]):
-            return {"arity": arity, "warps": w}
-    return {"arity": rank[0][1], "warps": rank[0][2]}
+        res = {}
+        for w in (1, 2, 4, 8, 16):
+            sampler.WARPS = [[1, w]]
+            out = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
+            ref = out if ref is None else ref
+            same = torch.equal(out, ref)
+            us = timed(lambda: [sampler.sample_triton(logits, t, k, p, seed, frame, 3) for _ in range(reps)], reps)
+            g = timed(lambda: [sampler.sample_triton(logits, greedy_t, k, p, seed, frame, 3) for _ in range(reps)],
+                      reps)
+            print(f"| | {B} | {w} | {us:.2f}{'' if same else ' (DIFFERENT TOKENS)'} | {g:.2f} |", flush=True)
+            if same:
+                res[w] = us
+        best[B] = min(res, key=res.get)
+    return {"warps": _table(best)}
 
 
 def sweep_depth_attention(batches, reps: int) -> dict:
@@ -182,22 +181,20 @@ def sweep_depth_attention(batches, reps: int) -> dict:
 
     cfg = LlamaConfig(dim=1024, n_layers=4, n_heads=n_q, n_kv_heads=n_kv, intermediate=8192, max_seq_len=64)
     cos, sin = (t.cuda() for t in rope_tables(cfg))
-    res = {}
+    best = {}
     for B in batches:
         qkv = torch.randn(B, (n_q + 2 * n_kv) * hd, device="cuda", dtype=torch.bfloat16)
         kc = torch.randn(B, n_kv, P, hd, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         pos = torch.full((B,), 15, device="cuda")
+        res = {}
         for w in (1, 2, 4, 8):
-            depth_attention.NUM_WARPS = w
-            us = timed(lambda: [depth_attention.depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
-                                for _ in range(reps)], reps)
-            print(f"| | {B} | {w} | {us:.2f} |", flush=True)
-            res.setdefault(w, []).append(us)
-    w = min(res, key=lambda w: (res[w][0], sum(res[w])))
-    if any(res[w][i] > 1.05 * min(r[i] for r in res.values()) for i in range(1, len(batches))):
-        w = min(res, key=lambda w: sum(r / min(x[i] for x in res.values()) for i, r in enumerate(res[w])))
-    return {"warps": w}
+            depth_attention.WARPS = [[1, w]]
+            res[w] = timed(lambda: [depth_attention.depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
+                                    for _ in range(reps)], reps)
+            print(f"| | {B} | {w} | {res[w]:.2f} |", flush=True)
+        best[B] = min(res, key=res.get)
+    return {"warps": _table(best)}
 
 
 def main() -> None:
@@ -207,20 +204,25 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=48)
     ap.add_argument("--budget-s", type=float, default=14.0, help="seconds per GEMV shape and row count")
     ap.add_argument("--backbone", action="store_true", help="the backbone's GEMVs too (once per frame)")
+    ap.add_argument("--no-gemv", action="store_true", help="the GEMVs' configurations from kernels/tuning.py")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     shapes = DEPTH + (BACKBONE if args.backbone else [])
     t0 = time.perf_counter()
     doc = {"gpu": torch.cuda.get_device_name()}
-    doc["sampler"] = sweep_sampler([1, 64, 2048], args.reps)
+    doc["sampler"] = sweep_sampler([1, 64, 256, 2048], args.reps)
     print(f"sampler: {doc['sampler']}")
-    doc["depth_attention"] = sweep_depth_attention([1, 64, 2048], args.reps)
+    doc["depth_attention"] = sweep_depth_attention([1, 64, 256, 512, 1024, 2048], args.reps)
     print(f"depth attention: {doc['depth_attention']}\n")
-    doc["gemv"] = sweep_gemv(shapes, rows, args.reps, args.budget_s, torch.bfloat16)
+    if args.no_gemv:
+        doc["gemv"] = [[*key, *cfg] for key, cfg in sorted(gemv.TUNED.items())]
+    else:
+        doc["gemv"] = sweep_gemv(shapes, rows, args.reps, args.budget_s, torch.bfloat16)
     with open(args.out, "w") as f:
         json.dump(doc, f)
     print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    print(f"H200_SAMPLER = {doc['sampler']}\nH200_DEPTH_ATTENTION = {doc['depth_attention']}")
     print("H200_GEMV = {" + ", ".join(f"({m}, {n}, {k}, {glu}, {norm}): ({bn}, {bk}, {w}, {st})"
                                       for m, n, k, glu, norm, bn, bk, w, st in doc["gemv"]) + "}")
 

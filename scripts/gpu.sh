@@ -140,22 +140,23 @@ if [[ $what == gemv ]]; then
   python bench/profile_step.py --batches 1 --fuse --codec --rows ${PROFILE_ROWS:-16} 2>&1 | tee "$OUT/profile.txt" | head -40
 fi
 if [[ $what == sweep ]]; then
-  # issue 16: the small kernels' launch configurations on CSM-1B's shapes (bench/kernel_sweep.py -> $OUT/tuning.json,
-  # CSMSERVE_KERNEL_TUNING's format), the kernels' GPU tests with them, the runner's graphs == eager with the fused
-  # depth attention on; then the frame step (batch 1, 2, 64, 2,048) and one stream with neither, then both (~7 min)
-  CSMSERVE_DEPTH_FUSED=1 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_depth_attention_gpu.py \
-    tests/kernels/test_sampler_gpu.py tests/engine/test_runner_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -4
-  python bench/kernel_sweep.py --out "$OUT/tuning.json" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
-  CSMSERVE_KERNEL_TUNING=$OUT/tuning.json python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_gpu.py \
-    tests/kernels/test_sampler_gpu.py 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -4
+  # issue 16: the sampler's and the depth attention's warps per batch size on the H200 (bench/kernel_sweep.py ->
+  # $OUT/tuning.json, CSMSERVE_KERNEL_TUNING's format; SWEEP_ARGS="" sweeps the GEMVs too, ~4 min more), every GPU
+  # test with that file, then the frame step (batch 1, 2, 64, 256, 2,048) and one stream with no tuning and the
+  # depth attention unfused (the rules before), then with both; then the profile at batch 1 (~8 min)
+  python bench/kernel_sweep.py --out "$OUT/tuning.json" ${SWEEP_ARGS---no-gemv} 2>&1 | tee "$OUT/sweep.txt"
+  CSMSERVE_KERNEL_TUNING=$OUT/tuning.json python -m pytest -q -m gpu -p no:cacheprovider \
+    ${GPU_TESTS:-tests/kernels tests/engine tests/models} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
   for t in off "$OUT/tuning.json"; do
     f=$([[ $t == off ]] && echo 0 || echo 1)
     echo "## CSMSERVE_KERNEL_TUNING=$t CSMSERVE_DEPTH_FUSED=$f" | tee -a "$OUT/frame_step_codec.txt" "$OUT/engine_bench.txt"
-    CSMSERVE_KERNEL_TUNING=$t CSMSERVE_DEPTH_FUSED=$f python bench/frame_step.py --batches 1,2,64,2048 --steps 30 \
-      --fuse --codec 2>&1 | tee -a "$OUT/frame_step_codec.txt" | tail -6
+    CSMSERVE_KERNEL_TUNING=$t CSMSERVE_DEPTH_FUSED=$f python bench/frame_step.py --batches 1,2,64,256,2048 --steps 30 \
+      --fuse --codec 2>&1 | tee -a "$OUT/frame_step_codec.txt" | tail -7
     CSMSERVE_KERNEL_TUNING=$t CSMSERVE_DEPTH_FUSED=$f python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 \
       2>&1 | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
   done
+  CSMSERVE_KERNEL_TUNING=$OUT/tuning.json python bench/profile_step.py --batches 1 --fuse --codec --rows 24 2>&1 \
+    | tee "$OUT/profile.txt" | sed -n '/kernels,/,$p' | cut -c1-60,150-230 | head -30
 fi
 if [[ $what == depthfused ]]; then
   # issue 16, lever 2: the depth decoder's RoPE + K/V store + attention in one kernel (kernels/depth_attention.py,

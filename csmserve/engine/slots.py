@@ -77,8 +77,8 @@ class DepthKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(batch, device=device)
         self.use_triton = device.type == "cuda" and d.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
-        # kernels/depth_attention.py: RoPE + K/V store + attention in one launch (not yet measured on the H200)
-        self.fused = self.use_triton and os.environ.get("CSMSERVE_DEPTH_FUSED", "0") == "1"
+        # kernels/depth_attention.py: RoPE + K/V store + attention in one launch (CSMSERVE_DEPTH_FUSED=0: three)
+        self.fused = self.use_triton and os.environ.get("CSMSERVE_DEPTH_FUSED", "1") != "0"
         self.pos = self.lengths = self.mask = None
 
     def begin(self, pos: Tensor) -> None:

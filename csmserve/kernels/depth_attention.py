@@ -4,7 +4,7 @@ K and V stored at the row's position, attention over the frame's earlier positio
 Unfused, a depth step's attention is three launches per layer (kernels/elementwise.py's RoPE and K+V store, then
 kernels/decode_attention.py): 3 x 4 layers x 31 depth steps = 372 per frame, at ~1.5-2 us each mostly launch and
 tail (docs/benchmarks.md, issue 16). Here it is one launch per layer (-248 per frame; predicted ~0.4 ms of the
-6.6 ms frame step at batch 1, not yet measured on the H200: off unless CSMSERVE_DEPTH_FUSED=1).
+6.6 ms frame step at batch 1, measured 0.12 ms). On by default; CSMSERVE_DEPTH_FUSED=0 keeps the three.
 
 grid (B, Hkv): a program ropes its KV head's k and its G query heads, stores k and v in the cache, then attends
 over positions 0..pos-1 read from the cache (one block: the depth cache holds <= 64 positions) and the new
@@ -22,7 +22,7 @@ from torch import Tensor
 from csmserve.kernels import tuning
 
 _kernel = None
-NUM_WARPS = tuning.DEPTH_ATTENTION["warps"]
+WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
 
 
 def _get_kernel():  # lazy: triton is only present with CUDA builds of torch (and the interpreter's tests)
@@ -119,5 +119,5 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
                              G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2, BLOCK_N=block_n,
-                             IEEE=qkv.dtype == torch.float32, num_warps=NUM_WARPS)
+                             IEEE=qkv.dtype == torch.float32, num_warps=tuning.by_rows(WARPS, B))
     return out

@@ -2,9 +2,10 @@
 
 CSMSERVE_KERNEL_TUNING picks them, read once at import:
 - unset: the tables below (the H200's);
-- "off": none (each kernel's own rule: gemv.blocks() with 4 warps, sampler ARITY 2, 4 warps);
+- "off": none (each kernel's own rule: gemv.blocks() with 4 warps; the sampler and depth attention, 4 warps);
 - a path: a JSON file as bench/kernel_sweep.py writes it ({"gemv": [[m, n, k, glu, norm, BLOCK_N, BLOCK_K,
-  warps, stages], ...], "sampler": {"arity": a, "warps": w}, "depth_attention": {"warps": w}}), for another GPU.
+  warps, stages], ...], "sampler": {"warps": [[rows, w], ...]}, "depth_attention": {"warps": [[rows, w], ...]}}),
+  for another GPU. A warps table gives w from `rows` batch rows up (the entry with the most rows <= the batch).
 """
 from __future__ import annotations
 
@@ -12,11 +13,27 @@ import json
 import os
 
 # (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages)
-H200_GEMV: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {}
-H200_SAMPLER = {"arity": 4, "warps": 4}
-H200_DEPTH_ATTENTION = {"warps": 4}
-OFF_SAMPLER = {"arity": 2, "warps": 4}
-OFF_DEPTH_ATTENTION = {"warps": 4}
+# (the rule elsewhere: within 2% of it, or slower; `COMMIT=4291844 bash scripts/gpu.sh sweep`, docs/benchmarks.md)
+H200_GEMV: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {
+    (1, 2112, 1024, False, False): (1, 1024, 4, 4),  # depth head: 3.82 -> 3.33 us
+    (1, 1024, 2048, False, False): (1, 2048, 8, 1),  # projection: 3.78 -> 3.40
+    (2, 8192, 1024, True, True): (32, 128, 8, 1),  # depth gate_up + SiLU*up, 2 rows: 13.38 -> 12.36
+    (2, 2112, 1024, False, False): (2, 1024, 4, 1),  # depth head, 2 rows: 4.30 -> 3.91
+    (2, 1024, 2048, False, False): (1, 1024, 4, 2),  # projection, 2 rows: 3.82 -> 3.59
+}
+H200_SAMPLER = {"warps": [[1, 4]]}
+H200_DEPTH_ATTENTION = {"warps": [[1, 4]]}
+OFF_SAMPLER = {"warps": [[1, 4]]}
+OFF_DEPTH_ATTENTION = {"warps": [[1, 4]]}
+
+
+def by_rows(table: list[list[int]], rows: int) -> int:
+    """The value of a [[rows_from, value], ...] table (ascending rows_from, the first 1) at `rows` batch rows."""
+    value = table[0][1]
+    for start, v in table:
+        if rows >= start:
+            value = v
+    return value
 
 
 def _load() -> tuple[dict, dict, dict]:

@@ -80,7 +80,7 @@ def test_rows_at_different_positions():
 
 @run
 def test_depth_kv_fused_equals_unfused(monkeypatch):
-    """DepthKV with CSMSERVE_DEPTH_FUSED=1 through a whole tiny depth decoder (4 layers, hd 64): the same hidden
+    """DepthKV with CSMSERVE_DEPTH_FUSED on (the default) and off through a whole tiny depth decoder (4 layers, hd 64): the same hidden
     states as with the unfused kernels."""
     from csmserve.engine.slots import DepthKV
     from csmserve.models import llama
