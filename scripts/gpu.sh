@@ -144,7 +144,7 @@ if [[ $what == sweep ]]; then
   # $OUT/tuning.json, CSMSERVE_KERNEL_TUNING's format; SWEEP_ARGS="" sweeps the GEMVs too, ~4 min more), every GPU
   # test with that file, then the frame step (batch 1, 2, 64, 256, 2,048) and one stream with no tuning and the
   # depth attention unfused (the rules before), then with both; then the profile at batch 1 (~8 min)
-  python bench/kernel_sweep.py --out "$OUT/tuning.json" ${SWEEP_ARGS---no-gemv} 2>&1 | tee "$OUT/sweep.txt"
+  python bench/kernel_sweep.py --out "$OUT/tuning.json" ${SWEEP_ARGS---no-gemv} 2>&1 | tee "$OUT/sweep.txt" || exit 1
   CSMSERVE_KERNEL_TUNING=$OUT/tuning.json python -m pytest -q -m gpu -p no:cacheprovider \
     ${GPU_TESTS:-tests/kernels tests/engine tests/models} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
   for t in off "$OUT/tuning.json"; do

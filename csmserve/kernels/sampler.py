@@ -55,7 +55,7 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     prefix = tl.zeros([], dtype=tl.uint32)
     left = k
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # a constexpr (p is one): not annotated, as it is rebound each pass
         if p == 0:
             m = valid
         else:
