@@ -158,6 +158,22 @@ if [[ $what == sweep ]]; then
   CSMSERVE_KERNEL_TUNING=$OUT/tuning.json python bench/profile_step.py --batches 1 --fuse --codec --rows 24 2>&1 \
     | tee "$OUT/profile.txt" | sed -n '/kernels,/,$p' | cut -c1-60,150-230 | head -30
 fi
+if [[ $what == pdl ]]; then
+  # issue 16: programmatic dependent launch for the frame step's Triton kernels (kernels/pdl.py): the kernels' and
+  # the runner's GPU tests with it, then the frame step (batch 1, 2, 64, 256, 2,048) and one stream with
+  # CSMSERVE_PDL=0 and =1, then the profile at batch 1 (~5 min)
+  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/engine/test_runner_gpu.py} 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -6
+  for f in 0 1; do
+    echo "## CSMSERVE_PDL=$f" | tee -a "$OUT/frame_step_codec.txt" "$OUT/engine_bench.txt"
+    CSMSERVE_PDL=$f python bench/frame_step.py --batches 1,2,64,256,2048 --steps 30 --fuse --codec 2>&1 \
+      | tee -a "$OUT/frame_step_codec.txt" | tail -7
+    CSMSERVE_PDL=$f python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
+      | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
+  done
+  python bench/profile_step.py --batches 1 --fuse --codec --rows 12 2>&1 | tee "$OUT/profile.txt" \
+    | sed -n '/kernels,/,$p' | cut -c1-60,150-230 | head -18
+fi
 if [[ $what == depthfused ]]; then
   # issue 16, lever 2: the depth decoder's RoPE + K/V store + attention in one kernel (kernels/depth_attention.py,
   # CSMSERVE_DEPTH_FUSED=1) against the three kernels it replaces: its GPU tests, the runner's graphs == eager

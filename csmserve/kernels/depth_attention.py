@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from csmserve.kernels import tuning
+from csmserve.kernels import pdl, tuning
 
 _kernel = None
 WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
@@ -30,12 +30,16 @@ def _get_kernel():  # lazy: triton is only present with CUDA builds of torch (an
     if _kernel is None:
         import triton
         import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
         @triton.jit
         def _depth_attend_kernel(QKV, POS, COS, SIN, KC, VC, OUT, stride_qkv, stride_pos,
                                  s_kn, s_kh, s_kt, s_vn, s_vh, s_vt, scale, n_q,
                                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+            if PDL:  # kernels/pdl.py: every read below depends on the kernels before
+                gdc_wait()
+                gdc_launch_dependents()
             b = tl.program_id(0)
             h = tl.program_id(1)  # kv head
             n_kv = tl.num_programs(1)
@@ -119,5 +123,5 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
                              G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2, BLOCK_N=block_n,
-                             IEEE=qkv.dtype == torch.float32, num_warps=tuning.by_rows(WARPS, B))
+                             IEEE=qkv.dtype == torch.float32, num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

@@ -5,6 +5,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from csmserve.kernels import pdl
 
 
 @triton.jit
@@ -32,7 +35,10 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, H, Y, W, n_cols, stride_x, stride_d, stride_h, stride_y, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -59,7 +65,7 @@ def add_rms_norm_triton(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
     BLOCK = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, h, y, weight, n, x2.stride(0), d2.stride(0), h.stride(0),
                                           y.stride(0), eps, HAS_DELTA=delta is not None, BLOCK=BLOCK,
-                                          num_warps=4 if BLOCK <= 2048 else 8)
+                                          num_warps=4 if BLOCK <= 2048 else 8, **pdl.opts())
     return h.reshape(shape), y.reshape(shape)
 
 

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from csmserve.kernels import tuning
+from csmserve.kernels import pdl, tuning
 
 MAX_ROWS = 2  # above this, cuBLAS' GEMMs (bench/gemv.py: at 4-8 rows it is faster than this kernel)
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
@@ -67,9 +68,28 @@ def _store(Y, rn, mask, g, u, GLU: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0, u1, dt,
+                NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, GLU: tl.constexpr):
+    """One chunk: the rows' inputs at columns rk [BK] times the chunk's weights w (and up u) [BN, BK]."""
+    nw = 1.0
+    if NORM:
+        nw = tl.load(NW + rk).to(tl.float32)
+    x0 = _chunk(X, DELTA, nw, rk, rk < K, rstd0, dt, NORM, HAS_DELTA)[None, :]
+    g0 += w.to(tl.float32) * x0
+    if TWO_ROWS:
+        x1 = _chunk(X + stride_xm, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
+        g1 += w.to(tl.float32) * x1
+    if GLU:
+        u0 += u.to(tl.float32) * x0
+        if TWO_ROWS:
+            u1 += u.to(tl.float32) * x1
+    return g0, g1, u0, u1
+
+
+@triton.jit
 def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -77,33 +97,35 @@ def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm
     rk0 = tl.arange(0, BLOCK_K)
     dt = X.dtype.element_ty
     two = M > 1
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    # the first chunk of weights depends on no kernel: read while the kernel before still runs (kernels/pdl.py)
+    w = tl.load(w_rows + rk0[None, :], mask=mn[:, None], other=0.0)  # [BN, BK]
+    u = w
+    if GLU:
+        u = tl.load(w_rows + UP_OFF * stride_wn + rk0[None, :], mask=mn[:, None], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     rstd0 = 1.0
     rstd1 = 1.0
     if NORM:  # program 0 writes h, the residual stream
         rstd0 = _rstd(X, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
         if TWO_ROWS:
             rstd1 = _rstd(X + stride_xm, DELTA + stride_dm, H + stride_hm, K, two, pid == 0, eps, dt, HAS_DELTA, PRE_K)
-    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
     g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (blocks() checks)
+    g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk0, K, two, rstd0, rstd1, g0, g1, u0, u1,
+                                 dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (blocks() checks)
         rk = k0 + rk0
-        nw = 1.0
-        if NORM:
-            nw = tl.load(NW + rk).to(tl.float32)
-        x0 = _chunk(X, DELTA, nw, rk, rk < K, rstd0, dt, NORM, HAS_DELTA)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)  # [BN, BK]
-        g0 += w * x0
-        if TWO_ROWS:
-            x1 = _chunk(X + stride_xm, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
-            g1 += w * x1
+        w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0)
+        u = w
         if GLU:
-            u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0).to(tl.float32)
-            u0 += u * x0
-            if TWO_ROWS:
-                u1 += u * x1
+            u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
+        g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
+                                     u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
     _store(Y, rn, mn, g0, u0, GLU)
     if TWO_ROWS:
         _store(Y + stride_ym, rn, mn & two, g1, u1, GLU)
@@ -161,7 +183,8 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, y, M, N, K, x2.stride(0), 0, 0, weight.stride(0),
                                         y.stride(0), N, 0.0, NORM=False, HAS_DELTA=False, TWO_ROWS=M > 1,
-                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, **_launch_opts(warps, stages))
+                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, **_launch_opts(warps, stages),
+                                        **pdl.opts())
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -187,5 +210,5 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
         y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk,
-        GLU=glu, PRE_K=pre, **_launch_opts(warps, stages))
+        GLU=glu, PRE_K=pre, **_launch_opts(warps, stages), **pdl.opts())
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

@@ -1,8 +1,8 @@
 """The sampler of models/sampler.py as one Triton kernel: a program per row, the vocab in registers.
 
-No sort: the top-k cut-off is the k-th largest logit found by radix select over the logits' order-
-preserving integer keys (four histogram passes of 8 bits; a bisection took 33 counting passes), and the top-p cut-off the smallest logit whose
-strictly-larger mass is <= top_p, found the same way. Ties at a cut-off are kept, as in the torch
+No sort: the top-k cut-off is the k-th largest logit found by radix select over the logits'
+order-preserving integer keys (four histogram passes of 8 bits; a bisection took 33 counting passes),
+and the top-p cut-off the smallest logit whose strictly-larger mass is <= top_p, by bisection. Ties at a cut-off are kept, as in the torch
 reference; the two agree exactly whenever no two candidate logits are equal. As there, a temperature
 below GREEDY_BELOW (or NaN) is greedy and a NaN logit is never chosen; x = +inf (a huge logit) makes
 the top-p mass NaN, which keeps only the largest keys; the token is always < V.
@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve import sampling as ref
-from csmserve.kernels import tuning
+from csmserve.kernels import pdl, tuning
 
 MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
@@ -33,7 +34,11 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr):
+def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     valid = i < V
@@ -99,5 +104,5 @@ def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), num_warps=tuning.by_rows(WARPS, B))
+                         BLOCK=triton.next_power_of_2(V), num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

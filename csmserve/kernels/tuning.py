@@ -13,7 +13,8 @@ import json
 import os
 
 # (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages)
-# (the rule elsewhere: within 2% of it, or slower; `COMMIT=4291844 bash scripts/gpu.sh sweep`, docs/benchmarks.md)
+# (the rule elsewhere: within 2% of it, or slower); GEMVs from `COMMIT=4291844 bash scripts/gpu.sh sweep`, the
+# sampler's and depth attention's warps from `COMMIT=825a61c bash scripts/gpu.sh sweep` (docs/benchmarks.md)
 H200_GEMV: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {
     (1, 2112, 1024, False, False): (1, 1024, 4, 4),  # depth head: 3.82 -> 3.33 us
     (1, 1024, 2048, False, False): (1, 2048, 8, 1),  # projection: 3.78 -> 3.40
@@ -21,8 +22,8 @@ H200_GEMV: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {
     (2, 2112, 1024, False, False): (2, 1024, 4, 1),  # depth head, 2 rows: 4.30 -> 3.91
     (2, 1024, 2048, False, False): (1, 1024, 4, 2),  # projection, 2 rows: 3.82 -> 3.59
 }
-H200_SAMPLER = {"warps": [[1, 4]]}
-H200_DEPTH_ATTENTION = {"warps": [[1, 4]]}
+H200_SAMPLER = {"warps": [[1, 8], [2048, 4]]}  # 10.40 us at 1 row (4 warps: 12.80); 94.3 at 2,048 (8: 97.1)
+H200_DEPTH_ATTENTION = {"warps": [[1, 4], [256, 1]]}  # 4.06 us at 1 row; 26.9 at 2,048 rows (4 warps: 45.8)
 OFF_SAMPLER = {"warps": [[1, 4]]}
 OFF_DEPTH_ATTENTION = {"warps": [[1, 4]]}
 
