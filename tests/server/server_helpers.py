@@ -125,6 +125,7 @@ class ProcServer:
         import sys
 
         self.port = free_port()
+        self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"serve-{self.port}.log"
         flags = {"max_slots": 32, "max_seq_len": 512, "first_chunk_frames": 1, "chunk_frames": 2, "model_name": "sesame/csm-1b",
@@ -141,13 +142,22 @@ class ProcServer:
         self.state = None  # nothing in-process to look into: tests use the public API only
 
     def start(self, timeout: float = 120.0) -> "ProcServer":
+        """Returns once every API worker has answered /ready 200: until a worker is attached to the engine,
+        new connections go to the attached ones only (server/dispatch.py), so tests that need both would
+        otherwise race the second one's attach."""
         deadline = time.time() + timeout
+        ready: set[str] = set()
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"csmserve serve exited: {self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return self
+                r = httpx.get(f"{self.url}/ready", timeout=2)
+                if r.status_code == 200:
+                    ready.add(r.headers.get("x-csmserve-worker", "0"))
+                    if len(ready) >= self.workers:
+                        return self
+                    time.sleep(0.02)  # the next connection goes to the next attached worker in turn
+                    continue
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)

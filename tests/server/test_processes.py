@@ -99,7 +99,11 @@ def test_killing_one_api_worker_leaves_the_other_serving(procs):
 
 
 def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_streams(procs):
-    server = procs()
+    server = procs()  # both workers attached (ProcServer.start)
+    # keep-alive connections opened one after another go to the worker with the fewest open, so these reach
+    # both (a new connection per poll would land on whichever has fewer open: one worker only, at times)
+    clients = [httpx.Client(base_url=server.url, timeout=5) for _ in range(4)]
+    assert {c.get("/v1/models").headers["x-csmserve-worker"] for c in clients} == {"0", "1"}
     out: dict = {}
     started = threading.Event()
     t = threading.Thread(target=_stream, args=(server.url, out, 0, 20_000, started))  # fits --max-seq-len 512
@@ -109,11 +113,14 @@ def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_strea
     t0 = time.time()
     down: set[str] = set()
     while len(down) < 2:  # each worker learns from its own link to the engine (EOF): ms apart, not a timeout
-        r = httpx.get(f"{server.url}/health", timeout=5)
-        if r.status_code == 503:
-            down.add(r.headers["x-csmserve-worker"])
+        for c in clients:
+            r = c.get("/health")
+            if r.status_code == 503:
+                down.add(r.headers["x-csmserve-worker"])
         assert time.time() - t0 < 3, f"health still 200 (503 from workers {sorted(down)} only)"
         time.sleep(0.02)
+    for c in clients:
+        c.close()
     for route in ("/health", "/ready"):  # from both workers
         for _ in range(6):
             r = httpx.get(f"{server.url}{route}", timeout=5)
