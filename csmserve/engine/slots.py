@@ -12,6 +12,7 @@ from torch import Tensor
 
 from csmserve.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from csmserve.models.csm import CSMConfig
+from csmserve.models.llama import KVView
 
 
 def store_kv_triton(k_cache: Tensor, v_cache: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
@@ -20,7 +21,7 @@ def store_kv_triton(k_cache: Tensor, v_cache: Tensor, rows: Tensor, pos: Tensor,
     store(k_cache, v_cache, rows, pos, k, v)
 
 
-class SlotKV:
+class SlotKV(KVView):
     """Backbone KV k, v [L, N+1, Hkv, T, hd]; the KVView of frame steps and of packed prefills: each row
     (a slot's next frame, or one prompt token) writes its K/V at (slot, position), then attends to its
     slot's keys up to that position (so a prompt's tokens see each other, written in the same layer)."""
@@ -64,7 +65,7 @@ class SlotKV:
         return out[:, None]
 
 
-class DepthKV:
+class DepthKV(KVView):
     """The depth decoder's one-frame cache k, v [L, B, Hkv, K, hd], rewritten every frame (batch-local:
     nothing crosses a frame boundary, so no slot indexing). One-query steps use the decode kernel."""
 
@@ -91,8 +92,7 @@ class DepthKV:
             self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
 
     def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
-        """qkv [B, S, (n_q + 2 n_kv) hd] -> attention output [B, S, n_q hd] in one kernel (S == 1, fused), or
-        None: the caller ropes q and k and calls attend()."""
+        """KVView.attend_qkv: kernels/depth_attention.py when fused and S == 1."""
         if not self.fused or qkv.shape[1] != 1:
             return None
         from csmserve.kernels.depth_attention import depth_attend_triton

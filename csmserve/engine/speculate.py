@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from csmserve.models.csm import CSMModel
+from csmserve.models.llama import KVView
 from csmserve.models.sampler import GREEDY_BELOW, hash_uniform_at, sampling_logits
 from csmserve.engine.slots import DepthKV
 
@@ -73,7 +74,7 @@ def gumbel(u: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-class _WriteAt:
+class _WriteAt(KVView):
     """KVView over a DepthKV whose keys/values go to `write` positions while RoPE reads the model's
     positions (clamped into its K-row tables: only finished rows and past-the-end drafts, whose outputs
     are never used, read a clamped position). On CUDA each of the S positions of a row is one query of

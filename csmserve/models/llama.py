@@ -164,6 +164,8 @@ def fuse_gemv(on: bool = True) -> None:
 
 
 class KVView(Protocol):
+    """The caches' interface; implementations subclass it for attend_qkv's default."""
+
     def begin(self, pos: Tensor) -> None:
         """Called once per forward, before the layers: pos [B, S] absolute positions of the new tokens."""
         ...
@@ -172,8 +174,13 @@ class KVView(Protocol):
         """q [B, S, Hq, hd], k/v [B, S, Hkv, hd] for the new positions -> [B, S, Hq, hd]."""
         ...
 
+    def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
+        """RoPE, store and attention from the projection qkv [B, S, (n_q + 2 n_kv) hd] in one kernel ->
+        [B, S, n_q hd], where the view has one (DepthKV); None: the caller ropes q and k and calls attend()."""
+        return None
 
-class DenseKV:
+
+class DenseKV(KVView):
     """Contiguous per-row cache k, v [L, B, Hkv, T, hd]; rows write at `pos` and attend to keys <= pos.
 
     Only the first `kv_len` keys are read (set it to the context in use so the cost follows it).
@@ -230,8 +237,7 @@ class Attention(nn.Module):
     def forward(self, qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         # qkv [B, S, (Hq + 2 Hkv) hd]: qkv_proj of the normed input (Block: norm_then)
         B, S, _ = qkv.shape
-        fused = getattr(kv, "attend_qkv", None)  # a KV that ropes, stores and attends in one kernel (DepthKV)
-        out = fused(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv) if fused is not None else None
+        out = kv.attend_qkv(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv)
         if out is not None:
             return linear(out, self.o_proj)
         q, k = rope_qk(qkv, pos, cos_t, sin_t, self.n_heads, self.n_kv)
