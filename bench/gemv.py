@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from csmserve.kernels import gemv
+from gpu_profile import graph_timed
 
 # (name, N, K, glu): CSM-1B's backbone (Llama-1B) and depth decoder (100M), the projection, the heads
 SHAPES = [
@@ -24,27 +25,6 @@ SHAPES = [
     ("depth gate_up+silu", 8192, 1024, True), ("depth down", 1024, 8192, False),
     ("depth head", 2112, 1024, False),
 ]
-
-
-def timed(fn, reps: int) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
-    return best  # us per call
 
 
 def main() -> None:
@@ -89,7 +69,7 @@ def main() -> None:
                 for i in range(args.reps):
                     gemv.gemv(x, ws[i % copies], glu)
 
-            t_ref, t_g = timed(run_ref, args.reps), timed(run_gemv, args.reps)
+            t_ref, t_g = graph_timed(run_ref, args.reps), graph_timed(run_gemv, args.reps)
             err = (gemv.gemv(x, ws[0], glu).float() - ref(ws[0]).float()).abs().max().item()
             print(f"| {name} | {n}x{k} | {m} | {t_ref:.2f} | {t_g:.2f} | {mb / t_ref / 1e3:.0f} | "
                   f"{mb / t_g / 1e3:.0f} | {err:.2e} |", flush=True)

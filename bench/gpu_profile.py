@@ -19,3 +19,25 @@ def cuda_profile(step: Callable[[], object], reps: int = 3) -> tuple[profile, in
             torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     return prof, len(events) // reps, sum(e.device_time for e in events) / reps / 1e3
+
+
+def graph_timed(fn: Callable[[], object], reps: int, tries: int = 5) -> float:
+    """fn (`reps` calls of one kernel) captured as a CUDA graph, replayed `tries` times -> the best us per call."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(tries):
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
+    return best

@@ -18,6 +18,7 @@ import time
 import torch
 
 from csmserve.kernels import depth_attention, gemv, sampler
+from gpu_profile import graph_timed
 
 # (name, m, n, k, glu, norm): as the frame step calls them (norm: norm_gemv, the residual add + RMSNorm fused)
 DEPTH = [("depth qkv", 1536, 1024, False, True), ("depth o", 1024, 1024, False, False),
@@ -26,27 +27,6 @@ DEPTH = [("depth qkv", 1536, 1024, False, True), ("depth o", 1024, 1024, False, 
 BACKBONE = [("backbone qkv", 3072, 2048, False, True), ("backbone o", 2048, 2048, False, False),
             ("backbone gate_up+silu", 8192, 2048, True, True), ("backbone down", 2048, 8192, False, False),
             ("codebook0 head", 2051, 2048, False, False)]
-
-
-def timed(fn, reps: int) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(4):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
-    return best  # us per call
 
 
 def gemv_candidates(m: int, n: int, k: int, glu: bool) -> list[tuple[int, int, int, int]]:
@@ -66,7 +46,8 @@ def gemv_candidates(m: int, n: int, k: int, glu: bool) -> list[tuple[int, int, i
 
 def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
     found = []
-    print("| shape | M | N x K | rule (us) | best (us) | best GB/s | config (BN, BK, warps, stages) | tried | max abs diff |")
+    print("| shape | M | N x K | rule (us) | best (us) | best GB/s | config (BN, BK, warps, stages) | tried | "
+          "max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m in rows:
         for name, n, k, glu, norm in shapes:
@@ -91,7 +72,7 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
 
             gemv.TUNED.pop(key, None)
             ref = call(ws[0]).float()
-            rule = timed(run, reps)
+            rule = graph_timed(run, reps)
             results = []
             bn0, bk0 = gemv.blocks(m, n, k, glu)  # nearest the rule's blocks first: the budget may end the list
             cands = sorted(gemv_candidates(m, n, k, glu), key=lambda c: (
@@ -101,7 +82,7 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
                     break
                 gemv.TUNED[key] = cfg
                 try:
-                    results.append((timed(run, reps), cfg))
+                    results.append((graph_timed(run, reps), cfg))
                 except Exception as e:  # a config Triton cannot build (registers, shared memory): skip it
                     print(f"  {name} {cfg}: {type(e).__name__}")
             results.sort(key=lambda r: r[0])
@@ -111,7 +92,7 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
                         break
                     gemv.TUNED[key] = (bn, bk, w, st)
                     try:
-                        results.append((timed(run, reps), (bn, bk, w, st)))
+                        results.append((graph_timed(run, reps), (bn, bk, w, st)))
                     except Exception as e:
                         print(f"  {name} {(bn, bk, w, st)}: {type(e).__name__}")
             results.sort(key=lambda r: r[0])
@@ -119,9 +100,9 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
             diff, cfg_s = 0.0, "rule"
             if best is not None:  # the winner of many noisy timings, timed again against the rule
                 gemv.TUNED.pop(key, None)
-                rule = min(rule, timed(run, reps))
+                rule = min(rule, graph_timed(run, reps))
                 gemv.TUNED[key] = best
-                best_t = timed(run, reps)
+                best_t = graph_timed(run, reps)
             if best is not None and best_t < rule * 0.98:  # within noise of the rule: keep the rule
                 gemv.TUNED[key] = best
                 diff = (call(ws[0]).float() - ref).abs().max().item()
@@ -163,9 +144,8 @@ def sweep_sampler(batches, reps: int) -> dict:
             out = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
             ref = out if ref is None else ref
             same = torch.equal(out, ref)
-            us = timed(lambda: [sampler.sample_triton(logits, t, k, p, seed, frame, 3) for _ in range(reps)], reps)
-            g = timed(lambda: [sampler.sample_triton(logits, greedy_t, k, p, seed, frame, 3) for _ in range(reps)],
-                      reps)
+            us, g = (graph_timed(lambda temp=temp: [sampler.sample_triton(logits, temp, k, p, seed, frame, 3)
+                                                    for _ in range(reps)], reps) for temp in (t, greedy_t))
             print(f"| | {B} | {w} | {us:.2f}{'' if same else ' (DIFFERENT TOKENS)'} | {g:.2f} |", flush=True)
             if same:
                 res[w] = us
@@ -190,8 +170,8 @@ def sweep_depth_attention(batches, reps: int) -> dict:
         res = {}
         for w in (1, 2, 4, 8):
             depth_attention.WARPS = [[1, w]]
-            res[w] = timed(lambda: [depth_attention.depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
-                                    for _ in range(reps)], reps)
+            res[w] = graph_timed(lambda: [depth_attention.depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
+                                          for _ in range(reps)], reps)
             print(f"| | {B} | {w} | {res[w]:.2f} |", flush=True)
         best[B] = min(res, key=res.get)
     return {"warps": _table(best)}
