@@ -8,6 +8,15 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _reference(x, w, glu):
+    """x @ w^T in float32 (glu: w is [gate; up], silu(gate) * up)."""
+    ref = F.linear(x.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    return ref
+
+
 @cuda
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k,glu", [(3072, 2048, False), (2048, 8192, False), (8192, 1024, True),
@@ -20,10 +29,7 @@ def test_gemv_matches_linear(m, n, k, glu, dtype):
     w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dtype) * 0.05
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     assert gemv.applies(x, w, glu)
-    ref = F.linear(x.float(), w.float())
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(x, w, glu)
     out = gemv.gemv(x, w, glu)
     assert out.shape == (m, n) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -84,10 +90,7 @@ def test_norm_gemv_matches_add_rms_norm_then_linear(m, n, k, glu, with_delta):
     w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dt) * 0.05
     assert gemv.norm_applies(x, nw, w, glu)
     h_ref, y_ref = add_rms_norm_triton(x, delta, nw, 1e-5)
-    ref = F.linear(y_ref.float(), w.float())
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(y_ref, w, glu)
     h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)
     assert torch.equal(h, h_ref)  # the residual stream: bit for bit
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
@@ -121,10 +124,7 @@ def test_every_tuned_config_matches_linear(key):
         assert torch.equal(h, h_ref)
     else:
         y, out = x, gemv.gemv(x, w, glu)
-    ref = F.linear(y.float(), w.float())
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(y, w, glu)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
 
 
