@@ -94,6 +94,13 @@ class ModelRunner:
         self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
         self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
+        # codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; CSMSERVE_DEPTH_LOOP=0: the
+        # plain depth steps). Not with speculation's own depth loop nor FP8 weights (it reads nn.Linear weights)
+        self.depth_loop = None
+        if cuda and fuse and self.spec is None and weights == "bf16" and os.environ.get("CSMSERVE_DEPTH_LOOP", "1") != "0":
+            from csmserve.kernels.depth_loop import DepthLoop
+
+            self.depth_loop = DepthLoop(model, self.depth_kv.k, self.depth_kv.v)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
         W = self.cfg.frame_width
@@ -216,6 +223,9 @@ class ModelRunner:
         live = slot_ids != self.scratch
         if self.spec is not None:
             codes = self.spec.decode_frame(h, sampler, RowParams(temp, top_k, top_p, seed, frame), live)
+        elif self.depth_loop is not None and len(slot_ids) <= self.depth_loop.max_rows:
+            first = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos, upto=2)  # [B, 2]
+            codes = self.depth_loop(first, temp, top_k, top_p, seed, frame)  # [B, K]
         else:
             codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         s.next_tokens[slot_ids] = torch.cat([codes, torch.zeros_like(codes[:, :1])], 1)

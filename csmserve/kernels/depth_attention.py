@@ -17,89 +17,86 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve.kernels import pdl, tuning
 
-_kernel = None
 WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
 
 
-def _get_kernel():  # lazy: triton is only present with CUDA builds of torch (and the interpreter's tests)
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+@triton.jit
+def attend_one(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, scale, n_q, G: tl.constexpr,
+               GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One (row, KV head): src the row's qkv [(n_q + 2 n_kv) HD], p its position, k_base/v_base the head's
+    cache [P, HD] (position stride s_kt/s_vt), out_row the row's output [n_q HD]. Also called by
+    kernels/depth_loop.py inside its persistent kernel."""
+    dt = out_row.dtype.element_ty
+    i = tl.arange(0, HALF)
+    d = tl.arange(0, HD)
+    # the fp32 tables rounded to the model dtype first, as rope_qk does; rotate-half layout
+    c = tl.load(COS + p * HD + i).to(dt).to(tl.float32)
+    s = tl.load(SIN + p * HD + i).to(dt).to(tl.float32)
+    # this head's new key, rotated, and value -> the cache at position p
+    kx1 = tl.load(src + (n_q + h) * HD + i).to(tl.float32)
+    kx2 = tl.load(src + (n_q + h) * HD + HALF + i).to(tl.float32)
+    k1 = (kx1 * c - kx2 * s).to(dt)  # [HALF]
+    k2 = (kx2 * c + kx1 * s).to(dt)
+    v_new = tl.load(src + (n_q + n_kv + h) * HD + d)  # [HD]
+    tl.store(k_base + p * s_kt + i, k1)
+    tl.store(k_base + p * s_kt + HALF + i, k2)
+    tl.store(v_base + p * s_vt + d, v_new)
+    # the group's query heads, rotated (padded to the 16 rows tl.dot needs)
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    qh = h * G + g  # [GP]
+    qx1 = tl.load(src + qh[:, None] * HD + i[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    qx2 = tl.load(src + qh[:, None] * HD + HALF + i[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q1 = (qx1 * c[None, :] - qx2 * s[None, :]).to(dt)  # [GP, HALF]
+    q2 = (qx2 * c[None, :] + qx1 * s[None, :]).to(dt)
+    # earlier positions from the cache (written by earlier steps' programs), the new one from registers
+    n = tl.arange(0, BLOCK_N)
+    valid = n < p
+    kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HALF]
+    kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=valid[:, None], other=0.0)
+    if HALF < 16:  # tl.dot needs K >= 16: head_dim 16 (the tests' tiny models) as a broadcast sum
+        sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kc1.to(tl.float32)[None, :, :], 2)
+              + tl.sum(q2.to(tl.float32)[:, None, :] * kc2.to(tl.float32)[None, :, :], 2))
+    elif IEEE:
+        sc = tl.dot(q1, tl.trans(kc1), input_precision="ieee") + tl.dot(q2, tl.trans(kc2), input_precision="ieee")
+    else:
+        sc = tl.dot(q1, tl.trans(kc1)) + tl.dot(q2, tl.trans(kc2))
+    sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BLOCK_N]
+    s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1)
+             + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1)) * scale  # [GP]
+    m = tl.maximum(tl.max(sc, 1), s_new)
+    pc = tl.exp(sc - m[:, None])
+    pn = tl.exp(s_new - m)
+    l_sum = tl.sum(pc, 1) + pn
+    vc = tl.load(v_base + n[:, None] * s_vt + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HD]
+    if IEEE:
+        acc = tl.dot(pc, vc, input_precision="ieee")
+    else:
+        acc = tl.dot(pc.to(dt), vc)
+    acc = acc + pn[:, None] * v_new.to(tl.float32)[None, :]
+    out = acc / l_sum[:, None]
+    tl.store(out_row + qh[:, None] * HD + d[None, :], out.to(dt), mask=g_ok[:, None])
 
-        @triton.jit
-        def _depth_attend_kernel(QKV, POS, COS, SIN, KC, VC, OUT, stride_qkv, stride_pos,
-                                 s_kn, s_kh, s_kt, s_vn, s_vh, s_vt, scale, n_q,
-                                 G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-            if PDL:  # kernels/pdl.py: every read below depends on the kernels before
-                gdc_wait()
-                gdc_launch_dependents()
-            b = tl.program_id(0)
-            h = tl.program_id(1)  # kv head
-            n_kv = tl.num_programs(1)
-            dt = OUT.dtype.element_ty
-            p = tl.load(POS + b * stride_pos).to(tl.int64)
-            i = tl.arange(0, HALF)
-            d = tl.arange(0, HD)
-            src = QKV + b * stride_qkv
-            # the fp32 tables rounded to the model dtype first, as rope_qk does; rotate-half layout
-            c = tl.load(COS + p * HD + i).to(dt).to(tl.float32)
-            s = tl.load(SIN + p * HD + i).to(dt).to(tl.float32)
-            # this head's new key, rotated, and value -> the cache at position p
-            kx1 = tl.load(src + (n_q + h) * HD + i).to(tl.float32)
-            kx2 = tl.load(src + (n_q + h) * HD + HALF + i).to(tl.float32)
-            k1 = (kx1 * c - kx2 * s).to(dt)  # [HALF]
-            k2 = (kx2 * c + kx1 * s).to(dt)
-            v_new = tl.load(src + (n_q + n_kv + h) * HD + d)  # [HD]
-            k_base = KC + b * s_kn + h * s_kh
-            v_base = VC + b * s_vn + h * s_vh
-            tl.store(k_base + p * s_kt + i, k1)
-            tl.store(k_base + p * s_kt + HALF + i, k2)
-            tl.store(v_base + p * s_vt + d, v_new)
-            # the group's query heads, rotated (padded to the 16 rows tl.dot needs)
-            g = tl.arange(0, GP)
-            g_ok = g < G
-            qh = h * G + g  # [GP]
-            qx1 = tl.load(src + qh[:, None] * HD + i[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-            qx2 = tl.load(src + qh[:, None] * HD + HALF + i[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-            q1 = (qx1 * c[None, :] - qx2 * s[None, :]).to(dt)  # [GP, HALF]
-            q2 = (qx2 * c[None, :] + qx1 * s[None, :]).to(dt)
-            # earlier positions from the cache (written by earlier steps' programs), the new one from registers
-            n = tl.arange(0, BLOCK_N)
-            valid = n < p
-            kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HALF]
-            kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=valid[:, None], other=0.0)
-            if HALF < 16:  # tl.dot needs K >= 16: head_dim 16 (the tests' tiny models) as a broadcast sum
-                sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kc1.to(tl.float32)[None, :, :], 2)
-                      + tl.sum(q2.to(tl.float32)[:, None, :] * kc2.to(tl.float32)[None, :, :], 2))
-            elif IEEE:
-                sc = tl.dot(q1, tl.trans(kc1), input_precision="ieee") + tl.dot(q2, tl.trans(kc2), input_precision="ieee")
-            else:
-                sc = tl.dot(q1, tl.trans(kc1)) + tl.dot(q2, tl.trans(kc2))
-            sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BLOCK_N]
-            s_new = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1)
-                     + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1)) * scale  # [GP]
-            m = tl.maximum(tl.max(sc, 1), s_new)
-            pc = tl.exp(sc - m[:, None])
-            pn = tl.exp(s_new - m)
-            l_sum = tl.sum(pc, 1) + pn
-            vc = tl.load(v_base + n[:, None] * s_vt + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HD]
-            if IEEE:
-                acc = tl.dot(pc, vc, input_precision="ieee")
-            else:
-                acc = tl.dot(pc.to(dt), vc)
-            acc = acc + pn[:, None] * v_new.to(tl.float32)[None, :]
-            out = acc / l_sum[:, None]
-            tl.store(OUT + b * (n_q * HD) + qh[:, None] * HD + d[None, :], out.to(dt), mask=g_ok[:, None])
 
-        _kernel = _depth_attend_kernel
-    return _kernel
+@triton.jit
+def _depth_attend_kernel(QKV, POS, COS, SIN, KC, VC, OUT, stride_qkv, stride_pos, s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
+                         scale, n_q, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: every read below depends on the kernels before
+        gdc_wait()
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # kv head
+    p = tl.load(POS + b * stride_pos).to(tl.int64)
+    attend_one(QKV + b * stride_qkv, p, COS, SIN, KC + b * s_kn + h * s_kh, VC + b * s_vn + h * s_vh,
+               OUT + b * (n_q * HD), s_kt, s_vt, h, tl.num_programs(1), scale, n_q, G, GP, HD, HALF, BLOCK_N, IEEE)
 
 
 def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -107,8 +104,6 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
     """qkv [B, (n_q + 2 n_kv) hd] (rows may be strided; each row contiguous), pos [B] (< the cache's
     positions), cos/sin [T, hd] fp32, k_cache/v_cache [>= B, n_kv, P, hd] (one layer; row b is batch row b)
     -> out [B, n_q * hd]; the cache gets row b's rotated k and v at pos[b]."""
-    import triton
-
     B, width = qkv.shape
     hd = cos.shape[-1]
     if qkv.stride(1) != 1 or width != (n_q + 2 * n_kv) * hd:
@@ -119,9 +114,10 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
     G = n_q // n_kv
     out = torch.empty(B, n_q * hd, dtype=qkv.dtype, device=qkv.device)
     block_n = max(16, triton.next_power_of_2(k_cache.shape[2]))
-    _get_kernel()[(B, n_kv)](qkv, pos, cos, sin, k_cache, v_cache, out, qkv.stride(0), pos.stride(0),
-                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
-                             G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2, BLOCK_N=block_n,
-                             IEEE=qkv.dtype == torch.float32, num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
+    _depth_attend_kernel[(B, n_kv)](qkv, pos, cos, sin, k_cache, v_cache, out, qkv.stride(0), pos.stride(0),
+                                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
+                                    G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2,
+                                    BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32,
+                                    num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

@@ -34,20 +34,15 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py
-        gdc_wait()
-        gdc_launch_dependents()
-    b = tl.program_id(0)
+def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.constexpr):
+    """One row's token (int64 scalar, < V) from its logits ROW [V] and sampling parameters (scalars): the
+    whole sampler, also called by kernels/depth_loop.py inside its persistent kernel."""
     i = tl.arange(0, BLOCK)
     valid = i < V
-    raw = tl.load(LOGITS + b * stride + i, mask=valid, other=float("-inf")).to(tl.float32)
+    raw = tl.load(ROW + i, mask=valid, other=float("-inf")).to(tl.float32)
     raw = tl.where(raw == raw, raw, float("-inf"))  # NaN -> -inf: never chosen
-    temp = tl.load(TEMP + b)
     sampled = temp >= GREEDY_BELOW  # False for 0, tiny and NaN
-    top_k = tl.load(TOPK + b).to(tl.int32)
-    top_p = tl.load(TOPP + b)
+    top_k = top_k.to(tl.int32)
     x = raw / tl.where(sampled, temp, 1.0)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
@@ -86,8 +81,6 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
             lo = tl.where(ok, lo, mid + 1)
         cut = lo
     # counter-based noise, bit-identical to models.sampler.hash_uniform
-    seed = tl.load(SEED + b)
-    frame = tl.load(FRAME + b)
     h = _mix32((i + codebook * V).to(tl.uint32))
     h = _mix32(h ^ (frame & 0xFFFFFFFF).to(tl.uint32))
     h = _mix32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
@@ -96,7 +89,18 @@ def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebo
     score = tl.where(valid & (key >= cut.to(tl.int32)), x - tl.log(-tl.log(u)), float("-inf"))
     choice = tl.argmax(score, 0)
     greedy = tl.argmax(raw, 0)
-    tl.store(OUT + b, tl.minimum(tl.where(sampled, choice, greedy), V - 1).to(tl.int64))  # never an index >= V
+    return tl.minimum(tl.where(sampled, choice, greedy), V - 1).to(tl.int64)  # never an index >= V
+
+
+@triton.jit
+def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    tl.store(OUT + b, sample_row(LOGITS + b * stride, tl.load(TEMP + b), tl.load(TOPK + b), tl.load(TOPP + b),
+                                 tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK))
 
 
 def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,

@@ -121,22 +121,24 @@ class CSMModel(nn.Module):
         pad = -V % multiple
         self.head_t = F.pad(self.audio_head.transpose(1, 2), (0, 0, 0, pad)).contiguous()
 
-    def decode_frame(self, h: Tensor, sample: Sampler, kv: KVView, pos: Tensor) -> Tensor:
+    def decode_frame(self, h: Tensor, sample: Sampler, kv: KVView, pos: Tensor, upto: int | None = None) -> Tensor:
         """One frame's K codes from the backbone's last hidden state h [B, Db].
 
         `kv` is a depth-decoder view of >= K positions, fresh for this frame; `pos` is arange(K) [K]
-        on h's device. Returns codes [B, K] int64.
+        on h's device. Returns codes [B, K] int64 (upto: the first `upto` codebooks only, [B, upto], the
+        depth KV holding their steps: kernels/depth_loop.py goes on from there).
         """
         B = h.shape[0]
         c = sample(llama.linear(h, self.codebook0_head), 0)
         codes = [c]
         x = torch.stack([h, self.embed_audio(0, c)], dim=1)  # [B, 2, Db]
         p = pos[:2].expand(B, 2)
-        for i in range(1, self.cfg.num_codebooks):
+        n = upto or self.cfg.num_codebooks
+        for i in range(1, n):
             out = self.decoder(llama.linear(x, self.projection), p, kv)  # [B, S, Dd]
             c = sample(self.codebook_logits(i, out[:, -1]), i)
             codes.append(c)
-            if i + 1 < self.cfg.num_codebooks:
+            if i + 1 < n:
                 x = self.embed_audio(i, c)[:, None]  # codebook i's code enters at decoder position i+1
                 p = pos[i + 1 : i + 2].expand(B, 1)
         return torch.stack(codes, dim=1)

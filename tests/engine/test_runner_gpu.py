@@ -86,3 +86,19 @@ def test_prefill_graphs_equal_eager_prefill():
         torch.testing.assert_close(graphed.kv.v[:, i, :, :n], eager.kv.v[:, i, :, :n], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         graphed.prefill([PrefillChunk(0, 0, np.zeros((65, 9), np.int64), np.zeros((65, 9), bool))])
+
+
+@cuda
+def test_depth_loop_on_and_off_give_the_same_codes(monkeypatch):
+    """kernels/depth_loop.py (on by default at 1-2 rows) against the plain depth steps, graphed, float32 (rounding
+    differs in the last bits: the same codes), greedy and sampled; 3 rows take the plain steps either way."""
+    model = tiny_model(torch.float32)
+    codes = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("CSMSERVE_DEPTH_LOOP", flag)
+        runner = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=True)
+        assert (runner.depth_loop is not None) == (flag == "1")
+        codes[flag] = [run(runner, prompts(n, rng=np.random.default_rng(n)), list(range(7, 7 + n)), t, 10)
+                       for n in (1, 2, 3) for t in (0.0, 0.9)]
+    for a, b in zip(codes["0"], codes["1"]):
+        np.testing.assert_array_equal(a, b)
