@@ -161,7 +161,9 @@ def _depth_loop_kernel(
     G: tl.constexpr = NQ // NKV
     per = 2 + 5 * L  # phases per step
     last = (K_CB - 2) * per  # the phase that samples codebook K-1 (r == 0, s == K_CB)
-    if PDL:  # kernels/pdl.py: the first weights could be read before; every activation read waits
+    if PREFETCH:  # the first step's projection weights depend on no kernel: asked for while the one before runs
+        _prefetch(PROJ, D, DB, DB, 0, pid, P, BN_PJ, False, LINES_DB, LINE)
+    if PDL:  # kernels/pdl.py: every activation read waits for the kernel before
         gdc_wait()
     stalled = 0  # after one stall this program waits at no further barrier (wrong codes, not minutes of polls)
     for ph in range(ph_lo, ph_hi):
