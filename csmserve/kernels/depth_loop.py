@@ -47,7 +47,7 @@ from csmserve.kernels.gemv import _accumulate, _rstd, _store
 from csmserve.kernels.sampler import sample_row
 
 MAX_ROWS = 2
-MAX_SPINS = 1 << 20  # ~0.5 s of polls: far past any phase (a few us), short of a hung GPU
+MAX_SPINS: tl.constexpr = tl.constexpr(1 << 20)  # ~0.5 s of polls: far past any phase (a few us), short of a hung GPU
 
 
 @triton.jit
