@@ -181,8 +181,8 @@ if [[ $what == loop ]]; then
   timeout ${LOOP_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_depth_loop_gpu.py \
     tests/kernels/test_sampler_gpu.py tests/kernels/test_depth_attention_gpu.py tests/engine/test_runner_gpu.py} 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -15
-  for v in ${LOOP_VARIANTS:-CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1 CSMSERVE_DEPTH_LOOP_PREFETCH=0 \
-      CSMSERVE_DEPTH_LOOP_POLL=atomic CSMSERVE_DEPTH_LOOP_PROGRAMS=2}; do
+  for v in ${LOOP_VARIANTS:-CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1 CSMSERVE_DEPTH_LOOP_AHEAD=0 \
+      CSMSERVE_DEPTH_LOOP_ELEMS=8192 CSMSERVE_DEPTH_LOOP_PREFETCH=0 CSMSERVE_DEPTH_LOOP_POLL=atomic}; do
     echo "## $v" | tee -a "$OUT/frame_step_codec.txt" "$OUT/engine_bench.txt"
     env $v timeout 120 python bench/frame_step.py --batches ${LOOP_BATCHES:-1,2,64} --steps 30 --fuse --codec 2>&1 \
       | tee -a "$OUT/frame_step_codec.txt" | tail -4

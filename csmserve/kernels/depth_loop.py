@@ -103,7 +103,7 @@ def _prefetch(W, N, K, stride_wn, UP_OFF, pid, P, BLOCK_N: tl.constexpr, GLU: tl
 @triton.jit
 def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps, pid, P,
           NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr):
+          BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, AHEAD: tl.constexpr):
     """This program's tiles of Y [M, N] = (rms_norm(X + DELTA) * NW if NORM else X) @ W^T (GLU: silu(gate) * up
     with up UP_OFF rows below gate); program 0 writes h = X + DELTA to H (NORM and HAS_DELTA)."""
     dt = X.dtype.element_ty
@@ -124,14 +124,31 @@ def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_w
         g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (DepthLoop checks)
-            rk = k0 + rk0
+        if AHEAD:  # the next chunk's loads issued before this one's products: two chunks in flight
+            rk = rk0
             w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0)
             u = w
             if GLU:
                 u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
-            g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1,
-                                         u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
+            for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (DepthLoop checks)
+                rk_n = rk + BLOCK_K
+                m_n = mn[:, None] & (rk_n < K)[None, :]  # past K: masked, no traffic
+                w_n = tl.load(w_rows + rk_n[None, :], mask=m_n, other=0.0)
+                u_n = w_n
+                if GLU:
+                    u_n = tl.load(w_rows + UP_OFF * stride_wn + rk_n[None, :], mask=m_n, other=0.0)
+                g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
+                                             g1, u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
+                w, u, rk = w_n, u_n, rk_n
+        else:
+            for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (DepthLoop checks)
+                rk = k0 + rk0
+                w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0)
+                u = w
+                if GLU:
+                    u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
+                g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
+                                             g1, u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
         _store(Y, rn, mn, g0, u0, GLU)
         if TWO_ROWS:
             _store(Y + stride_ym, rn, mn, g1, u1, GLU)
@@ -146,7 +163,7 @@ def _depth_loop_kernel(
         V, NS, K_CB, L,
         D: tl.constexpr, DB: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, I: tl.constexpr,
         TWO_ROWS: tl.constexpr, PERSISTENT: tl.constexpr, TEACH: tl.constexpr, PREFETCH: tl.constexpr,
-        ASM_POLL: tl.constexpr, PDL: tl.constexpr,
+        ASM_POLL: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
         BN_PJ: tl.constexpr, BK_PJ: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
         BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         BN_DN: tl.constexpr, BK_DN: tl.constexpr, BN_HD: tl.constexpr, BK_HD: tl.constexpr,
@@ -201,23 +218,23 @@ def _depth_loop_kernel(
             if ph != last:
                 x = EMB + ((prev * V).to(tl.int64) + c0) * s_emb  # the code's row of the table [DB]
                 _gemv(x, x, x, x, PROJ, RES, D, DB, (c1 - c0) * s_emb, 0, 0, DB, D, 0, eps, pid, P,
-                      False, False, TWO_ROWS, BN_PJ, BK_PJ, False, PRE_D)
+                      False, False, TWO_ROWS, BN_PJ, BK_PJ, False, PRE_D, AHEAD)
                 if PREFETCH:
                     _prefetch(WQKV, W3, D, D, 0, pid, P, BN_QKV, False, LINES_D, LINE)
         elif r == per - 1:  # F: the codebook head of step s over the sampleable columns
             # (h is not kept: program 0 writes it over RES0, which the next step's projection overwrites)
             _gemv(RES + 2 * D, DEL, RES, NRMF, HEAD + (s - 1).to(tl.int64) * s_hcb, LOG + s * 2 * NS, NS, D, D, D, D,
-                  D, NS, 0, eps, pid, P, True, True, TWO_ROWS, BN_HD, BK_HD, False, PRE_D)
+                  D, NS, 0, eps, pid, P, True, True, TWO_ROWS, BN_HD, BK_HD, False, PRE_D, AHEAD)
             if PREFETCH:
                 _prefetch(PROJ, D, DB, DB, 0, pid, P, BN_PJ, False, LINES_DB, LINE)
         elif j == 0:  # A
             wq = WQKV + l.to(tl.int64) * s_ql
             if l == 0:
                 _gemv(RES, RES, RES, NRM1, wq, QKV, W3, D, D, D, D, D, W3, 0, eps, pid, P,
-                      True, False, TWO_ROWS, BN_QKV, BK_QKV, False, PRE_D)
+                      True, False, TWO_ROWS, BN_QKV, BK_QKV, False, PRE_D, AHEAD)
             else:
                 _gemv(RES + 2 * D, DEL, RES, NRM1 + l * D, wq, QKV, W3, D, D, D, D, D, W3, 0, eps, pid, P,
-                      True, True, TWO_ROWS, BN_QKV, BK_QKV, False, PRE_D)
+                      True, True, TWO_ROWS, BN_QKV, BK_QKV, False, PRE_D, AHEAD)
             if PREFETCH:
                 _prefetch(WO + l.to(tl.int64) * s_ol, D, NQ * HD, NQ * HD, 0, pid, P, BN_O, False, LINES_D, LINE)
         elif j == 1:  # B: a program per (row, KV head)
@@ -232,17 +249,17 @@ def _depth_loop_kernel(
                            s_kt, h, NKV, scale, NQ, G, GP, HD, HD // 2, BLOCK_P, IEEE)
         elif j == 2:  # C
             _gemv(ATT, ATT, ATT, ATT, WO + l.to(tl.int64) * s_ol, OBUF, D, NQ * HD, NQ * HD, 0, 0, NQ * HD, D, 0,
-                  eps, pid, P, False, False, TWO_ROWS, BN_O, BK_O, False, PRE_D)
+                  eps, pid, P, False, False, TWO_ROWS, BN_O, BK_O, False, PRE_D, AHEAD)
             if PREFETCH:
                 _prefetch(WGU + l.to(tl.int64) * s_gl, I, D, D, I, pid, P, BN_GU, True, LINES_D, LINE)
         elif j == 3:  # D
             _gemv(RES, OBUF, RES + 2 * D, NRM2 + l * D, WGU + l.to(tl.int64) * s_gl, HID, I, D, D, D, D, D, I, I, eps,
-                  pid, P, True, True, TWO_ROWS, BN_GU, BK_GU, True, PRE_D)
+                  pid, P, True, True, TWO_ROWS, BN_GU, BK_GU, True, PRE_D, AHEAD)
             if PREFETCH:
                 _prefetch(WDN + l.to(tl.int64) * s_dl, D, I, I, 0, pid, P, BN_DN, False, LINES_I, LINE)
         else:  # E
             _gemv(HID, HID, HID, HID, WDN + l.to(tl.int64) * s_dl, DEL, D, I, I, 0, 0, I, D, 0, eps, pid, P,
-                  False, False, TWO_ROWS, BN_DN, BK_DN, False, PRE_D)
+                  False, False, TWO_ROWS, BN_DN, BK_DN, False, PRE_D, AHEAD)
             if PREFETCH:
                 if l + 1 < L:
                     _prefetch(WQKV + (l + 1).to(tl.int64) * s_ql, W3, D, D, 0, pid, P, BN_QKV, False, LINES_D, LINE)
@@ -281,8 +298,11 @@ class DepthLoop:
     Holds the decoder's weights stacked per layer ([L, N, K], a copy: ~230 MB at CSM-1B's shapes) and the
     activation buffers, all allocated once; `__call__` launches (graph-safe: no sync, no allocation but the
     output codes, which come from the graph's pool when captured). CSMSERVE_DEPTH_LOOP=0 turns it off in the
-    runner; CSMSERVE_DEPTH_LOOP_PROGRAMS sets programs per SM (default 1), CSMSERVE_DEPTH_LOOP_PREFETCH=0 drops
-    the L2 prefetch, CSMSERVE_DEPTH_LOOP_POLL=atomic polls the barrier with atomics instead of ld.acquire.
+    runner; CSMSERVE_DEPTH_LOOP_PROGRAMS sets programs per SM (default 1: at 8 warps and ~255 registers a thread
+    no second one fits; a grid that is not all resident stalls, see above), CSMSERVE_DEPTH_LOOP_ELEMS the fp32
+    products of a GEMV chunk (16,384), CSMSERVE_DEPTH_LOOP_PREFETCH=0 drops
+    the L2 prefetch, CSMSERVE_DEPTH_LOOP_POLL=atomic polls the barrier with atomics instead of ld.acquire,
+    CSMSERVE_DEPTH_LOOP_AHEAD=0 loads one weight chunk at a time (not the next one before this one's products).
     """
 
     def __init__(self, model, k_cache: Tensor, v_cache: Tensor, persistent: bool | None = None,
@@ -329,8 +349,9 @@ class DepthLoop:
         self.max_rows = MAX_ROWS
         self.prefetch = self.persistent and os.environ.get("CSMSERVE_DEPTH_LOOP_PREFETCH", "1") != "0"
         self.asm_poll = os.environ.get("CSMSERVE_DEPTH_LOOP_POLL", "acquire") != "atomic"
+        self.ahead = os.environ.get("CSMSERVE_DEPTH_LOOP_AHEAD", "1") != "0"
         self.phases = (K - 2) * (2 + 5 * d.n_layers) + 1
-        elems = 8192 * warps // 4
+        elems = int(os.environ.get("CSMSERVE_DEPTH_LOOP_ELEMS", 16384))  # fp32 products per chunk (64 a thread)
         self._blocks = {}
         for m in (1, 2):
             pj = _tiles(m, D, DB, programs, elems)
@@ -369,7 +390,7 @@ class DepthLoop:
         strides = (codes.stride(0), self.emb.stride(0), self.wqkv.stride(0), self.wo.stride(0), self.wgu.stride(0),
                    self.wdn.stride(0), self.head.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3))
         meta = dict(D=D, DB=DB, NQ=d.n_heads, NKV=d.n_kv_heads, HD=d.head_dim, I=I, TWO_ROWS=M == 2,
-                    PERSISTENT=self.persistent, TEACH=teach, PREFETCH=self.prefetch, ASM_POLL=self.asm_poll,
+                    PERSISTENT=self.persistent, TEACH=teach, PREFETCH=self.prefetch, ASM_POLL=self.asm_poll, AHEAD=self.ahead,
                     BLOCK_V=triton.next_power_of_2(self.ns), BLOCK_P=max(16, triton.next_power_of_2(kc.shape[3])),
                     GP=max(16, triton.next_power_of_2(d.n_heads // d.n_kv_heads)),
                     LINES_D=triton.next_power_of_2(triton.cdiv(D, line)),
