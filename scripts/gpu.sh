@@ -175,21 +175,22 @@ if [[ $what == pdl ]]; then
     | sed -n '/kernels,/,$p' | cut -c1-60,150-230 | head -18
 fi
 if [[ $what == loop ]]; then
-  # issue 16, lever 2: codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py): its GPU tests
+  # issue 16, lever 2: codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; off by default
+  # until measured, CSMSERVE_DEPTH_LOOP=1 on; the tests set it themselves): its GPU tests
   # and the refactored kernels' (each pytest under a time limit: a barrier bug must not take the call), then the
   # frame step at batch 1, 2, 64 and one stream off, on, and with each of its options (LOOP_VARIANTS)
   timeout ${LOOP_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_depth_loop_gpu.py \
     tests/kernels/test_sampler_gpu.py tests/kernels/test_depth_attention_gpu.py tests/engine/test_runner_gpu.py} 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -15
-  for v in ${LOOP_VARIANTS:-CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1 CSMSERVE_DEPTH_LOOP_AHEAD=0 \
-      CSMSERVE_DEPTH_LOOP_PREFETCH=0}; do
+  for v in ${LOOP_VARIANTS:-CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1 CSMSERVE_DEPTH_LOOP=1,CSMSERVE_DEPTH_LOOP_AHEAD=0 \
+      CSMSERVE_DEPTH_LOOP=1,CSMSERVE_DEPTH_LOOP_PREFETCH=0}; do  # a variant: comma-separated settings
     echo "## $v" | tee -a "$OUT/frame_step_codec.txt"
-    env $v timeout 120 python bench/frame_step.py --batches ${LOOP_BATCHES:-1,2,64} --steps 30 --fuse --codec 2>&1 \
+    env ${v//,/ } timeout 120 python bench/frame_step.py --batches ${LOOP_BATCHES:-1,2,64} --steps 30 --fuse --codec 2>&1 \
       | tee -a "$OUT/frame_step_codec.txt" | tail -4
   done
   for v in ${LOOP_ENGINE:-CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1}; do  # one stream through the engine
     echo "## $v" | tee -a "$OUT/engine_bench.txt"
-    env $v timeout 150 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
+    env ${v//,/ } timeout 150 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
       | tee -a "$OUT/engine_bench.txt" | tail -6
   done
 fi

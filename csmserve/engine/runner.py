@@ -94,10 +94,11 @@ class ModelRunner:
         self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
         self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
-        # codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; CSMSERVE_DEPTH_LOOP=0: the
-        # plain depth steps). Not with speculation's own depth loop nor FP8 weights (it reads nn.Linear weights)
+        # codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; CSMSERVE_DEPTH_LOOP=1, off by
+        # default until measured on the GPU). Not with speculation's own depth loop nor FP8 weights (it reads
+        # nn.Linear weights)
         self.depth_loop = None
-        if cuda and fuse and self.spec is None and weights == "bf16" and os.environ.get("CSMSERVE_DEPTH_LOOP", "1") != "0":
+        if cuda and fuse and self.spec is None and weights == "bf16" and os.environ.get("CSMSERVE_DEPTH_LOOP") == "1":
             from csmserve.kernels.depth_loop import DepthLoop
 
             self.depth_loop = DepthLoop(model, self.depth_kv.k, self.depth_kv.v)

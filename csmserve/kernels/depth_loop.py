@@ -297,7 +297,7 @@ class DepthLoop:
 
     Holds the decoder's weights stacked per layer ([L, N, K], a copy: ~230 MB at CSM-1B's shapes) and the
     activation buffers, all allocated once; `__call__` launches (graph-safe: no sync, no allocation but the
-    output codes, which come from the graph's pool when captured). CSMSERVE_DEPTH_LOOP=0 turns it off in the
+    output codes, which come from the graph's pool when captured). CSMSERVE_DEPTH_LOOP=1 turns it on in the
     runner; CSMSERVE_DEPTH_LOOP_PROGRAMS sets programs per SM (default 1: at 8 warps and ~255 registers a thread
     no second one fits; a grid that is not all resident stalls, see above), CSMSERVE_DEPTH_LOOP_ELEMS the fp32
     products of a GEMV chunk (16,384), CSMSERVE_DEPTH_LOOP_PREFETCH=0 drops
