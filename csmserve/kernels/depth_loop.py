@@ -305,6 +305,8 @@ class DepthLoop:
     CSMSERVE_DEPTH_LOOP_AHEAD=0 loads one weight chunk at a time (not the next one before this one's products).
     """
 
+    max_rows = MAX_ROWS
+
     def __init__(self, model, k_cache: Tensor, v_cache: Tensor, persistent: bool | None = None,
                  programs: int | None = None, warps: int = 8) -> None:
         cfg = model.cfg
@@ -346,11 +348,29 @@ class DepthLoop:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
             programs = per_sm * sms
         self.programs, self.warps = programs, warps
-        self.max_rows = MAX_ROWS
         self.prefetch = self.persistent and os.environ.get("CSMSERVE_DEPTH_LOOP_PREFETCH", "1") != "0"
         self.asm_poll = os.environ.get("CSMSERVE_DEPTH_LOOP_POLL", "acquire") != "atomic"
         self.ahead = os.environ.get("CSMSERVE_DEPTH_LOOP_AHEAD", "1") != "0"
         self.phases = (K - 2) * (2 + 5 * d.n_layers) + 1
+        if v_cache.stride() != k_cache.stride():
+            raise ValueError("depth loop: the K and V caches must share a layout")
+        # the launch's arguments that do not change between calls (the kernel's order)
+        self._buffers = (self.emb, self.proj, self.wqkv, self.wo, self.wgu, self.wdn, self.nrm1, self.nrm2, self.nrmf,
+                         self.head, self.cos, self.sin, k_cache, v_cache, self.res, self.dl, self.qkv, self.att,
+                         self.obuf, self.hid, self.log)
+        self._scalars = (self.eps, 1.0 / math.sqrt(d.head_dim))
+        self._strides = (self.emb.stride(0), self.wqkv.stride(0), self.wo.stride(0), self.wgu.stride(0),
+                         self.wdn.stride(0), self.head.stride(0), *k_cache.stride()[:4])  # [L, rows, NKV, P]
+        self._dims = (cfg.audio_vocab_size, self.ns, K, d.n_layers)
+        line = 128 // self.emb.element_size()  # elements per 128-byte line (the L2 prefetch's step)
+        lines = lambda n: triton.next_power_of_2(triton.cdiv(n, line))  # noqa: E731
+        self._meta = dict(D=D, DB=DB, NQ=d.n_heads, NKV=d.n_kv_heads, HD=d.head_dim, I=I, PERSISTENT=self.persistent,
+                          PREFETCH=self.prefetch, ASM_POLL=self.asm_poll, AHEAD=self.ahead,
+                          BLOCK_V=triton.next_power_of_2(self.ns),
+                          BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[3])),
+                          GP=max(16, triton.next_power_of_2(d.n_heads // d.n_kv_heads)),
+                          LINES_D=lines(D), LINES_DB=lines(DB), LINES_I=lines(I), LINE=line,
+                          IEEE=self.emb.dtype == torch.float32, num_warps=warps)
         elems = int(os.environ.get("CSMSERVE_DEPTH_LOOP_ELEMS", 16384))  # fp32 products per chunk (64 a thread)
         self._blocks = {}
         for m in (1, 2):
@@ -377,34 +397,15 @@ class DepthLoop:
         tests' teacher forcing), sampling parameters [M] -> codes [M, K]; self.log[s, :M] holds step s's logits.
         The depth KV's positions 0 and 1 must hold the frame's first depth step."""
         M = codes.shape[0]
-        cfg, d = self.cfg, self.d
-        K = cfg.num_codebooks
-        out = torch.empty(M, K, dtype=torch.int64, device=codes.device)
+        out = torch.empty(M, self.cfg.num_codebooks, dtype=torch.int64, device=codes.device)
         self.bar.zero_()
-        kc, vc = self.k_cache, self.v_cache
-        line = 128 // self.emb.element_size()
-        D, DB, I = d.dim, cfg.backbone.dim, d.intermediate
-        args = (codes, out, self.emb, self.proj, self.wqkv, self.wo, self.wgu, self.wdn, self.nrm1, self.nrm2,
-                self.nrmf, self.head, self.cos, self.sin, kc, vc, self.res, self.dl, self.qkv, self.att, self.obuf,
-                self.hid, self.log, temperature, top_k, top_p, seed, frame, self.bar, self.stall)
-        strides = (codes.stride(0), self.emb.stride(0), self.wqkv.stride(0), self.wo.stride(0), self.wgu.stride(0),
-                   self.wdn.stride(0), self.head.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3))
-        meta = dict(D=D, DB=DB, NQ=d.n_heads, NKV=d.n_kv_heads, HD=d.head_dim, I=I, TWO_ROWS=M == 2,
-                    PERSISTENT=self.persistent, TEACH=teach, PREFETCH=self.prefetch, ASM_POLL=self.asm_poll, AHEAD=self.ahead,
-                    BLOCK_V=triton.next_power_of_2(self.ns), BLOCK_P=max(16, triton.next_power_of_2(kc.shape[3])),
-                    GP=max(16, triton.next_power_of_2(d.n_heads // d.n_kv_heads)),
-                    LINES_D=triton.next_power_of_2(triton.cdiv(D, line)),
-                    LINES_DB=triton.next_power_of_2(triton.cdiv(DB, line)),
-                    LINES_I=triton.next_power_of_2(triton.cdiv(I, line)), LINE=line,
-                    IEEE=self.emb.dtype == torch.float32, num_warps=self.warps, **self._blocks[M])
-        if vc.stride() != kc.stride():
-            raise ValueError("depth loop: the K and V caches must share a layout")
-        scalars = (self.eps, 1.0 / math.sqrt(d.head_dim))
-        dims = (cfg.audio_vocab_size, self.ns, K, d.n_layers)
+        head = (codes, out, *self._buffers, temperature, top_k, top_p, seed, frame, self.bar, self.stall)
+        tail = (*self._scalars, codes.stride(0), *self._strides, *self._dims)
+        meta = dict(self._meta, TWO_ROWS=M == 2, TEACH=teach, **self._blocks[M])
         grid = (self.programs,)
         if self.persistent:
-            _depth_loop_kernel[grid](*args, 0, self.phases, *scalars, *strides, *dims, **meta, **pdl.opts())
+            _depth_loop_kernel[grid](*head, 0, self.phases, *tail, **meta, **pdl.opts())
         else:
             for ph in range(self.phases):
-                _depth_loop_kernel[grid](*args, ph, ph + 1, *scalars, *strides, *dims, **meta, PDL=False)
+                _depth_loop_kernel[grid](*head, ph, ph + 1, *tail, **meta, PDL=False)
         return out
