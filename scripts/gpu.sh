@@ -194,6 +194,16 @@ if [[ $what == loop ]]; then
       | tee -a "$OUT/engine_bench.txt" | tail -6
   done
 fi
+if [[ $what == loopphase ]]; then
+  # issue 16, lever 2: where the persistent depth loop's time goes (bench/depth_loop.py): its GPU tests, then us per
+  # launch for each variant of its options at 1 and 2 rows, then per phase kind from in-kernel time stamps
+  timeout ${LOOP_TEST_S:-240} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_depth_loop_gpu.py} \
+    2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
+  P0=CSMSERVE_DEPTH_LOOP_PREFETCH=0
+  timeout ${LOOP_BENCH_S:-420} python bench/depth_loop.py --rows ${LOOP_ROWS:-1,2} \
+    --variants "${LOOP_VARIANTS:-default;$P0;$P0,CSMSERVE_DEPTH_LOOP_AHEAD=0;$P0,CSMSERVE_DEPTH_LOOP_ELEMS=8192;$P0,CSMSERVE_DEPTH_LOOP_POLL=atomic;$P0,CSMSERVE_DEPTH_LOOP_ELEMS=8192,warps=4,per_sm=2}" \
+    --phases "${LOOP_PHASES:-default;$P0}" 2>&1 | tee "$OUT/depth_loop.txt"
+fi
 if [[ $what == depthfused ]]; then
   # issue 16, lever 2: the depth decoder's RoPE + K/V store + attention in one kernel (kernels/depth_attention.py,
   # CSMSERVE_DEPTH_FUSED=1) against the three kernels it replaces: its GPU tests, the runner's graphs == eager

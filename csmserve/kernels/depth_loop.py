@@ -82,6 +82,24 @@ def _sync(BAR, STALL, target, ASM_POLL: tl.constexpr):
 
 
 @triton.jit
+def _clocks(x):
+    """(%globaltimer ns, %clock64 cycles) now; x: any value (the asm needs an operand)."""
+    t, c = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;\n\tmov.u64 $1, %clock64;", "=l,=l,r", [x],
+                                     dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+    return t, c
+
+
+@triton.jit
+def _stamp(TIMES, slot, t0, c0):
+    """TIMES[slot] = (start ns, end ns, start cycles, end cycles) of a program's phase (bench/depth_loop.py)."""
+    t1, c1 = _clocks(slot)
+    tl.store(TIMES + slot * 4, t0)
+    tl.store(TIMES + slot * 4 + 1, t1)
+    tl.store(TIMES + slot * 4 + 2, c0)
+    tl.store(TIMES + slot * 4 + 3, c1)
+
+
+@triton.jit
 def _l2_prefetch(ptrs):
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -157,13 +175,13 @@ def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_w
 @triton.jit
 def _depth_loop_kernel(
         CODES_IN, CODES, EMB, PROJ, WQKV, WO, WGU, WDN, NRM1, NRM2, NRMF, HEAD, COS, SIN, KC, VC,
-        RES, DEL, QKV, ATT, OBUF, HID, LOG, TEMP, TOPK, TOPP, SEED, FRAME, BAR, STALL,
+        RES, DEL, QKV, ATT, OBUF, HID, LOG, TEMP, TOPK, TOPP, SEED, FRAME, BAR, STALL, TIMES,
         ph_lo, ph_hi, eps, scale,
         s_cin, s_emb, s_ql, s_ol, s_gl, s_dl, s_hcb, s_kl, s_kn, s_kh, s_kt,
         V, NS, K_CB, L,
         D: tl.constexpr, DB: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, I: tl.constexpr,
         TWO_ROWS: tl.constexpr, PERSISTENT: tl.constexpr, TEACH: tl.constexpr, PREFETCH: tl.constexpr,
-        ASM_POLL: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+        ASM_POLL: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, TIMING: tl.constexpr,
         BN_PJ: tl.constexpr, BK_PJ: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
         BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         BN_DN: tl.constexpr, BK_DN: tl.constexpr, BN_HD: tl.constexpr, BK_HD: tl.constexpr,
@@ -184,6 +202,8 @@ def _depth_loop_kernel(
         gdc_wait()
     stalled = 0  # after one stall this program waits at no further barrier (wrong codes, not minutes of polls)
     for ph in range(ph_lo, ph_hi):
+        if TIMING:  # each program's phase start and end (before the barrier): bench/depth_loop.py
+            t0, c0 = _clocks(ph)
         s = 2 + ph // per  # the step's codebook
         r = ph % per
         l = (r - 1) // 5
@@ -266,6 +286,8 @@ def _depth_loop_kernel(
                 else:
                     _prefetch(HEAD + (s - 1).to(tl.int64) * s_hcb, NS, D, D, 0, pid, P, BN_HD, False, LINES_D,
                               LINE)
+        if TIMING:
+            _stamp(TIMES, ph * P + pid, t0, c0)
         if PERSISTENT:
             if (ph + 1 < ph_hi) & (stalled == 0):
                 stalled = _sync(BAR, STALL, (ph + 1 - ph_lo) * P, ASM_POLL)
@@ -308,7 +330,7 @@ class DepthLoop:
     max_rows = MAX_ROWS
 
     def __init__(self, model, k_cache: Tensor, v_cache: Tensor, persistent: bool | None = None,
-                 programs: int | None = None, warps: int = 8) -> None:
+                 programs: int | None = None, warps: int = 8, timing: bool = False) -> None:
         cfg = model.cfg
         dec = model.decoder
         d = cfg.decoder
@@ -352,6 +374,8 @@ class DepthLoop:
         self.asm_poll = os.environ.get("CSMSERVE_DEPTH_LOOP_POLL", "acquire") != "atomic"
         self.ahead = os.environ.get("CSMSERVE_DEPTH_LOOP_AHEAD", "1") != "0"
         self.phases = (K - 2) * (2 + 5 * d.n_layers) + 1
+        self.timing = timing  # [phases, programs, 4] int64: bench/depth_loop.py's per-phase times
+        self.times = z(self.phases, programs, 4, dtype=torch.int64) if timing else self.bar
         if v_cache.stride() != k_cache.stride():
             raise ValueError("depth loop: the K and V caches must share a layout")
         # the launch's arguments that do not change between calls (the kernel's order)
@@ -370,7 +394,8 @@ class DepthLoop:
                           BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[3])),
                           GP=max(16, triton.next_power_of_2(d.n_heads // d.n_kv_heads)),
                           LINES_D=lines(D), LINES_DB=lines(DB), LINES_I=lines(I), LINE=line,
-                          IEEE=self.emb.dtype == torch.float32, num_warps=warps)
+                          IEEE=self.emb.dtype == torch.float32, TIMING=timing,
+                          num_warps=warps)
         elems = int(os.environ.get("CSMSERVE_DEPTH_LOOP_ELEMS", 16384))  # fp32 products per chunk (64 a thread)
         self._blocks = {}
         for m in (1, 2):
@@ -399,7 +424,7 @@ class DepthLoop:
         M = codes.shape[0]
         out = torch.empty(M, self.cfg.num_codebooks, dtype=torch.int64, device=codes.device)
         self.bar.zero_()
-        head = (codes, out, *self._buffers, temperature, top_k, top_p, seed, frame, self.bar, self.stall)
+        head = (codes, out, *self._buffers, temperature, top_k, top_p, seed, frame, self.bar, self.stall, self.times)
         tail = (*self._scalars, codes.stride(0), *self._strides, *self._dims)
         meta = dict(self._meta, TWO_ROWS=M == 2, TEACH=teach, **self._blocks[M])
         grid = (self.programs,)

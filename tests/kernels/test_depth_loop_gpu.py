@@ -24,7 +24,7 @@ HALF = torch.bfloat16 if DEV == "cuda" else torch.float16
 def _model(dtype, hd=32, layers=2, codebooks=6):
     n_heads = 128 // hd
     dec = LlamaConfig(dim=128, n_layers=layers, n_heads=n_heads, n_kv_heads=max(1, n_heads // 2), intermediate=256,
-                      max_seq_len=16)
+                      max_seq_len=max(16, codebooks))  # a depth position per codebook
     bb = LlamaConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, intermediate=256, max_seq_len=64)
     cfg = CSMConfig(backbone=bb, decoder=dec, num_codebooks=codebooks, audio_vocab_size=64, text_vocab_size=64)
     torch.manual_seed(0)
@@ -86,17 +86,31 @@ def test_the_loop_equals_the_plain_depth_steps(dtype, M, temperature):
     first, _, kv = _plain(model, h, params, upto=2)
     loop = _loop(model, kv)
     codes = loop(first, *params)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2  # fp32: the GEMVs sum in another order
-    if dtype == torch.float32:  # rounding differs in the last bits only: the same codes
-        assert torch.equal(codes, ref), (codes, ref)
     assert torch.equal(codes[:, :2], ref[:, :2])
     # teacher forcing on the plain path's codes: every step's logits and the whole depth KV
     forced = loop(ref, *params, teach=True)
     assert torch.equal(forced, ref)
-    for s in range(2, K):
-        torch.testing.assert_close(loop.log[s, :M].float(), ref_logits[s], atol=tol, rtol=tol, msg=f"codebook {s}")
-    torch.testing.assert_close(kv.k[:, :M], ref_kv.k[:, :M], atol=tol, rtol=tol)
-    torch.testing.assert_close(kv.v[:, :M], ref_kv.v[:, :M], atol=tol, rtol=tol)
+    got = torch.stack([loop.log[s, :M].float() for s in range(2, K)])
+    want = torch.stack([ref_logits[s] for s in range(2, K)])
+    if dtype == torch.float32:  # the GEMVs sum in another order: the last bits only, so the same codes
+        assert torch.equal(codes, ref), (codes, ref)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.k[:, :M], ref_kv.k[:, :M], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.v[:, :M], ref_kv.v[:, :M], atol=1e-4, rtol=1e-4)
+        return
+    # half precision: the two paths round at other places (bf16 keeps 8 bits), so each is held to float32 on the
+    # same (rounded) weights and the same codes: the loop no less accurate than the plain path
+    m32 = _model(torch.float32)
+    with torch.no_grad():
+        for a, b in zip(m32.parameters(), model.parameters()):
+            a.copy_(b.float())
+    m32.prepare_heads()
+    _, logits32, kv32 = _plain(m32, h.float(), params, force=ref)
+    truth = torch.stack([logits32[s] for s in range(2, K)])
+    err = lambda x, y: (x.float() - y.float()).abs().mean().item()  # noqa: E731
+    assert err(got, truth) <= 1.5 * err(want, truth) + 1e-3, (err(got, truth), err(want, truth))
+    for a, b, c in ((kv.k, ref_kv.k, kv32.k), (kv.v, ref_kv.v, kv32.v)):
+        assert err(a[:, :M], c[:, :M]) <= 1.5 * err(b[:, :M], c[:, :M]) + 1e-3
 
 
 @run
