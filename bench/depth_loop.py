@@ -92,7 +92,7 @@ def main() -> None:
     cfg = model.cfg
     K = cfg.num_codebooks
     for M in (int(r) for r in args.rows.split(",")):
-        kv = DepthKV(cfg, M, torch.bfloat16, "cuda")
+        kv = DepthKV(cfg, M, torch.bfloat16, torch.device("cuda"))
         params = (torch.full((M,), 0.9, device="cuda"), torch.full((M,), 50, device="cuda"),
                   torch.ones(M, device="cuda"), torch.arange(M, device="cuda") + 11, torch.arange(M, device="cuda"))
         torch.manual_seed(0)
