@@ -194,6 +194,36 @@ if [[ $what == loop ]]; then
       | tee -a "$OUT/engine_bench.txt" | tail -6
   done
 fi
+if [[ $what == passes ]]; then
+  # issue 16: the sampler's radix select in 2 passes for bfloat16 logits (kernels/sampler.py) against 4
+  # (CSMSERVE_SAMPLER_FULL_PASSES=1): the sampler's and depth loop's GPU tests, the sampler alone, then the frame
+  # step (batch 1, 2, 64, 2,048) and one stream with each; PASSES_PARTS picks the parts (~8 min for all)
+  parts=${PASSES_PARTS:-tests bench frame engine}
+  if [[ $parts == *tests* ]]; then
+    timeout ${PASSES_TEST_S:-240} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_sampler_gpu.py \
+      tests/kernels/test_depth_loop_gpu.py} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -6
+  fi
+  [[ $parts == *bench* ]] && timeout 120 python bench/sampler.py 2>&1 | tee "$OUT/sampler.txt"
+  for f in 1 0; do
+    if [[ $parts == *frame* ]]; then
+      echo "## CSMSERVE_SAMPLER_FULL_PASSES=$f" | tee -a "$OUT/frame_step_codec.txt"
+      CSMSERVE_SAMPLER_FULL_PASSES=$f timeout 150 python bench/frame_step.py --batches ${PASSES_BATCHES:-1,2,64,2048} \
+        --steps 30 --fuse --codec 2>&1 | tee -a "$OUT/frame_step_codec.txt" | tail -5
+    fi
+    if [[ $parts == *engine* ]]; then
+      echo "## CSMSERVE_SAMPLER_FULL_PASSES=$f" | tee -a "$OUT/engine_bench.txt"
+      CSMSERVE_SAMPLER_FULL_PASSES=$f timeout 120 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
+        | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
+    fi
+  done
+  if [[ $parts == *loop* ]]; then  # the persistent depth loop with its new defaults, against the plain path
+    for v in CSMSERVE_DEPTH_LOOP=0 CSMSERVE_DEPTH_LOOP=1; do
+      echo "## $v" | tee -a "$OUT/frame_step_loop.txt"
+      env $v timeout 120 python bench/frame_step.py --batches 1,2 --steps 30 --fuse --codec 2>&1 \
+        | tee -a "$OUT/frame_step_loop.txt" | tail -3
+    done
+  fi
+fi
 if [[ $what == loopphase ]]; then
   # issue 16, lever 2: where the persistent depth loop's time goes (bench/depth_loop.py): its GPU tests, then us per
   # launch for each variant of its options at 1 and 2 rows, then per phase kind from in-kernel time stamps

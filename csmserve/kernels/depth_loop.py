@@ -20,10 +20,15 @@ semantics). A phase is the work the previous phase's results gate:
     then one phase samples codebook K-1.
 
 The GEMV phases use kernels/gemv.py's chunk helpers (the same rounding: h and the normed row in the model dtype,
-fp32 accumulation), a program taking tiles pid, pid + P, ... of the output columns. At the end of a phase a
-program asks L2 for its share of the next phase's weights (`prefetch.global.L2`), so HBM streams across the
-barrier. Codebooks 0 and 1 (the backbone's head and the depth step over positions 0 and 1) stay with the
-plain kernels.
+fp32 accumulation), a program taking tiles pid, pid + P, ... of the output columns. Opted into
+(CSMSERVE_DEPTH_LOOP_PREFETCH=1), at the end of a phase a program asks L2 for its share of the next phase's
+weights (`prefetch.global.L2`), so HBM streams across the barrier. Codebooks 0 and 1 (the backbone's head and
+the depth step over positions 0 and 1) stay with the plain kernels.
+
+Measured on the H200 (docs/benchmarks.md, issue 16): slower than the plain kernels chained by PDL, ~147 us a
+depth step at one row against ~130, so it stays off by default. Each GEMV phase, one 8-warp program per SM,
+streams its weights no faster than the standalone GEMV at ~4 programs per SM, and every phase adds its barrier
+(~1 us) and its last program's lag (~1-3 us; the attention phase, two programs working, ~3).
 
 Stepped mode (`persistent=False`: Triton's interpreter, which runs programs one after another, and the tests'
 reference) launches the same kernel once per phase: no barrier, the same arithmetic. A barrier that waits
@@ -44,7 +49,7 @@ from triton.language.extra.cuda import gdc_wait
 from csmserve.kernels import pdl
 from csmserve.kernels.depth_attention import attend_one
 from csmserve.kernels.gemv import _accumulate, _rstd, _store
-from csmserve.kernels.sampler import sample_row
+from csmserve.kernels.sampler import radix_passes, sample_row
 
 MAX_ROWS = 2
 MAX_SPINS: tl.constexpr = tl.constexpr(1 << 20)  # ~0.5 s of polls: far past any phase (a few us), short of a hung GPU
@@ -185,7 +190,7 @@ def _depth_loop_kernel(
         BN_PJ: tl.constexpr, BK_PJ: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
         BN_O: tl.constexpr, BK_O: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         BN_DN: tl.constexpr, BK_DN: tl.constexpr, BN_HD: tl.constexpr, BK_HD: tl.constexpr,
-        PRE_D: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, GP: tl.constexpr,
+        PRE_D: tl.constexpr, BLOCK_V: tl.constexpr, RADIX: tl.constexpr, BLOCK_P: tl.constexpr, GP: tl.constexpr,
         LINES_D: tl.constexpr, LINES_DB: tl.constexpr, LINES_I: tl.constexpr, LINE: tl.constexpr,
         IEEE: tl.constexpr):
     # activations [2, width] (row 1 unused at one row), RES [2 buffers, 2, D]; LOG [K_CB, 2, NS];
@@ -222,11 +227,11 @@ def _depth_loop_kernel(
                     c1 = tl.load(CODES_IN + s_cin + prev)
             else:
                 c0 = sample_row(LOG + prev * 2 * NS, tl.load(TEMP), tl.load(TOPK), tl.load(TOPP), tl.load(SEED),
-                                tl.load(FRAME), NS, prev, BLOCK_V)
+                                tl.load(FRAME), NS, prev, BLOCK_V, RADIX)
                 c1 = c0
                 if TWO_ROWS:
                     c1 = sample_row(LOG + (prev * 2 + 1) * NS, tl.load(TEMP + 1), tl.load(TOPK + 1),
-                                    tl.load(TOPP + 1), tl.load(SEED + 1), tl.load(FRAME + 1), NS, prev, BLOCK_V)
+                                    tl.load(TOPP + 1), tl.load(SEED + 1), tl.load(FRAME + 1), NS, prev, BLOCK_V, RADIX)
             if pid == 0:
                 if s == 2:  # codebooks 0 and 1 come through
                     tl.store(CODES, tl.load(CODES_IN))
@@ -322,9 +327,10 @@ class DepthLoop:
     output codes, which come from the graph's pool when captured). CSMSERVE_DEPTH_LOOP=1 turns it on in the
     runner; CSMSERVE_DEPTH_LOOP_PROGRAMS sets programs per SM (default 1: at 8 warps and ~255 registers a thread
     no second one fits; a grid that is not all resident stalls, see above), CSMSERVE_DEPTH_LOOP_ELEMS the fp32
-    products of a GEMV chunk (16,384), CSMSERVE_DEPTH_LOOP_PREFETCH=0 drops
-    the L2 prefetch, CSMSERVE_DEPTH_LOOP_POLL=atomic polls the barrier with atomics instead of ld.acquire,
-    CSMSERVE_DEPTH_LOOP_AHEAD=0 loads one weight chunk at a time (not the next one before this one's products).
+    products of a GEMV chunk (16,384), CSMSERVE_DEPTH_LOOP_PREFETCH=1 asks L2 for the next phase's weights,
+    CSMSERVE_DEPTH_LOOP_POLL=atomic polls the barrier with atomics instead of ld.acquire,
+    CSMSERVE_DEPTH_LOOP_AHEAD=1 loads the next weight chunk before this one's products (both off: measured
+    slower on the H200, docs/benchmarks.md).
     """
 
     max_rows = MAX_ROWS
@@ -370,9 +376,9 @@ class DepthLoop:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3
             programs = per_sm * sms
         self.programs, self.warps = programs, warps
-        self.prefetch = self.persistent and os.environ.get("CSMSERVE_DEPTH_LOOP_PREFETCH", "1") != "0"
+        self.prefetch = self.persistent and os.environ.get("CSMSERVE_DEPTH_LOOP_PREFETCH", "0") == "1"
         self.asm_poll = os.environ.get("CSMSERVE_DEPTH_LOOP_POLL", "acquire") != "atomic"
-        self.ahead = os.environ.get("CSMSERVE_DEPTH_LOOP_AHEAD", "1") != "0"
+        self.ahead = os.environ.get("CSMSERVE_DEPTH_LOOP_AHEAD", "0") == "1"
         self.phases = (K - 2) * (2 + 5 * d.n_layers) + 1
         self.timing = timing  # [phases, programs, 4] int64: bench/depth_loop.py's per-phase times
         self.times = z(self.phases, programs, 4, dtype=torch.int64) if timing else self.bar
@@ -390,7 +396,7 @@ class DepthLoop:
         lines = lambda n: triton.next_power_of_2(triton.cdiv(n, line))  # noqa: E731
         self._meta = dict(D=D, DB=DB, NQ=d.n_heads, NKV=d.n_kv_heads, HD=d.head_dim, I=I, PERSISTENT=self.persistent,
                           PREFETCH=self.prefetch, ASM_POLL=self.asm_poll, AHEAD=self.ahead,
-                          BLOCK_V=triton.next_power_of_2(self.ns),
+                          BLOCK_V=triton.next_power_of_2(self.ns), RADIX=radix_passes(self.log.dtype),
                           BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[3])),
                           GP=max(16, triton.next_power_of_2(d.n_heads // d.n_kv_heads)),
                           LINES_D=lines(D), LINES_DB=lines(DB), LINES_I=lines(I), LINE=line,

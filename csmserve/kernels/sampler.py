@@ -1,13 +1,18 @@
 """The sampler of models/sampler.py as one Triton kernel: a program per row, the vocab in registers.
 
 No sort: the top-k cut-off is the k-th largest logit found by radix select over the logits'
-order-preserving integer keys (four histogram passes of 8 bits; a bisection took 33 counting passes),
+order-preserving integer keys (histogram passes of 8 bits; a bisection took 33 counting passes): over the
+logits as given, whose float32 form has 16 (bfloat16) or 13 (float16) low bits that carry nothing, so two
+passes (three) find it where float32 takes four. Scaling by 1 / temperature keeps the order, so the k-th
+largest scaled logit is the k-th largest logit, scaled (the same division as every x: the same bits);
 and the top-p cut-off the smallest logit whose strictly-larger mass is <= top_p, by bisection. Ties at a cut-off are kept, as in the torch
 reference; the two agree exactly whenever no two candidate logits are equal. As there, a temperature
 below GREEDY_BELOW (or NaN) is greedy and a NaN logit is never chosen; x = +inf (a huge logit) makes
 the top-p mass NaN, which keeps only the largest keys; the token is always < V.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,6 +27,14 @@ MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
 GREEDY_BELOW: tl.constexpr = tl.constexpr(ref.GREEDY_BELOW)
 WARPS = tuning.SAMPLER["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
+FULL_PASSES = os.environ.get("CSMSERVE_SAMPLER_FULL_PASSES") == "1"  # four passes whatever the dtype (to compare)
+
+
+def radix_passes(dtype: torch.dtype) -> int:
+    """The radix select's 8-bit passes for logits of `dtype`: those that can tell two of its values apart."""
+    if FULL_PASSES:
+        return 4
+    return {torch.bfloat16: 2, torch.float16: 3}.get(dtype, 4)
 
 
 @triton.jit
@@ -34,27 +47,34 @@ def _mix32(x):
 
 
 @triton.jit
-def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.constexpr):
+def _key(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
+
+
+@triton.jit
+def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.constexpr, PASSES: tl.constexpr):
     """One row's token (int64 scalar, < V) from its logits ROW [V] and sampling parameters (scalars): the
-    whole sampler, also called by kernels/depth_loop.py inside its persistent kernel."""
+    whole sampler, also called by kernels/depth_loop.py inside its persistent kernel. PASSES: radix_passes
+    of ROW's dtype."""
     i = tl.arange(0, BLOCK)
     valid = i < V
     raw = tl.load(ROW + i, mask=valid, other=float("-inf")).to(tl.float32)
     raw = tl.where(raw == raw, raw, float("-inf"))  # NaN -> -inf: never chosen
     sampled = temp >= GREEDY_BELOW  # False for 0, tiny and NaN
     top_k = top_k.to(tl.int32)
-    x = raw / tl.where(sampled, temp, 1.0)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32: float order as integer order
+    t = tl.where(sampled, temp, 1.0)
+    x = raw / t
+    key = _key(x)
     k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
-    # the k-th largest key (the largest t with count(key >= t) >= k) by radix select: four passes over 8 bits
-    # each, top byte first, a histogram of the keys that match the bytes chosen so far; the chosen byte is the
-    # largest whose count of keys at or above it still reaches the k left (k minus those above it)
-    u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order == key order
+    # the k-th largest raw key (the largest t with count(key >= t) >= k) by radix select: PASSES passes over 8
+    # bits each, top byte first, a histogram of the keys that match the bytes chosen so far; the chosen byte is
+    # the largest whose count of keys at or above it still reaches the k left (k minus those above it)
+    u = _key(raw).to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order == key order
     bins = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.uint32)
     left = k
-    for p in tl.static_range(4):
+    for p in tl.static_range(PASSES):
         shift = 24 - 8 * p  # a constexpr (p is one): not annotated, as it is rebound each pass
         if p == 0:
             m = valid
@@ -66,7 +86,13 @@ def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.cons
         byte = tl.max(tl.where(at_or_above >= left, bins, -1), 0)  # >= 0: bin 0 counts them all, >= left
         left = left - tl.sum(tl.where(bins > byte, hist, 0), 0)
         prefix = (prefix << 8) | byte.to(tl.uint32)
-    kth = (prefix ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    if PASSES < 4:  # the bits no pass read: the same in every key (a 16-bit float's), given by its sign
+        REST: tl.constexpr = 32 - 8 * PASSES
+        positive = (prefix >> (8 * PASSES - 1)) != 0  # u's top bit: a float >= +0
+        prefix = (prefix << REST) | tl.where(positive, 0, (1 << REST) - 1).to(tl.uint32)
+    kth_raw = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)  # the k-th largest raw key
+    kth_raw = tl.where(kth_raw >= 0, kth_raw, kth_raw ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    kth = _key(kth_raw / t).to(tl.int64)  # the k-th largest key of x: x's order is raw's
     cut = kth
     if top_p < 1.0:  # top-p: the smallest t >= kth with mass(key > t) <= top_p
         cand = valid & (key >= kth.to(tl.int32))
@@ -94,13 +120,13 @@ def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.cons
 
 @triton.jit
 def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PASSES: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py
         gdc_wait()
         gdc_launch_dependents()
     b = tl.program_id(0)
     tl.store(OUT + b, sample_row(LOGITS + b * stride, tl.load(TEMP + b), tl.load(TOPK + b), tl.load(TOPP + b),
-                                 tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK))
+                                 tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK, PASSES))
 
 
 def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
@@ -108,5 +134,5 @@ def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
+                         BLOCK=triton.next_power_of_2(V), PASSES=radix_passes(logits.dtype), num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

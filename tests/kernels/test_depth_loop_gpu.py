@@ -114,8 +114,11 @@ def test_the_loop_equals_the_plain_depth_steps(dtype, M, temperature):
 
 
 @run
-def test_head_dim_16_and_one_kv_head():
-    """The attention's broadcast-sum path (head_dim < 32) and a single KV head, 4 layers."""
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_head_dim_16_and_one_kv_head(ahead, monkeypatch):
+    """The attention's broadcast-sum path (head_dim < 32) and a single KV head, 4 layers; with the next weight
+    chunk's loads issued ahead (CSMSERVE_DEPTH_LOOP_AHEAD=1) and without (the default)."""
+    monkeypatch.setenv("CSMSERVE_DEPTH_LOOP_AHEAD", ahead)
     model = _model(torch.float32, hd=16, layers=4, codebooks=5)
     torch.manual_seed(6)
     h = torch.randn(2, model.cfg.backbone.dim, device=DEV)
@@ -140,10 +143,14 @@ def test_a_row_alone_and_in_a_pair_get_the_same_codes():
 
 @cuda
 @pytest.mark.parametrize("M", [1, 2])
-def test_persistent_equals_stepped_and_never_stalls(M):
-    """The one-launch kernel (grid barriers, L2 prefetch) against the same kernel launched per phase: the same
-    bits; every barrier met."""
+@pytest.mark.parametrize("opt_in", ["0", "1"])
+def test_persistent_equals_stepped_and_never_stalls(M, opt_in, monkeypatch):
+    """The one-launch kernel (grid barriers) against the same kernel launched per phase: the same bits; every
+    barrier met. With the L2 prefetch and the next-chunk loads (opted into) and without (the default)."""
     from csmserve.kernels.depth_loop import DepthLoop
+
+    monkeypatch.setenv("CSMSERVE_DEPTH_LOOP_PREFETCH", opt_in)
+    monkeypatch.setenv("CSMSERVE_DEPTH_LOOP_AHEAD", opt_in)
 
     model = _model(torch.bfloat16, layers=4, codebooks=32)
     torch.manual_seed(8)

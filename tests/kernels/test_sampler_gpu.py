@@ -113,18 +113,23 @@ def test_triton_sampler_matches_torch(V, B):
 
 @pytest.mark.skipif(DEV != "cuda" and not INTERPRET, reason="needs CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("V", [2048, 2051])
-def test_topk_radix_select_matches_torch(V):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_topk_radix_select_matches_torch(V, dtype):
     """The k-th largest key by radix select: the same tokens as the torch reference, ties at the cut-off
     included (integer logits: many equal keys), k from 1 past V, keys at both ends of the range, -inf logits
-    next to the padding lanes of a vocab that is not a power of two."""
+    next to the padding lanes of a vocab that is not a power of two. In 16-bit logits (2 or 3 passes, the
+    rest of the key from its sign) and float32 (4)."""
     from csmserve.kernels import sampler
 
+    assert sampler.radix_passes(dtype) == {torch.float32: 4, torch.bfloat16: 2, torch.float16: 3}[dtype]
     torch.manual_seed(V)
     B = 12
     logits = torch.randn(B, V, device=DEV) * 3
     logits[:4] = torch.randint(-5, 6, (4, V), device=DEV).float()  # ties everywhere
     logits[4, :5] = torch.tensor([3e38, -3e38, 1e-38, -1e-38, 0.0])  # keys at both ends of the int32 range
+    logits[5] = -logits[5].abs() - 1  # every logit negative: the k-th too
     logits[9, : V // 2] = float("-inf")
+    logits = logits.to(dtype)
     t = torch.full((B,), 0.9, device=DEV)
     t[1] = 1.0
     seed = torch.randint(0, 2**62, (B,), device=DEV)
@@ -136,7 +141,7 @@ def test_topk_radix_select_matches_torch(V):
     assert ((a >= 0) & (a < V)).all()
     # hot and flat: tokens just past the cut-off would be drawn often if the search kept them
     B = 256
-    logits = torch.randn(B, V, device=DEV)
+    logits = torch.randn(B, V, device=DEV).to(dtype)
     t = torch.full((B,), 4.0, device=DEV)
     k = torch.randint(1, 12, (B,), device=DEV)
     seed = torch.randint(0, 2**62, (B,), device=DEV)
