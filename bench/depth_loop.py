@@ -53,7 +53,7 @@ def _phases(loop, M, args_) -> None:
     L = loop.d.n_layers
     per = 2 + 5 * L
     n = (loop.phases - 1) // per * per  # whole steps (the last phase samples only)
-    cyc_ns = (t[n - 1, 0, 3] - t[0, 0, 2]) / (t[n - 1, 0, 1] - t[0, 0, 0])
+    cyc_ns = (t[n - 1, 0, 3] - t[0, 0, 2]) / (t[n - 1, 0, 1] - t[0, 0, 0])  # program 0 SM clock, cycles/ns
     work = (t[:, :, 3] - t[:, :, 2]) / cyc_ns / 1e3  # us
     end_last = t[:, :, 1].max(1)
     start_first = t[:, :, 0].min(1)

@@ -208,7 +208,7 @@ def _depth_loop_kernel(
     stalled = 0  # after one stall this program waits at no further barrier (wrong codes, not minutes of polls)
     for ph in range(ph_lo, ph_hi):
         if TIMING:  # each program's phase start and end (before the barrier): bench/depth_loop.py
-            t0, c0 = _clocks(ph)
+            tm0, cy0 = _clocks(ph)
         s = 2 + ph // per  # the step's codebook
         r = ph % per
         l = (r - 1) // 5
@@ -292,7 +292,7 @@ def _depth_loop_kernel(
                     _prefetch(HEAD + (s - 1).to(tl.int64) * s_hcb, NS, D, D, 0, pid, P, BN_HD, False, LINES_D,
                               LINE)
         if TIMING:
-            _stamp(TIMES, ph * P + pid, t0, c0)
+            _stamp(TIMES, ph * P + pid, tm0, cy0)
         if PERSISTENT:
             if (ph + 1 < ph_hi) & (stalled == 0):
                 stalled = _sync(BAR, STALL, (ph + 1 - ph_lo) * P, ASM_POLL)

@@ -192,3 +192,27 @@ def test_persistent_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
     assert loop.stalls() == 0
+
+
+@cuda
+def test_timing_stamps_are_ordered_and_change_nothing():
+    """DepthLoop(timing=True) (bench/depth_loop.py's per-phase table): the same codes as without, each program's
+    phases in order, and its cycles and nanoseconds at an SM clock's ratio (0.5-3 GHz)."""
+    from csmserve.kernels.depth_loop import DepthLoop
+
+    model = _model(torch.bfloat16, layers=4, codebooks=32)
+    torch.manual_seed(10)
+    h = torch.randn(1, model.cfg.backbone.dim, device=DEV).bfloat16()
+    params = _params(1, 0.9)
+    outs = []
+    for timing in (False, True):
+        first, _, kv = _plain(model, h, params, upto=2)
+        loop = DepthLoop(model, kv.k, kv.v, timing=timing)
+        outs.append(loop(first, *params))
+    assert torch.equal(*outs) and loop.stalls() == 0
+    t = loop.times.cpu().double()  # [phases, P, 4]: start ns, end ns, start cycles, end cycles
+    ns, cyc = t[:, :, 1] - t[:, :, 0], t[:, :, 3] - t[:, :, 2]
+    assert (ns >= 0).all() and (cyc >= 0).all()
+    assert (t[1:, :, 0] >= t[:-1, :, 1]).all()  # a program starts a phase after it ended the one before
+    ghz = (t[-1, :, 3] - t[0, :, 2]) / (t[-1, :, 1] - t[0, :, 0])  # [P]
+    assert ((ghz > 0.5) & (ghz < 3.0)).all(), ghz
