@@ -8,7 +8,9 @@ tail (docs/benchmarks.md, issue 16). Here it is one launch per layer (-248 per f
 
 grid (B, Hkv): a program ropes its KV head's k and its G query heads, stores k and v in the cache, then attends
 over positions 0..pos-1 read from the cache (one block: the depth cache holds <= 64 positions) and the new
-position from registers, merged in one softmax (no store-then-load within the program). Rounding follows the
+position from registers, merged in one softmax (no store-then-load within the program). The cache is read
+before the PDL wait (the earlier positions' writers finished two kernels back), so that load overlaps the qkv
+GEMV before it. Rounding follows the
 unfused path: q and k rotated in fp32 and rounded to the model dtype, scores accumulated in fp32, the
 probabilities rounded to the model dtype for the cached values' product (the new value's in fp32).
 """
@@ -28,11 +30,36 @@ WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernel
 
 
 @triton.jit
+def cached_kv(k_base, v_base, s_kt, s_vt, n_pos, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The head's whole cache [BLOCK_N, HD] (positions past n_pos as 0), whatever the position: attend_one masks
+    the positions from the row's on. Read before the PDL wait: earlier steps' kernels wrote the earlier
+    positions, and they completed before the kernel before this one passed its own wait."""
+    i = tl.arange(0, HALF)
+    d = tl.arange(0, HD)
+    n = tl.arange(0, BLOCK_N)
+    ok = (n < n_pos)[:, None]
+    kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=ok, other=0.0)  # [BLOCK_N, HALF]
+    kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=ok, other=0.0)
+    vc = tl.load(v_base + n[:, None] * s_vt + d[None, :], mask=ok, other=0.0)  # [BLOCK_N, HD]
+    return kc1, kc2, vc
+
+
+@triton.jit
 def attend_one(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, scale, n_q, G: tl.constexpr,
                GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One (row, KV head): src the row's qkv [(n_q + 2 n_kv) HD], p its position, k_base/v_base the head's
     cache [P, HD] (position stride s_kt/s_vt), out_row the row's output [n_q HD]. Also called by
     kernels/depth_loop.py inside its persistent kernel."""
+    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, p, HD, HALF, BLOCK_N)
+    attend_cached(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, scale, n_q, kc1, kc2, vc, G, GP,
+                  HD, HALF, BLOCK_N, IEEE)
+
+
+@triton.jit
+def attend_cached(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, scale, n_q, kc1, kc2, vc,
+                  G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """attend_one on the cache as read by cached_kv (positions >= p masked here)."""
     dt = out_row.dtype.element_ty
     i = tl.arange(0, HALF)
     d = tl.arange(0, HD)
@@ -59,8 +86,6 @@ def attend_one(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, s
     # earlier positions from the cache (written by earlier steps' programs), the new one from registers
     n = tl.arange(0, BLOCK_N)
     valid = n < p
-    kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HALF]
-    kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=valid[:, None], other=0.0)
     if HALF < 16:  # tl.dot needs K >= 16: head_dim 16 (the tests' tiny models) as a broadcast sum
         sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kc1.to(tl.float32)[None, :, :], 2)
               + tl.sum(q2.to(tl.float32)[:, None, :] * kc2.to(tl.float32)[None, :, :], 2))
@@ -75,7 +100,7 @@ def attend_one(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, s
     pc = tl.exp(sc - m[:, None])
     pn = tl.exp(s_new - m)
     l_sum = tl.sum(pc, 1) + pn
-    vc = tl.load(v_base + n[:, None] * s_vt + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, HD]
+    vc = tl.where(valid[:, None], vc, 0.0)  # [BLOCK_N, HD]: positions >= p hold other frames' (or no) values
     if IEEE:
         acc = tl.dot(pc, vc, input_precision="ieee")
     else:
@@ -87,16 +112,19 @@ def attend_one(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, s
 
 @triton.jit
 def _depth_attend_kernel(QKV, POS, COS, SIN, KC, VC, OUT, stride_qkv, stride_pos, s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
-                         scale, n_q, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                         scale, n_q, n_pos, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # kv head
+    k_base = KC + b * s_kn + h * s_kh
+    v_base = VC + b * s_vn + h * s_vh
+    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, n_pos, HD, HALF, BLOCK_N)  # before the wait: see there
     if PDL:  # kernels/pdl.py: every read below depends on the kernels before
         gdc_wait()
         gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)  # kv head
     p = tl.load(POS + b * stride_pos).to(tl.int64)
-    attend_one(QKV + b * stride_qkv, p, COS, SIN, KC + b * s_kn + h * s_kh, VC + b * s_vn + h * s_vh,
-               OUT + b * (n_q * HD), s_kt, s_vt, h, tl.num_programs(1), scale, n_q, G, GP, HD, HALF, BLOCK_N, IEEE)
+    attend_cached(QKV + b * stride_qkv, p, COS, SIN, k_base, v_base, OUT + b * (n_q * HD), s_kt, s_vt, h,
+                  tl.num_programs(1), scale, n_q, kc1, kc2, vc, G, GP, HD, HALF, BLOCK_N, IEEE)
 
 
 def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -117,7 +145,7 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
     _depth_attend_kernel[(B, n_kv)](qkv, pos, cos, sin, k_cache, v_cache, out, qkv.stride(0), pos.stride(0),
                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
-                                    G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2,
+                                    k_cache.shape[2], G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2,
                                     BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32,
                                     num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

@@ -79,6 +79,29 @@ def test_rows_at_different_positions():
 
 
 @run
+def test_positions_past_the_row_are_never_read_into_the_output():
+    """The kernel reads the whole cache (before its PDL wait) and masks from the row's position on: NaN there
+    (another frame's values, or memory never written) changes nothing."""
+    from csmserve.kernels.depth_attention import depth_attend_triton
+
+    torch.manual_seed(2)
+    n_q, n_kv, hd, P, B = 8, 2, 32, 20, 3
+    cfg = LlamaConfig(dim=n_q * hd, n_layers=1, n_heads=n_q, n_kv_heads=n_kv, intermediate=64, max_seq_len=64)
+    cos, sin = (t.to(DEV) for t in rope_tables(cfg))
+    kc, vc = torch.randn(B, n_kv, P, hd, device=DEV), torch.randn(B, n_kv, P, hd, device=DEV)
+    pos = torch.tensor([0, 7, 19], device=DEV)
+    past = torch.arange(P, device=DEV)[None, :] >= pos[:, None]  # [B, P]
+    kn, vn = kc.clone(), vc.clone()
+    kn[past[:, None, :].expand(B, n_kv, P)] = float("nan")
+    vn[past[:, None, :].expand(B, n_kv, P)] = float("nan")
+    qkv = torch.randn(B, (n_q + 2 * n_kv) * hd, device=DEV)
+    out = depth_attend_triton(qkv, pos, cos, sin, kn, vn, n_q, n_kv)
+    ref = _reference_step(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@run
 def test_depth_kv_fused_equals_unfused(monkeypatch):
     """DepthKV with CSMSERVE_DEPTH_FUSED on (the default) and off through a whole tiny depth decoder (4 layers, hd 64): the same hidden
     states as with the unfused kernels."""
