@@ -199,6 +199,7 @@ if [[ $what == passes ]]; then
   # (CSMSERVE_SAMPLER_FULL_PASSES=1): the sampler's and depth loop's GPU tests, the sampler alone, then the frame
   # step (batch 1, 2, 64, 2,048) and one stream with each; PASSES_PARTS picks the parts (~8 min for all)
   parts=${PASSES_PARTS:-tests bench frame engine}
+  knob=${PASSES_KNOB:-CSMSERVE_SAMPLER_FULL_PASSES}  # the setting compared, =1 then =0 (or CSMSERVE_DEPTH_ATTN_EARLY)
   if [[ $parts == *tests* ]]; then
     timeout ${PASSES_TEST_S:-240} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_sampler_gpu.py \
       tests/kernels/test_depth_loop_gpu.py} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -6
@@ -206,13 +207,13 @@ if [[ $what == passes ]]; then
   [[ $parts == *bench* ]] && timeout 120 python bench/sampler.py 2>&1 | tee "$OUT/sampler.txt"
   for f in 1 0; do
     if [[ $parts == *frame* ]]; then
-      echo "## CSMSERVE_SAMPLER_FULL_PASSES=$f" | tee -a "$OUT/frame_step_codec.txt"
-      CSMSERVE_SAMPLER_FULL_PASSES=$f timeout 150 python bench/frame_step.py --batches ${PASSES_BATCHES:-1,2,64,2048} \
+      echo "## $knob=$f" | tee -a "$OUT/frame_step_codec.txt"
+      env $knob=$f timeout 150 python bench/frame_step.py --batches ${PASSES_BATCHES:-1,2,64,2048} \
         --steps 30 --fuse --codec 2>&1 | tee -a "$OUT/frame_step_codec.txt" | tail -5
     fi
     if [[ $parts == *engine* ]]; then
-      echo "## CSMSERVE_SAMPLER_FULL_PASSES=$f" | tee -a "$OUT/engine_bench.txt"
-      CSMSERVE_SAMPLER_FULL_PASSES=$f timeout 120 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
+      echo "## $knob=$f" | tee -a "$OUT/engine_bench.txt"
+      env $knob=$f timeout 120 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 2>&1 \
         | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
     fi
   done

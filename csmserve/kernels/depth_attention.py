@@ -17,6 +17,7 @@ probabilities rounded to the model dtype for the cached values' product (the new
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -27,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from csmserve.kernels import pdl, tuning
 
 WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
+EARLY = os.environ.get("CSMSERVE_DEPTH_ATTN_EARLY", "1") != "0"  # the cache read before the PDL wait (0: after)
 
 
 @triton.jit
@@ -113,15 +115,18 @@ def attend_cached(src, p, COS, SIN, k_base, v_base, out_row, s_kt, s_vt, h, n_kv
 @triton.jit
 def _depth_attend_kernel(QKV, POS, COS, SIN, KC, VC, OUT, stride_qkv, stride_pos, s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
                          scale, n_q, n_pos, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)  # kv head
     k_base = KC + b * s_kn + h * s_kh
     v_base = VC + b * s_vn + h * s_vh
-    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, n_pos, HD, HALF, BLOCK_N)  # before the wait: see there
+    if EARLY:  # before the wait: see cached_kv
+        kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, n_pos, HD, HALF, BLOCK_N)
     if PDL:  # kernels/pdl.py: every read below depends on the kernels before
         gdc_wait()
         gdc_launch_dependents()
+    if not EARLY:
+        kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, n_pos, HD, HALF, BLOCK_N)
     p = tl.load(POS + b * stride_pos).to(tl.int64)
     attend_cached(QKV + b * stride_qkv, p, COS, SIN, k_base, v_base, OUT + b * (n_q * HD), s_kt, s_vt, h,
                   tl.num_programs(1), scale, n_q, kc1, kc2, vc, G, GP, HD, HALF, BLOCK_N, IEEE)
@@ -146,6 +151,6 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
                                     k_cache.shape[2], G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2,
-                                    BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32,
+                                    BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32, EARLY=EARLY,
                                     num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out
