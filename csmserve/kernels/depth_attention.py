@@ -9,8 +9,8 @@ tail (docs/benchmarks.md, issue 16). Here it is one launch per layer (-248 per f
 grid (B, Hkv): a program ropes its KV head's k and its G query heads, stores k and v in the cache, then attends
 over positions 0..pos-1 read from the cache (one block: the depth cache holds <= 64 positions) and the new
 position from registers, merged in one softmax (no store-then-load within the program). The cache is read
-before the PDL wait (the earlier positions' writers finished two kernels back), so that load overlaps the qkv
-GEMV before it. Rounding follows the
+before the PDL wait at 1-2 rows (the earlier positions' writers finished two kernels back), so that load
+overlaps the qkv GEMV before it. Rounding follows the
 unfused path: q and k rotated in fp32 and rounded to the model dtype, scores accumulated in fp32, the
 probabilities rounded to the model dtype for the cached values' product (the new value's in fp32).
 """
@@ -29,6 +29,9 @@ from csmserve.kernels import pdl, tuning
 
 WARPS = tuning.DEPTH_ATTENTION["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
 EARLY = os.environ.get("CSMSERVE_DEPTH_ATTN_EARLY", "1") != "0"  # the cache read before the PDL wait (0: after)
+# ... at up to this many rows: their GEMMs are ours, PDL-chained; at 3+ cuBLAS's break the chain, so there is no
+# wait to hide the read behind, and the whole cache (not the row's positions) costs HBM time (2,048 rows: +0.7%)
+EARLY_ROWS = 2
 
 
 @triton.jit
@@ -151,6 +154,6 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q,
                                     k_cache.shape[2], G=G, GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2,
-                                    BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32, EARLY=EARLY,
+                                    BLOCK_N=block_n, IEEE=qkv.dtype == torch.float32, EARLY=EARLY and B <= EARLY_ROWS,
                                     num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out
