@@ -7,7 +7,10 @@ the depth decoder over [h, c_0 .. c_30] of every frame in one pass) and their lo
 codebook: top-1 agreement (over the 2048 real codes) and KL(p_bf16 || p_fp8) of the softmax at
 temperature 1. With `fp8` the backbone is bf16 in both, so codebook 0 agrees exactly. Random weights
 give flat distributions, where a small error flips the argmax more easily than in trained, peaked
-ones; KL is the more telling number. Speed: the graphed frame step at each batch, as bench/frame_step.py.
+ones; KL is the more telling number. Each FP8 setting is measured twice: with the activations quantized per
+row (FP8Linear's own GEMM: what the frame step runs at 3+ rows) and weight-only (FP8Linear.weight_only: the
+numbers of kernels/gemv.py's FP8 GEMV, what the frame step runs at 1-2 rows). Speed: the graphed frame step
+at each batch, as bench/frame_step.py.
 
     python bench/fp8_error.py                      # dummy weights (N(0, 1/fan_in))
     python bench/fp8_error.py --hf-init            # transformers' random init (N(0, 0.02)), if installed
@@ -26,7 +29,7 @@ from csmserve.models import reference
 from csmserve.engine.request import Admission
 from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
-from csmserve.models.fp8 import quantize_weights
+from csmserve.models.fp8 import FP8Linear, quantize_weights
 
 
 def build(args) -> torch.nn.Module:
@@ -122,11 +125,11 @@ def main() -> None:
     ap.add_argument("--hf-init", action="store_true", help="transformers' random init instead of --model")
     ap.add_argument("--utterances", type=int, default=4)
     ap.add_argument("--frames", type=int, default=64, help="frames sampled per utterance")
-    ap.add_argument("--batches", default="1,64,2048")
+    ap.add_argument("--batches", default="1,2,64,2048")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     base = build(args)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"weights {'transformers random init' if args.hf_init else args.model}", flush=True)
@@ -134,24 +137,30 @@ def main() -> None:
     ref = torch.cat([teacher_forced_logits(base, *s) for s in seqs])  # [F, K, n]
     K = ref.shape[1]
     results = {}
-    for weights in ("fp8", "fp8-all"):
+    variants = [(w, wo) for w in ("fp8", "fp8-all") for wo in (False, True)]
+    for weights, weight_only in variants:
         q = copy.deepcopy(base)
         quantize_weights(q, weights)
+        for m in q.modules():
+            if isinstance(m, FP8Linear):
+                m.weight_only = weight_only
         got = torch.cat([teacher_forced_logits(q, *s) for s in seqs])
-        results[weights] = compare(ref, got)
+        results[(weights, weight_only)] = compare(ref, got)
         del q, got
         torch.cuda.empty_cache()
-    print(f"\nteacher forcing on {ref.shape[0]} frames ({args.utterances} utterances sampled by the bf16 model)")
-    print("\n| codebook | fp8: top-1 agreement | fp8: KL (nats) | fp8-all: top-1 agreement | fp8-all: KL (nats) |")
-    print("|---|---|---|---|---|")
+    names = [f"{w} {'weight-only' if wo else 'w8a8'}" for w, wo in variants]
+    print(f"\nteacher forcing on {ref.shape[0]} frames ({args.utterances} utterances sampled by the bf16 model); "
+          "w8a8: activations quantized per row (3+ rows), weight-only: the 1-2 row GEMV's numbers")
+    print("\n| codebook | " + " | ".join(f"{n}: top-1 | {n}: KL (nats)" for n in names) + " |")
+    print("|---|" + "---|---|" * len(names))
     for c in range(K):
-        a1, k1 = results["fp8"][0][c], results["fp8"][1][c]
-        a2, k2 = results["fp8-all"][0][c], results["fp8-all"][1][c]
-        print(f"| {c} | {a1:.2%} | {k1:.2e} | {a2:.2%} | {k2:.2e} |")
-    for w in ("fp8", "fp8-all"):
-        a, k = results[w]
-        print(f"| mean {w}, codebooks 1-{K - 1} | {a[1:].mean():.2%} | {k[1:].mean():.2e} | | |" if w == "fp8" else
-              f"| mean {w}, all codebooks | | | {a.mean():.2%} | {k.mean():.2e} |")
+        print(f"| {c} | " + " | ".join(f"{results[v][0][c]:.2%} | {results[v][1][c]:.2e}" for v in variants) + " |")
+    print(f"| mean, codebooks 1-{K - 1} | " + " | ".join(
+        f"{results[v][0][1:].mean():.2%} | {results[v][1][1:].mean():.2e}" for v in variants) + " |")
+    print("| mean, all codebooks | " + " | ".join(
+        f"{results[v][0].mean():.2%} | {results[v][1].mean():.2e}" for v in variants) + " |")
+    if not batches:  # --batches "": the error only
+        return
     print("\n| batch | bf16 frame step (ms) | fp8 (ms) | fp8-all (ms) |\n|---|---|---|---|", flush=True)
     speed = {}
     for weights in ("bf16", "fp8", "fp8-all"):

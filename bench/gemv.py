@@ -1,10 +1,12 @@
 """The frame step's GEMMs at a few rows: cuBLAS (F.linear) against kernels/gemv.py, per shape and M.
 
-python bench/gemv.py --rows 1,2
+python bench/gemv.py --rows 1,2 [--fp8]
 
 Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
 > 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
 ~2.4 GB of weights pass between two reads of one). Prints us per call and the bandwidth it reaches.
+--fp8: also our GEMV over e4m3 weights with per-channel scales (FP8Linear's, weight-only), its GB/s on
+its own bytes, and its error against the same numbers in torch (models/fp8.py's weight_only_torch).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from csmserve.kernels import gemv
+from csmserve.models.fp8 import quantize_rows_torch, weight_only_torch
 from gpu_profile import graph_timed
 
 # (name, N, K, glu): CSM-1B's backbone (Llama-1B) and depth decoder (100M), the projection, the heads
@@ -34,19 +37,29 @@ def main() -> None:
     ap.add_argument("--programs", type=int, default=None, help="gemv._PROGRAMS (the grid aimed at)")
     ap.add_argument("--elems", type=int, default=None, help="gemv._ELEMS (weights per program per chunk)")
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
+    ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
+    ap.add_argument("--fp8-elems", type=int, default=None, help="gemv._ELEMS_FP8")
     args = ap.parse_args()
+    gemv._ELEMS_FP8 = args.fp8_elems or gemv._ELEMS_FP8
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
     gemv._ELEMS = args.elems or gemv._ELEMS
     gemv.NUM_WARPS = args.warps or gemv.NUM_WARPS
-    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}")
+    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS} (fp8 {gemv._ELEMS_FP8}), warps {gemv.NUM_WARPS}")
     dt = torch.bfloat16
-    print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |")
-    print("|---|---|---|---|---|---|---|---|")
+    extra = " fp8 gemv (us) | fp8 GB/s | fp8 max rel err |" if args.fp8 else ""
+    print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |"
+          + extra)
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * args.fp8)
     for name, n, k, glu in SHAPES:
         rows = 2 * n if glu else n
         mb = rows * k * 2
         copies = max(1, (256 << 20) // mb + 1)
         ws = [torch.randn(rows, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+        w8s = []
+        if args.fp8:
+            copies8 = max(1, (256 << 20) // (mb // 2) + 1)
+            w8s = [quantize_rows_torch(ws[i % copies]) for i in range(copies8)]
+            w8s = [(w8, s.reshape(-1).contiguous()) for w8, s in w8s]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
 
@@ -71,8 +84,23 @@ def main() -> None:
 
             t_ref, t_g = graph_timed(run_ref, args.reps), graph_timed(run_gemv, args.reps)
             err = (gemv.gemv(x, ws[0], glu).float() - ref(ws[0]).float()).abs().max().item()
-            print(f"| {name} | {n}x{k} | {m} | {t_ref:.2f} | {t_g:.2f} | {mb / t_ref / 1e3:.0f} | "
-                  f"{mb / t_g / 1e3:.0f} | {err:.2e} |", flush=True)
+            line = (f"| {name} | {n}x{k} | {m} | {t_ref:.2f} | {t_g:.2f} | {mb / t_ref / 1e3:.0f} | "
+                    f"{mb / t_g / 1e3:.0f} | {err:.2e} |")
+            if args.fp8:
+                def run_fp8():
+                    for i in range(args.reps):
+                        w8, s = w8s[i % len(w8s)]
+                        gemv.gemv(x, w8, glu, s)
+
+                t8 = graph_timed(run_fp8, args.reps)
+                w8, s = w8s[0]
+                want = weight_only_torch(x, w8, s)
+                if glu:
+                    a, b = want.chunk(2, -1)
+                    want = F.silu(a) * b
+                rel = ((gemv.gemv(x, w8, glu, s).float() - want).abs().max() / want.abs().max()).item()
+                line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} |"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

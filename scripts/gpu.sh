@@ -225,6 +225,37 @@ if [[ $what == passes ]]; then
     done
   fi
 fi
+if [[ $what == fp8gemv ]]; then
+  # issue 16, lever 3: FP8 weights through our GEMV at 1-2 rows (weight-only, kernels/gemv.py with scales): its GPU
+  # tests and FP8's (the frame graphs with FP8 weights == eager), each GEMM alone (bf16 / e4m3; FP8GEMV_ELEMS: the
+  # fp8 chunk sizes tried), the frame step with Mimi and one stream per EngineConfig.weights, then the logits' error
+  # (w8a8 and weight-only); FP8GEMV_PARTS picks the parts
+  parts=${FP8GEMV_PARTS:-tests gemm frame engine error}
+  if [[ $parts == *tests* ]]; then
+    timeout ${FP8GEMV_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py \
+      tests/models/test_fp8_gpu.py tests/engine/test_speculate_gpu.py -k "fp8 or FP8 or gemv or tuned or pdl"} 2>&1 \
+      | tee "$OUT/gpu_tests.txt" | tail -6
+  fi
+  if [[ $parts == *gemm* ]]; then
+    for e in ${FP8GEMV_ELEMS:-8192 16384}; do
+      timeout 150 python bench/gemv.py --rows 1,2 --fp8 --fp8-elems $e 2>&1 | tee -a "$OUT/gemv_fp8.txt"
+    done
+  fi
+  for w in ${FP8GEMV_WEIGHTS:-bf16 fp8 fp8-all}; do
+    if [[ $parts == *frame* ]]; then
+      echo "## --weights $w" | tee -a "$OUT/frame_step_codec.txt"
+      timeout 150 python bench/frame_step.py --batches ${FP8GEMV_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec \
+        --weights $w 2>&1 | tee -a "$OUT/frame_step_codec.txt" | tail -5
+    fi
+    if [[ $parts == *engine* ]]; then
+      echo "## --weights $w" | tee -a "$OUT/engine_bench.txt"
+      timeout 120 python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w 2>&1 \
+        | tee -a "$OUT/engine_bench.txt" | grep -A3 "one stream"
+    fi
+  done
+  [[ $parts == *error* ]] && timeout 200 python bench/fp8_error.py --utterances 2 --frames 32 --batches "" 2>&1 \
+    | tee "$OUT/fp8_error.txt" | tail -8
+fi
 if [[ $what == loopphase ]]; then
   # issue 16, lever 2: where the persistent depth loop's time goes (bench/depth_loop.py): its GPU tests, then us per
   # launch for each variant of its options at 1 and 2 rows, then per phase kind from in-kernel time stamps

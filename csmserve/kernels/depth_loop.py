@@ -172,9 +172,9 @@ def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_w
                     u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
                 g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
                                              g1, u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
-        _store(Y, rn, mn, g0, u0, GLU)
+        _store(Y, rn, mn, g0, u0, 1.0, 1.0, GLU)
         if TWO_ROWS:
-            _store(Y + stride_ym, rn, mn, g1, u1, GLU)
+            _store(Y + stride_ym, rn, mn, g1, u1, 1.0, 1.0, GLU)
 
 
 @triton.jit

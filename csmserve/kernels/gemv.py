@@ -10,6 +10,10 @@ cover N (every SM several, so enough loads are in flight), BLOCK_K so that a pro
 glu=True: w is [gate; up] [2I, K] and y = silu(x @ gate^T) * (x @ up^T) [M, I]: the MLP's first GEMM
 and its SiLU*up in one kernel (the gate and up tiles of a column block read together).
 
+FP8 weights (scale given: models/fp8.py's FP8Linear): w is e4m3 [N, K] with a float32 scale per output channel
+(per [gate; up] row for glu), y = scale[n] * sum_k x[k] w[n, k]: weight-only, the activations stay in the model
+dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight for the same products.
+
 norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it: h = x + delta,
 y = gemv(rms_norm(h) * norm_weight), with the rounding of kernels/elementwise.py's add_rms_norm (h and
 the normed row in the model dtype). Every program reads the row (K <= 8192: from L2) once for its sum of
@@ -28,6 +32,7 @@ from csmserve.kernels import pdl, tuning
 MAX_ROWS = 2  # above this, cuBLAS' GEMMs (bench/gemv.py: at 4-8 rows it is faster than this kernel)
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
+_ELEMS_FP8 = 8192  # the same for e4m3 weights (8 KB): the fp32 accumulator tiles, not the bytes, set the limit
 NUM_WARPS = 4
 
 
@@ -60,10 +65,10 @@ def _rstd(X, DELTA, H, K, mask_row, write_h, eps, dt, HAS_DELTA: tl.constexpr, P
 
 
 @triton.jit
-def _store(Y, rn, mask, g, u, GLU: tl.constexpr):
-    y = tl.sum(g, axis=1)  # [BN]
+def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr):
+    y = tl.sum(g, axis=1) * sg  # [BN]
     if GLU:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(u, axis=1)
+        y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su)
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -87,9 +92,10 @@ def _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rst
 
 
 @triton.jit
-def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
+def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
+                 SCALED: tl.constexpr = False):
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -103,6 +109,12 @@ def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm
     u = w
     if GLU:
         u = tl.load(w_rows + UP_OFF * stride_wn + rk0[None, :], mask=mn[:, None], other=0.0)
+    sg = 1.0
+    su = 1.0
+    if SCALED:  # FP8 weights: a float32 scale per output channel (gate's, then up's at UP_OFF)
+        sg = tl.load(S + rn, mask=mn, other=0.0)
+        if GLU:
+            su = tl.load(S + UP_OFF + rn, mask=mn, other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -126,9 +138,9 @@ def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm
             u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
         g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
                                      u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
-    _store(Y, rn, mn, g0, u0, GLU)
+    _store(Y, rn, mn, g0, u0, sg, su, GLU)
     if TWO_ROWS:
-        _store(Y + stride_ym, rn, mn & two, g1, u1, GLU)
+        _store(Y + stride_ym, rn, mn & two, g1, u1, sg, su, GLU)
 
 
 # (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): CSM-1B's shapes (kernels/tuning.py); any
@@ -136,12 +148,14 @@ def _gemv_kernel(X, DELTA, H, NW, W, Y, M, N, K, stride_xm, stride_dm, stride_hm
 TUNED: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV)
 
 
-def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages or None) for an [m, k] @ [n, k]^T; the caller checks `applies`."""
-    tuned = TUNED.get((m, n, k, glu, norm))
+def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
+           ) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages or None) for an [m, k] @ [n, k]^T; the caller checks `applies`.
+    FP8 weights take the rule (the table was tuned on bf16 weights)."""
+    tuned = None if fp8 else TUNED.get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
-    bn, bk = blocks(m, n, k, glu)
+    bn, bk = blocks(m, n, k, glu, fp8)
     return bn, bk, NUM_WARPS, None
 
 
@@ -149,7 +163,7 @@ def _launch_opts(warps: int, stages: int | None) -> dict:
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
-def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
+def blocks(m: int, n: int, k: int, glu: bool = False, fp8: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply."""
     if not 1 <= m <= MAX_ROWS or k < 128:
         return None
@@ -157,43 +171,48 @@ def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
     while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
         block_n //= 2
     tiles = m * (2 if glu else 1)  # fp32 accumulator tiles: ~64 registers a thread in all
-    block_k = min(triton.next_power_of_2(k), max(128, _ELEMS // tiles // block_n))
+    block_k = min(triton.next_power_of_2(k), max(128, (_ELEMS_FP8 if fp8 else _ELEMS) // tiles // block_n))
     if k % block_k:
         return None
     return block_n, block_k
 
 
-def applies(x: Tensor, weight: Tensor, glu: bool = False) -> bool:
+def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> bool:
+    """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3."""
     m = x.numel() // x.shape[-1]
     n = weight.shape[0] // (2 if glu else 1)
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
+    wdt = x.dtype if scale is None else torch.float8_e4m3fn
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
+            and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
+                                   and scale.numel() == weight.shape[0]))
+            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu, scale is not None) is not None)
 
 
-def gemv(x: Tensor, weight: Tensor, glu: bool = False) -> Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] (glu: weight [2I, K] -> silu(gate) * up [..., I]).
-    The caller checks `applies` (else F.linear)."""
+def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] (glu: weight [2I, K] -> silu(gate) * up [..., I]); scale: FP8
+    weights (e4m3 weight, [N] float32 scales). The caller checks `applies` (else F.linear / FP8Linear)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk, warps, stages = config(M, N, K, glu)
+    bn, bk, warps, stages = config(M, N, K, glu, fp8=scale is not None)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, y, M, N, K, x2.stride(0), 0, 0, weight.stride(0),
-                                        y.stride(0), N, 0.0, NORM=False, HAS_DELTA=False, TWO_ROWS=M > 1,
-                                        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk, **_launch_opts(warps, stages),
-                                        **pdl.opts())
+    _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, weight if scale is None else scale, y, M, N, K,
+                                        x2.stride(0), 0, 0, weight.stride(0), y.stride(0), N, 0.0, NORM=False,
+                                        HAS_DELTA=False, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk,
+                                        SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
     return y.reshape(*x.shape[:-1], N)
 
 
-def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False) -> bool:
-    return applies(x, weight, glu) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,
+                 scale: Tensor | None = None) -> bool:
+    return applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-              glu: bool = False) -> tuple[Tensor, Tensor]:
+              glu: bool = False, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
     after it in one kernel. x/delta [..., K]; the caller checks `norm_applies`."""
     K = x.shape[-1]
@@ -202,13 +221,14 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     h = x2 if delta is None else torch.empty_like(x2)
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk, warps, stages = config(M, N, K, glu, True)
+    bn, bk, warps, stages = config(M, N, K, glu, True, fp8=scale is not None)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pre = bk  # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row
     while pre * 2 <= 4096 // M and K % (pre * 2) == 0:
         pre *= 2
     _gemv_kernel[(triton.cdiv(N, bn),)](
-        x2, d2, h, norm_weight, weight, y, M, N, K, x2.stride(0), d2.stride(0), h.stride(0), weight.stride(0),
-        y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk,
-        GLU=glu, PRE_K=pre, **_launch_opts(warps, stages), **pdl.opts())
+        x2, d2, h, norm_weight, weight, weight if scale is None else scale, y, M, N, K, x2.stride(0), d2.stride(0),
+        h.stride(0), weight.stride(0), y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1,
+        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=pre, SCALED=scale is not None, **_launch_opts(warps, stages),
+        **pdl.opts())
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

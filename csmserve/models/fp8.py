@@ -12,6 +12,14 @@ size. Why per row: a row's numbers then never depend on the other rows of its ba
 scale would make a seeded request's codes depend on its neighbours). Elsewhere (CPU, float32
 models, older GPUs) the same quantized numbers are multiplied in float32: the CPU tests run this code.
 The embeddings, the codebook heads and the norms stay in the model's dtype.
+
+At 1-2 rows on CUDA (models/llama.py's fuse_gemv, the batch-1 frame step) the GEMM is kernels/gemv.py's
+weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
+
+    y[r, o] = s_w[o] sum_i x[r, i] w8[o, i]                              (fp32 accumulation)
+
+`weight_only = True` makes an FP8Linear compute those numbers in torch at any row count (the reference
+of the kernel, and the error bench's weight-only rows).
 """
 from __future__ import annotations
 
@@ -52,10 +60,13 @@ class FP8Linear(nn.Module):
         self.register_buffer("scale", scale.reshape(1, -1).contiguous())  # [1, N] float32
         self.fast = hopper_fp8(weight.device) and weight.dtype == torch.bfloat16 and \
             self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.weight_only = False
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.weight_only:
+            return weight_only_torch(x2, self.weight8, self.scale).to(x.dtype).reshape(*shape[:-1], self.out_features)
         x8, sx = quantize_rows(x2)
         if self.fast:
             y = torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.scale, out_dtype=torch.bfloat16)
@@ -68,6 +79,11 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fast={self.fast}"
+
+
+def weight_only_torch(x: Tensor, w8: Tensor, scale: Tensor) -> Tensor:
+    """x [M, K] (model dtype) @ e4m3 w8 [N, K]^T, times scale [1, N] -> [M, N] float32: the weight-only GEMM."""
+    return (x.float() @ w8.float().t()) * scale.reshape(1, -1)
 
 
 GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

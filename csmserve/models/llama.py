@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from csmserve.models.fp8 import FP8Linear
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -101,17 +103,40 @@ def _matmul_t(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
-def _matmul_t_gemv(x: Tensor, weight: Tensor) -> Tensor:
-    from csmserve.kernels import gemv
+def _gemv():
+    from csmserve.kernels import gemv  # Triton: imported only for CUDA tensors
 
-    return gemv.gemv(x, weight) if gemv.applies(x, weight) else F.linear(x, weight)
+    return gemv
+
+
+def _matmul_t_gemv(x: Tensor, weight: Tensor) -> Tensor:
+    if x.is_cuda and _gemv().applies(x, weight):
+        return _gemv().gemv(x, weight)
+    return F.linear(x, weight)
+
+
+def _gemv_weight(x: Tensor, layer: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, per-channel scale or None) of a layer kernels/gemv.py can run on x (CUDA), or None."""
+    if not x.is_cuda:
+        return None
+    if type(layer) is nn.Linear:
+        return layer.weight, None
+    if type(layer) is FP8Linear:
+        return layer.weight8, layer.scale.view(-1)  # [N, K] e4m3, [N] float32
+    return None
+
+
+def _linear_gemv(x: Tensor, layer: nn.Module) -> Tensor:
+    ws = _gemv_weight(x, layer)
+    if ws is not None and _gemv().applies(x, ws[0], False, ws[1]):
+        return _gemv().gemv(x, ws[0], scale=ws[1])
+    return _linear(x, layer)
 
 
 def _glu_gemv(x: Tensor, layer: nn.Module) -> Tensor:
-    from csmserve.kernels import gemv
-
-    if type(layer) is nn.Linear and gemv.applies(x, layer.weight, glu=True):
-        return gemv.gemv(x, layer.weight, glu=True)
+    ws = _gemv_weight(x, layer)
+    if ws is not None and _gemv().applies(x, ws[0], True, ws[1]):
+        return _gemv().gemv(x, ws[0], glu=True, scale=ws[1])
     return silu_mul(linear(x, layer))
 
 
@@ -127,17 +152,22 @@ def _norm_then(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Modul
 
 def _norm_then_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Module, gated: bool
                     ) -> tuple[Tensor, Tensor]:
-    from csmserve.kernels import gemv
-
-    if type(layer) is nn.Linear and gemv.norm_applies(x, norm.weight, layer.weight, gated):
-        return gemv.norm_gemv(x, delta, norm.weight, norm.eps, layer.weight, gated)
+    ws = _gemv_weight(x, layer)
+    if ws is not None and _gemv().norm_applies(x, norm.weight, ws[0], gated, ws[1]):
+        return _gemv().norm_gemv(x, delta, norm.weight, norm.eps, ws[0], gated, ws[1])
     return _norm_then(x, delta, norm, layer, gated)
+
+
+def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+    return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
 
 
 def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """layer(x) for a bias-free nn.Linear through `matmul_t` (a GEMV kernel at a few rows, once
-    `fuse_gemv()`); any other layer (FP8Linear) as it is."""
-    return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
+    `fuse_gemv()`), an FP8Linear through the same kernel at a few rows (weight-only: its e4m3 weights
+    times the activations as they are; FP8Linear's own per-row quantized GEMM at more rows); any other
+    layer as it is."""
+    return linear_impl(x, layer)
 
 
 # The elementwise pieces, swappable for fused Triton kernels by `fuse_elementwise()` (same math,
@@ -145,7 +175,7 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
 # GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up; norm_then: a block's residual
 # add + RMSNorm and the GEMM after it, (h, y) = (x + delta, layer(norm(h))), gated: glu), by `fuse_gemv()`.
 add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
-matmul_t, glu, norm_then = _matmul_t, _glu, _norm_then
+matmul_t, linear_impl, glu, norm_then = _matmul_t, _linear, _glu, _norm_then
 
 
 def fuse_elementwise() -> None:
@@ -159,8 +189,9 @@ def fuse_elementwise() -> None:
 def fuse_gemv(on: bool = True) -> None:
     """GEMMs of 1-2 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
     one and each block's two residual add + RMSNorm into the GEMM after them; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
-    global matmul_t, glu, norm_then
-    matmul_t, glu, norm_then = (_matmul_t_gemv, _glu_gemv, _norm_then_gemv) if on else (_matmul_t, _glu, _norm_then)
+    global matmul_t, linear_impl, glu, norm_then
+    matmul_t, linear_impl, glu, norm_then = ((_matmul_t_gemv, _linear_gemv, _glu_gemv, _norm_then_gemv) if on
+                                             else (_matmul_t, _linear, _glu, _norm_then))
 
 
 class KVView(Protocol):

@@ -1,5 +1,7 @@
 """GPU (`pytest -m gpu`): the skinny-GEMM kernel (kernels/gemv.py) against F.linear, and a Llama
 forward with it (fuse_gemv) against the same forward through cuBLAS."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +177,94 @@ def test_a_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     pdl.enabled.cache_clear()
     for r in outs["0"] + outs["1"]:
         assert torch.equal(r, outs["0"][0])
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+run = pytest.mark.skipif(DEV != "cuda" and not INTERPRET, reason="needs CUDA (or TRITON_INTERPRET=1)")
+
+
+def _fp8(n_out, k, seed):
+    """An e4m3 weight [n_out, K] with per-row scales spread over two decades (so a wrong scale shows)."""
+    from csmserve.models.fp8 import quantize_rows_torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, k, generator=g) * torch.logspace(-2, 0, n_out)[torch.randperm(n_out, generator=g)][:, None]
+    w8, s = quantize_rows_torch(w)
+    return w8.to(DEV), s.reshape(-1).to(DEV)
+
+
+@run
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k,glu", [(1536, 1024, False), (1024, 8192, False), (4096, 1024, True), (40, 256, True)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
+    """FP8 weights (kernels/gemv.py with scale): scale[o] * x @ w8[o]^T, the activations as they are, gate and up
+    each with its own scales; with the fused residual add + RMSNorm too; against models/fp8.py's weight_only_torch."""
+    from csmserve.kernels import gemv
+    from csmserve.models import llama
+    from csmserve.models.fp8 import weight_only_torch
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    torch.manual_seed(0)
+    w8, scale = _fp8(2 * n if glu else n, k, seed=n + k)
+    x = torch.randn(m, k, dtype=dt).to(DEV)
+    if DEV == "cuda":
+        assert gemv.applies(x, w8, glu, scale) and not gemv.applies(x, w8, glu)
+        assert not gemv.applies(x, w8.to(dt), glu, scale)  # scales with bf16 weights: not this kernel
+    delta = torch.randn(m, k, dtype=dt).to(DEV)
+    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
+    if norm:
+        h_ref, y = llama._add_rms_norm(x, delta, nw, 1e-5)
+        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w8, glu, scale)
+        assert torch.equal(h, h_ref)
+    else:
+        y, out = x, gemv.gemv(x, w8, glu, scale)
+    ref = weight_only_torch(y, w8, scale)
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    assert out.shape == (m, n) and out.dtype == dt
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
+    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1-2 rows (the weight-only kernel)
+    == the same numbers in torch (FP8Linear.weight_only); at 16 rows fuse_gemv leaves FP8Linear's own GEMM."""
+    from csmserve.models import llama
+    from csmserve.models.csm import llama_100m
+    from csmserve.models.fp8 import FP8Linear, GEMMS
+
+    torch.manual_seed(0)
+    cfg = llama_100m()
+    model = llama.Llama(cfg).to("cuda", torch.bfloat16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    fp8 = []
+    for block in model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name in GEMMS:
+                if isinstance(getattr(parent, name, None), torch.nn.Linear):
+                    setattr(parent, name, FP8Linear(getattr(parent, name).weight))
+                    fp8.append(getattr(parent, name))
+    x = torch.randn(batch, 1, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    outs = {}
+    for mode in ("torch", "plain", "gemv"):
+        for m in fp8:
+            m.weight_only = mode == "torch"
+        llama.fuse_gemv(mode == "gemv")
+        try:
+            outs[mode] = model(x, pos, model.new_kv(batch, 8, torch.bfloat16, "cuda")).float()
+        finally:
+            llama.fuse_gemv(False)
+    for m in fp8:
+        m.weight_only = False
+    if batch <= 2:
+        torch.testing.assert_close(outs["gemv"], outs["torch"], atol=5e-2, rtol=5e-2)
+        assert (outs["gemv"] - outs["torch"]).abs().mean() < 1e-2
+        assert not torch.equal(outs["gemv"], outs["plain"])  # not the per-row quantized GEMM
+    else:
+        assert torch.equal(outs["gemv"], outs["plain"])

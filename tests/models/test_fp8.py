@@ -42,6 +42,44 @@ def test_fp8_linear_close_to_the_bf16_linear():
     torch.testing.assert_close(y.reshape(-1, 128), exact, rtol=1e-5, atol=1e-5)
 
 
+def test_weight_only_keeps_the_activations_and_is_closer():
+    """FP8Linear.weight_only (the numbers of kernels/gemv.py's FP8 GEMV at 1-2 rows): the e4m3 weights times the
+    activations as they are, exactly (x @ dequantized^T); closer to the bf16 linear than quantizing both."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128, bias=False)
+    f8 = FP8Linear(lin.weight)
+    x = torch.randn(3, 7, 256)
+    w8a8 = f8(x)
+    f8.weight_only = True
+    y = f8(x)
+    assert y.shape == (3, 7, 128)
+    torch.testing.assert_close(y.reshape(-1, 128), x.reshape(-1, 256) @ f8.dequantized().t(), rtol=1e-5, atol=1e-5)
+    ref = F.linear(x, lin.weight)
+    assert (y - ref).norm() < (w8a8 - ref).norm()
+    assert not torch.equal(y, w8a8)
+
+
+def test_linear_dispatch_leaves_fp8_to_its_own_gemm_on_the_cpu():
+    """models/llama.py's linear() with fuse_gemv on: the GEMV kernel needs CUDA, so an FP8Linear on the CPU runs its
+    own (per-row quantized) GEMM, and an nn.Linear F.linear, both bit for bit as with fuse_gemv off."""
+    from csmserve.models import llama
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128, bias=False)
+    f8 = FP8Linear(lin.weight)
+    x = torch.randn(1, 256)
+    outs = []
+    for on in (False, True):
+        llama.fuse_gemv(on)
+        try:
+            outs.append((llama.linear(x, f8), llama.linear(x, lin), llama.glu(x, f8)))
+        finally:
+            llama.fuse_gemv(False)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0][0], f8(x))
+
+
 def test_quantize_weights_scopes():
     for weights, backbone_too in (("fp8", False), ("fp8-all", True)):
         m = load_csm("dummy-tiny")[0]
