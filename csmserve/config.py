@@ -49,8 +49,8 @@ class EngineConfig:
     # heads' drafts are accepted often enough (`csmserve bench` prints the acceptance rate)
     spec_depth: int | None = None
     # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
-    # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere),
-    # fp8-all (the backbone too). models/fp8.py
+    # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
+    # at 1-2 rows on CUDA weight-only in kernels/gemv.py), fp8-all (the backbone too). models/fp8.py
     weights: str = "bf16"
     # an API worker (or a Ray replica's HTTP side) that has not read a step's rows when the engine needs
     # that output-ring buffer again: the engine waits up to this many seconds for it (the busy reader
