@@ -38,13 +38,11 @@ def main() -> None:
     ap.add_argument("--elems", type=int, default=None, help="gemv._ELEMS (weights per program per chunk)")
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
-    ap.add_argument("--fp8-elems", type=int, default=None, help="gemv._ELEMS_FP8")
     args = ap.parse_args()
-    gemv._ELEMS_FP8 = args.fp8_elems or gemv._ELEMS_FP8
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
     gemv._ELEMS = args.elems or gemv._ELEMS
     gemv.NUM_WARPS = args.warps or gemv.NUM_WARPS
-    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS} (fp8 {gemv._ELEMS_FP8}), warps {gemv.NUM_WARPS}")
+    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}")
     dt = torch.bfloat16
     extra = " fp8 gemv (us) | fp8 GB/s | fp8 max rel err |" if args.fp8 else ""
     print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |"

@@ -228,7 +228,7 @@ fi
 if [[ $what == fp8gemv ]]; then
   # issue 16, lever 3: FP8 weights through our GEMV at 1-2 rows (weight-only, kernels/gemv.py with scales): its GPU
   # tests and FP8's (the frame graphs with FP8 weights == eager), each GEMM alone (bf16 / e4m3; FP8GEMV_ELEMS: the
-  # fp8 chunk sizes tried), the frame step with Mimi and one stream per EngineConfig.weights, then the logits' error
+  # chunk sizes tried, bench/gemv.py --elems), the frame step with Mimi and one stream per EngineConfig.weights, then the logits' error
   # (w8a8 and weight-only); FP8GEMV_PARTS picks the parts
   parts=${FP8GEMV_PARTS:-tests gemm frame engine error}
   if [[ $parts == *tests* ]]; then
@@ -238,7 +238,7 @@ if [[ $what == fp8gemv ]]; then
   fi
   if [[ $parts == *gemm* ]]; then
     for e in ${FP8GEMV_ELEMS:-8192 16384}; do
-      timeout 150 python bench/gemv.py --rows 1,2 --fp8 --fp8-elems $e 2>&1 | tee -a "$OUT/gemv_fp8.txt"
+      timeout 150 python bench/gemv.py --rows 1,2 --fp8 --elems $e 2>&1 | tee -a "$OUT/gemv_fp8.txt"
     done
   fi
   for w in ${FP8GEMV_WEIGHTS:-bf16 fp8 fp8-all}; do

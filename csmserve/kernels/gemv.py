@@ -32,7 +32,6 @@ from csmserve.kernels import pdl, tuning
 MAX_ROWS = 2  # above this, cuBLAS' GEMMs (bench/gemv.py: at 4-8 rows it is faster than this kernel)
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
-_ELEMS_FP8 = 8192  # the same for e4m3 weights (8 KB): the fp32 accumulator tiles, not the bytes, set the limit
 NUM_WARPS = 4
 
 
@@ -155,7 +154,7 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     tuned = None if fp8 else TUNED.get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
-    bn, bk = blocks(m, n, k, glu, fp8)
+    bn, bk = blocks(m, n, k, glu)
     return bn, bk, NUM_WARPS, None
 
 
@@ -163,15 +162,16 @@ def _launch_opts(warps: int, stages: int | None) -> dict:
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
-def blocks(m: int, n: int, k: int, glu: bool = False, fp8: bool = False) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply."""
+def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply. The same for e4m3
+    weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower)."""
     if not 1 <= m <= MAX_ROWS or k < 128:
         return None
     block_n = 16
     while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
         block_n //= 2
     tiles = m * (2 if glu else 1)  # fp32 accumulator tiles: ~64 registers a thread in all
-    block_k = min(triton.next_power_of_2(k), max(128, (_ELEMS_FP8 if fp8 else _ELEMS) // tiles // block_n))
+    block_k = min(triton.next_power_of_2(k), max(128, _ELEMS // tiles // block_n))
     if k % block_k:
         return None
     return block_n, block_k
@@ -185,7 +185,7 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
                                    and scale.numel() == weight.shape[0]))
-            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu, scale is not None) is not None)
+            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
 
 
 def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> Tensor:
