@@ -101,9 +101,9 @@ def test_user_text_from_the_llm_context_and_preroll(server, csm):
 
 def test_interruption_while_generating_keeps_exactly_the_played_frames(server, csm):
     text = "A long answer that keeps on going for a good while."
-    server.chunk_delay = 0.05  # 30 frames in chunks of 2: still generating at the barge-in, 0.5 s in
+    server.hold_after = 3  # chunks of 1 and 2 frames, then the stream waits: still generating at the barge-in
     tts = service(server, max_audio_length_ms=30 * 80, clock=StepClock(0.16))  # 2 frames played by then
-    frames = [*reply(text), SleepFrame(0.5), InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."),
+    frames = [*reply(text), SleepFrame(2.0), InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."),
               SleepFrame(1.5)]
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
     (cut,) = tts.cuts
