@@ -68,10 +68,12 @@ def csm():
 
 @pytest.fixture
 def server(csm, tmp_path):
+    """dummy-tiny never ends a sentence: without a cap from the client one stops at 2 s (--max-segment-ms),
+    not the default 20 s, so a snippet run as the docs give it takes seconds."""
     from csmserve.server import create_app
 
     s = Server(create_app(csm, ServerConfig(voices_db=str(tmp_path / "voices.db"), default_audio_length_ms=400,
-                                            model_name="dummy-tiny"))).start()
+                                            max_segment_ms=2000, model_name="dummy-tiny"))).start()
     s.built = []  # every Request the routes started, as built
     s.chunk_delay = 0.0  # seconds each chunk is held back: generation at a known pace, whatever the CPU
     s.hold_after = 0  # > 0: after this many frames the stream waits for the client to leave (still generating)
