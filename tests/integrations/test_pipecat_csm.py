@@ -4,6 +4,7 @@ was played."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -36,6 +37,22 @@ def reply(*pieces: str) -> list:
     return [LLMFullResponseStartFrame(), *[LLMTextFrame(p) for p in pieces], LLMFullResponseEndFrame()]
 
 
+def script(*parts):
+    """Frames for run_test, in order; a callable in place of a frame waits (20 ms sleeps) until it is true,
+    so the next turn starts when the last has ended however slow the machine is, not after a fixed sleep."""
+    for part in parts:
+        if callable(part):
+            deadline = time.monotonic() + 30
+            while not part() and time.monotonic() < deadline:
+                yield SleepFrame(0.02)
+        else:
+            yield part
+
+
+def reply_done(server, n: int):
+    return lambda: len(server.built) >= n and all(b.reason is not None for b in server.built[:n])
+
+
 class StepClock:
     """The playout's clock: 0 when the reply's first audio is handed on, `later` at every later reading
     (the interruption), so "played" is exact whatever the machine's speed."""
@@ -56,8 +73,9 @@ def service(server, **kw) -> CSMTTSService:
 def test_two_turns_each_hears_the_users_audio_and_its_own_earlier_reply(server, csm):
     user1, user2 = tone(0.8), tone(0.48, hz=330)  # 10 and 6 Mimi frames
     tts = service(server)
-    frames = [*user_turn(user1, "How are you?"), *reply("I am fine. ", "Thanks for asking!"), SleepFrame(1.5),
-              *user_turn(user2, "Tell me more."), *reply("Sure. ", "Here is more."), SleepFrame(1.5)]
+    frames = script(*user_turn(user1, "How are you?"), *reply("I am fine. ", "Thanks for asking!"),
+                    reply_done(server, 1), SleepFrame(0.3), *user_turn(user2, "Tell me more."),
+                    *reply("Sure. ", "Here is more."), reply_done(server, 2), SleepFrame(0.3))
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
     assert len(server.built) == 2 and all(b.reason in ("eos", "length") for b in server.built)
     first, second = (b.turns() for b in server.built)
@@ -89,8 +107,8 @@ def test_user_text_from_the_llm_context_and_preroll(server, csm):
     context = LLMContext([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}])
     tts = service(server, llm_context=context)
     early, speech = tone(0.24, hz=500), tone(0.56)  # the VAD confirms speech after its first 240 ms
-    frames = [*[InputAudioRawFrame(audio=c, sample_rate=16_000, num_channels=1) for c in chunks(early)],
-              *user_turn(speech, None), *reply("Hi there."), SleepFrame(1.5)]
+    frames = script(*[InputAudioRawFrame(audio=c, sample_rate=16_000, num_channels=1) for c in chunks(early)],
+                    *user_turn(speech, None), *reply("Hi there."), reply_done(server, 1), SleepFrame(0.3))
     asyncio.run(run_test(tts, frames_to_send=frames))
     (built,) = server.built
     turns = built.turns()
@@ -103,8 +121,9 @@ def test_interruption_while_generating_keeps_exactly_the_played_frames(server, c
     text = "A long answer that keeps on going for a good while."
     server.hold_after = 3  # chunks of 1 and 2 frames, then the stream waits: still generating at the barge-in
     tts = service(server, max_audio_length_ms=30 * 80, clock=StepClock(0.16))  # 2 frames played by then
-    frames = [*reply(text), SleepFrame(2.0), InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."),
-              SleepFrame(1.5)]
+    frames = script(*reply(text), lambda: server.built and server.built[0].frames >= 3, SleepFrame(0.5),
+                    InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."), lambda: len(server.built) >= 2,
+                    SleepFrame(0.5))
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
     (cut,) = tts.cuts
     generated = server.built[0].frames
@@ -121,8 +140,8 @@ def test_interruption_while_generating_keeps_exactly_the_played_frames(server, c
 def test_interruption_after_generation_truncates_the_reply_still_playing(server, csm):
     text = "A short answer."
     tts = service(server, max_audio_length_ms=10 * 80, clock=StepClock(0.32))  # 4 of its frames played
-    frames = [*reply(text), SleepFrame(2.0), InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."),
-              SleepFrame(1.0)]
+    frames = script(*reply(text), reply_done(server, 1), SleepFrame(0.5), InterruptionFrame(), SleepFrame(0.3),
+                    *reply("Sorry."), reply_done(server, 2), SleepFrame(0.3))
     asyncio.run(run_test(tts, frames_to_send=frames))
     (cut,) = tts.cuts
     full = server.built[0].frames
