@@ -18,6 +18,8 @@ from csmserve.server.speech import _encoded
 
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm"}
 
+pytestmark = pytest.mark.serial  # measures how far ahead of real time a stream runs: not beside another worker
+
 
 def test_loop_load_sees_a_blocked_loop_and_forgets_it() -> None:
     async def main() -> tuple[bool, bool, bool]:
