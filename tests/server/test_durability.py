@@ -115,7 +115,6 @@ def test_stored_voices_survive_kill_9_of_the_whole_server_at_any_moment(tmp_path
         ledger.created[r.json()["id"]] = r.json()["num_frames"]
     kept = set(ledger.created)
     snapshot = {vid: codes for vid, (_, codes) in _rows(db)[1].items()}  # the codes as first stored: WAL lets a reader in while the server runs
-    t0 = time.time()
     killed = []
     for trial in range(TRIALS):
         stop = threading.Event()
@@ -150,7 +149,7 @@ def test_stored_voices_survive_kill_9_of_the_whole_server_at_any_moment(tmp_path
             else:
                 ledger.created.pop(vid, None)
                 ledger.deleted.add(vid)
-        server = ProcServer(tmp_path, **flags).start()  # the same --voices-db
+        server = ProcServer(tmp_path, **flags).start(timeout=60)  # the same --voices-db; a restart that hangs fails
     try:
         assert len(ledger.created) > len(kept) and ledger.deleted, (len(ledger.created), len(ledger.deleted))
         listed = {v["id"] for v in httpx.get(f"{server.url}/v1/audio/voices", timeout=30).json()["data"]}
@@ -165,7 +164,6 @@ def test_stored_voices_survive_kill_9_of_the_whole_server_at_any_moment(tmp_path
         assert not left, left  # swept at the next start
     finally:
         server.stop()
-    assert time.time() - t0 < 90
 
 
 @pytest.fixture
