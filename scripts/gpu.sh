@@ -225,6 +225,10 @@ if [[ $what == passes ]]; then
     done
   fi
 fi
+if [[ $what == fp8mm ]]; then  # weight-only FP8 GEMM at 3+ rows: its test, then each GEMM against bf16 and w8a8
+  python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_mm_gpu.py 2>&1 | tee "$OUT/fp8_mm_tests.txt"
+  python bench/fp8_mm.py ${FP8MM_ARGS:-} 2>&1 | tee "$OUT/fp8_mm.txt"
+fi
 if [[ $what == fp8gemv ]]; then
   # issue 16, lever 3: FP8 weights through our GEMV at 1-2 rows (weight-only, kernels/gemv.py with scales): its GPU
   # tests and FP8's (the frame graphs with FP8 weights == eager), each GEMM alone (bf16 / e4m3; FP8GEMV_ELEMS: the

@@ -30,3 +30,54 @@ def quantize_rows_triton(x: Tensor) -> tuple[Tensor, Tensor]:
     _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block,
                                 num_warps=8 if block >= 4096 else 4)
     return q, s
+
+
+# ---- weight-only FP8 GEMM for a few to tens of rows: e4m3 weights, activations as they are
+# y[m, n] = scale[n] * sum_k x[m, k] * w8[n, k]: the weights go to bf16 in registers and through tl.dot,
+# so only the weights' bytes (half of bf16's) stream from HBM and no kernel quantizes the activations.
+# Split over K (SPLIT_K programs per output tile, atomically added in fp32) when N alone gives too few programs.
+
+@triton.jit
+def _weight_only_mm_kernel(X, W, S, Y, M, N, K, stride_x, stride_w, stride_y,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT_K: tl.constexpr):
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_per = K // SPLIT_K  # a multiple of BLOCK_K (the wrapper checks)
+    x_ptr = X + rm[:, None].to(tl.int64) * stride_x + (pid_k * k_per + rk)[None, :]  # [BM, BK]
+    w_ptr = W + rn[None, :].to(tl.int64) * stride_w + (pid_k * k_per + rk)[:, None]  # [BK, BN]
+    xm, wm = rm[:, None] < M, rn[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k_per, BLOCK_K):
+        x = tl.load(x_ptr, mask=xm, other=0.0)
+        w = tl.load(w_ptr, mask=wm, other=0.0)
+        acc += tl.dot(x, w.to(x.dtype))
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    s = tl.load(S + rn, mask=rn < N, other=0.0)
+    y = acc * s[None, :]
+    y_ptr = Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr, y.to(Y.dtype.element_ty), mask=xm & wm)
+    else:
+        tl.atomic_add(y_ptr, y, mask=xm & wm)
+
+
+def weight_only_mm(x: Tensor, w8: Tensor, scale: Tensor, block_n: int = 64, block_k: int = 128,
+                   split_k: int = 1, warps: int = 4, stages: int = 4) -> Tensor:
+    """x [M, K] bf16/fp16 @ w8 [N, K]^T (e4m3) * scale [N] or [1, N] -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N = w8.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert K % (block_k * split_k) == 0, (K, block_k, split_k)
+    block_m = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if split_k == 1 else \
+        torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
+    _weight_only_mm_kernel[grid](x, w8, scale, out, M, N, K, x.stride(0), w8.stride(0), out.stride(0),
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                 num_warps=warps, num_stages=stages)
+    return out if split_k == 1 else out.to(x.dtype)
