@@ -3,7 +3,7 @@ bf16 F.linear (cuBLAS) and FP8Linear's w8a8 path (quantize_rows_triton + torch._
 graph-replayed over weight copies that do not fit in L2; us per call, the best of a few block configs, and the
 max relative error against models/fp8.py's weight_only_torch.
 
-python bench/fp8_mm.py --rows 4,8,16,32,64,128
+python bench/fp8_mm.py --rows 4,8,16,32,64,128 [--shapes down,gate_up] [--more]
 """
 from __future__ import annotations
 
@@ -22,19 +22,26 @@ SHAPES = [("backbone qkv", 3072, 2048), ("backbone o", 2048, 2048), ("backbone g
           ("depth o", 1024, 1024), ("depth gate_up", 16384, 1024), ("depth down", 1024, 8192)]
 CONFIGS = [(64, 128, 1, 4, 4), (32, 256, 1, 4, 4), (128, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 128, 1, 4, 5),
            (64, 128, 2, 4, 4), (32, 256, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 4, 4, 4)]
+MORE = [(16, 256, 4, 4, 4), (16, 512, 2, 4, 3), (32, 256, 4, 4, 3), (16, 128, 8, 4, 4), (32, 128, 8, 4, 4),
+        (16, 256, 8, 2, 4), (32, 64, 8, 4, 6), (64, 64, 4, 4, 6)]  # --more: narrower tiles, deeper splits
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="4,8,16,32,64,128")
     ap.add_argument("--reps", type=int, default=32)
+    ap.add_argument("--shapes", default="", help="comma-separated substrings of the GEMM names (default: all)")
+    ap.add_argument("--more", action="store_true", help="also the MORE block configs")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| GEMM | rows | bf16 cuBLAS (us) | w8a8 quant+_scaled_mm (us) | weight-only (us) | its config "
           "(BN, BK, split, warps, stages) | weight-only GB/s | max rel err |")
     print("|---|---|---|---|---|---|---|---|")
+    configs = CONFIGS + MORE * args.more
     for name, n, k in SHAPES:
+        if args.shapes and not any(p in name for p in args.shapes.split(",")):
+            continue
         copies = max(2, int(256e6 // (n * k * 2)) + 1)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         q = [quantize_rows_torch(w) for w in ws]
@@ -54,7 +61,7 @@ def main() -> None:
 
             t_bf, t_88 = graph_timed(bf16, args.reps), graph_timed(w8a8, args.reps)
             best = None
-            for cfg in CONFIGS:
+            for cfg in configs:
                 bn, bk, split, warps, stages = cfg
                 if k % (bk * split):
                     continue
