@@ -127,9 +127,9 @@ def _gemv_weight(x: Tensor, layer: nn.Module) -> tuple[Tensor, Tensor | None] | 
 
 
 def _linear_gemv(x: Tensor, layer: nn.Module) -> Tensor:
-    """An FP8Linear at a few rows through the kernel; anything else as `_linear` (nn.Linear: matmul_t's kernel)."""
-    if type(layer) is FP8Linear and x.is_cuda and _gemv().applies(x, layer.weight8, False, layer.scale):
-        return _gemv().gemv(x, layer.weight8, scale=layer.scale)
+    ws = _gemv_weight(x, layer)
+    if ws is not None and _gemv().applies(x, ws[0], False, ws[1]):
+        return _gemv().gemv(x, ws[0], scale=ws[1])
     return _linear(x, layer)
 
 

@@ -167,10 +167,11 @@ class ServerState:
         """What a route gives CSM's request builders (CSM.request / CSM.long_request / TextFeed.open):
         the speaker and the context (the voice's clip, then the context turns, then `extra`), the
         sampling fields and the caps: max_audio_length_ms caps the whole (as asked, else sized for
-        `total_chars`; a single sentence's max_segment_length_ms caps it too); segmented (one segment of several: a long input's sentences, a dialogue's lines,
-        a WebSocket turn's): max_segment_length_ms each segment too (as asked, else enough for the
-        longest, `segment_chars`, as the whole is sized, at most --max-segment-ms). fit_cap: a cap the
-        slot cannot hold is refused (400), not cut at the slot's end."""
+        `total_chars`; a single sentence's max_segment_length_ms caps it too); segmented (one segment of
+        several: a long input's sentences, a dialogue's lines, a WebSocket turn's): max_segment_length_ms
+        each segment too (as asked, else enough for the longest, `segment_chars`, as the whole is sized,
+        at most --max-segment-ms). fit_cap: a cap the slot cannot hold is refused (400), not cut at the
+        slot's end."""
         from csmserve.api import Segment
 
         self.require_ready()
