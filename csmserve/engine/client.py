@@ -83,7 +83,7 @@ class ClientBase:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         progress = Progress()
-        self._start(request, self._async_sink(loop, q), max_lag_s, progress)
+        self._start(request, self._async_sink(loop, q, request.request_id), max_lag_s, progress)
         if on_submit is not None:
             on_submit()
         done = False
@@ -102,8 +102,13 @@ class ClientBase:
             if not done:  # client went away: free the slot at the next frame boundary
                 self.abort(request.request_id)
 
-    def _async_sink(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable:
-        return lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
+    def _async_sink(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, request_id: str) -> Callable:
+        def sink(item) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # its loop closed with the stream unread (asyncio.run returned): nobody reads
+                self.abort(request_id)  # it, so free its slot; raising here would fail the step for every row
+        return sink
 
     def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
         """Submit all, wait for all; chunks per request in order."""

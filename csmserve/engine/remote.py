@@ -184,10 +184,10 @@ class RemoteEngineClient(ClientBase):
                 fut.set_exception(EngineGone(reason))
         self._on_loop(self.router.fail_all, EngineGone(reason))
 
-    def _async_sink(self, loop, q):
+    def _async_sink(self, loop, q, request_id):
         if loop is self.loop:  # deliveries run on this loop already: no extra wake-up per chunk
             return q.put_nowait
-        return super()._async_sink(loop, q)
+        return super()._async_sink(loop, q, request_id)
 
     # ---- state (stats(): the counters the engine sends with every step and heartbeat, in the router)
     @property

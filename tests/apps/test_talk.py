@@ -215,6 +215,7 @@ def test_cli_talk_errors_are_one_line(tmp_path):
     assert len(err) == 1 and "LLM endpoint" in err[0] and "unreachable" in err[0] and "goes on" in err[0]
 
 
+@pytest.mark.serial  # speech must start before the chat stream ends: real-time overlap, not beside another worker
 def test_three_turns_through_a_csmserve_server(csm, tmp_path):
     """--url: CSM behind `csmserve serve`, over its WebSocket with one context_id."""
     from csmserve.config import ServerConfig
