@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--spec-depth", type=int, default=None, help="EngineConfig.spec_depth (acceptance: the "
                     "weights' own; random weights' heads rarely agree: bench/spec_depth.py sets it instead)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"], help="EngineConfig.weights")
+    ap.add_argument("--no-codec-stream", action="store_true",
+                    help="EngineConfig(codec_stream=False): Mimi's decode in the frame step's graph, after the generation")
     args = ap.parse_args()
     if args.fuse:
         from csmserve.models.llama import fuse_elementwise
@@ -47,7 +49,7 @@ def main() -> None:
 
         mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
     runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches, mimi=mimi,
-                         spec_depth=args.spec_depth, weights=args.weights)
+                         spec_depth=args.spec_depth, weights=args.weights, codec_stream=not args.no_codec_stream)
     print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
     W = model.cfg.frame_width
     tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)

@@ -52,6 +52,9 @@ class EngineConfig:
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
     # at 1-2 rows on CUDA weight-only in kernels/gemv.py), fp8-all (the backbone too). models/fp8.py
     weights: str = "bf16"
+    # CUDA: Mimi's decode of frame t on a stream of its own, beside the generation of frame t+1 (engine/graphs.py;
+    # docs/benchmarks.md); False: both in one graph, one after the other
+    codec_stream: bool = True
     # an API worker (or a Ray replica's HTTP side) that has not read a step's rows when the engine needs
     # that output-ring buffer again: the engine waits up to this many seconds for it (the busy reader
     # slows the engine down instead of losing its streams); past it that worker's streams there end

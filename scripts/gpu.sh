@@ -422,3 +422,27 @@ if [[ $what == final2 ]]; then
     SERVE_BENCH_ARGS="--client-procs 4 --ramp 6 --warmup 2 --duration 12 --drain 15 --scenario closed:users=256 --out $OUT/ray_load" \
     bash scripts/gpu.sh ray
 fi
+if [[ $what == codecstream ]]; then
+  # issue 16: Mimi's decode on its own stream beside the next frame's generation (EngineConfig.codec_stream): its
+  # GPU tests, then per CODECSTREAM_WEIGHTS the frame step with Mimi (CODECSTREAM_BATCHES) and one stream through the
+  # engine, the one-graph step (--no-codec-stream) first; CODECSTREAM_PARTS picks the parts (~8 min for all)
+  parts=${CODECSTREAM_PARTS:-tests frame engine}
+  if [[ $parts == *tests* ]]; then
+    timeout ${CODECSTREAM_TEST_S:-240} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_codec_stream_gpu.py \
+      tests/engine/test_runner_gpu.py} 2>&1 | tee "$OUT/codec_stream_tests.txt" | tail -15
+  fi
+  for w in ${CODECSTREAM_WEIGHTS:-bf16 fp8-all}; do
+    for flag in --no-codec-stream ""; do
+      if [[ $parts == *frame* ]]; then
+        echo "== frame step, weights $w ${flag:-(codec stream)}" | tee -a "$OUT/codec_stream_frame.txt"
+        python bench/frame_step.py --batches ${CODECSTREAM_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w $flag \
+          2>&1 | tee -a "$OUT/codec_stream_frame.txt" | tail -6
+      fi
+      if [[ $parts == *engine* ]]; then
+        echo "== one stream, weights $w ${flag:-(codec stream)}" | tee -a "$OUT/codec_stream_engine.txt"
+        python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $flag 2>&1 \
+          | tee -a "$OUT/codec_stream_engine.txt" | grep -A3 "one stream\|^device" | head -12
+      fi
+    done
+  done
+fi

@@ -224,7 +224,8 @@ class Engine:
             t_done = time.perf_counter()
             t_idle += t_done - t_w
             self.stats["gpu_bound_steps"] += waited
-            self.pacer.step_done(t_done, waited)
+            # the step's generation ended when the decode behind it began (codec stream): the next one starts then
+            self.pacer.step_done(t_done - self._prev[1].codec_lag_s(), waited)
             live = self._collect(*self._prev)
             if tr is not None:
                 tr.row("collect", self._prev[0], t_w, t_done, time.perf_counter(), live)
@@ -434,5 +435,5 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
-                         spec_depth=cfg.spec_depth, weights=cfg.weights)
+                         spec_depth=cfg.spec_depth, weights=cfg.weights, codec_stream=cfg.codec_stream)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

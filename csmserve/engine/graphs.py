@@ -1,4 +1,19 @@
-"""One CUDA graph per batch bucket covering a whole frame step (backbone, depth loop, sampling, codec)."""
+"""One CUDA graph per batch bucket covering a whole frame step (backbone, depth loop, sampling, codec).
+
+With `codec` (EngineConfig.codec_stream) the frame step is two graphs per bucket on two streams: the
+generation (backbone, depth decoder, sampling) on the launching stream, then Mimi's decode of those codes
+on a stream of its own, so the decode of frame t runs beside the generation of frame t+1 (at batch 1
+both are chains of small kernels that leave most of the GPU idle). The protocol, per step:
+
+    main:  wait(snapshot of step t-1) ; ids H2D ; generate graph ; codes D2H ; record gen_done[r]
+    codec: wait(gen_done[r]) ; copy ids, codes into its own inputs ; record snapshot ;
+           codec graph ; pcm D2H ; record done[r]
+
+The codec stream reads the main stream's buffers only in its snapshot, and the main stream writes them
+again only after that snapshot (its first wait); the codec's per-row state is touched only on the
+codec stream (the runner resets rows there too). The two kinds of graph have separate memory pools:
+they run at the same time.
+"""
 from __future__ import annotations
 
 import bisect
@@ -13,21 +28,33 @@ from csmserve.engine.output_ring import OutputRing, StepOutput
 
 class FrameGraphs:
     """step(slot_ids [b]) -> (codes [b, K], pcm [b, frame] | None): the runner's frame step, captured at
-    every bucket b; its results copied into `ring` (host) after each replay."""
+    every bucket b; its results copied into `ring` (host) after each replay. codec(codes [b, K], slot_ids [b])
+    -> pcm [b, frame]: given, step returns (codes, None) and the decode is captured apart, for `codec_stream`."""
 
     def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
-                 device: torch.device) -> None:
+                 device: torch.device, codec: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 codec_stream: torch.cuda.Stream | None = None, num_codebooks: int = 0) -> None:
         self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
+        self.codec, self.codec_stream = codec, codec_stream
         n = buckets[-1]
         self.slot_ids = torch.full((n,), scratch, dtype=torch.long, device=device)  # static input
         # two host id buffers: the one written now was last read by the step before the previous one,
         # whose results the host has already waited for
         self.host_ids = [torch.full((n,), scratch, dtype=torch.long).pin_memory() for _ in range(2)]
         # one completion event per ring buffer, recorded again each time its buffer is reused (the step
-        # that used it last has been read by then): no allocation per step
-        self.events = [torch.cuda.Event() for _ in range(ring.slots)]
+        # that used it last has been read by then): no allocation per step. Timed with the codec stream:
+        # the pacer needs when the generation ended (StepOutput.codec_lag_s)
+        timed = codec is not None
+        self.events = [torch.cuda.Event(enable_timing=timed) for _ in range(ring.slots)]
+        self.gen_events = [torch.cuda.Event(enable_timing=True) for _ in range(ring.slots)] if timed else None
+        self.snapshot = torch.cuda.Event() if timed else None  # never recorded yet: a wait on it returns at once
+        if codec is not None:  # the codec graphs' own static inputs, written only on the codec stream
+            self.codec_ids = torch.full((n,), scratch, dtype=torch.long, device=device)
+            self.codec_codes = torch.zeros(n, num_codebooks, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.codec_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}
+        self.pcm: dict[int, Tensor] = {}
         self.flip = 0
         self.capture()
 
@@ -35,6 +62,8 @@ class FrameGraphs:
     def capture(self) -> None:
         pool = None
         stream = torch.cuda.Stream()
+        if stream == self.codec_stream:  # the pool handed the codec stream out again: capture on another
+            stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
@@ -47,7 +76,27 @@ class FrameGraphs:
                 pool = g.pool() if pool is None else pool
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
+        if self.codec is not None:
+            self._capture_codec()
         torch.cuda.synchronize()
+
+    def _capture_codec(self) -> None:
+        """The decode graphs, captured on the codec stream: cuBLAS gives each capturing stream its own workspace,
+        and a graph keeps the one it was captured with, so the two kinds never share one while they run at the
+        same time (captured on one stream, they did: GEMMs of 3+ rows came out wrong)."""
+        pool, cs = None, self.codec_stream
+        cs.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(cs):
+            for b in sorted(self.buckets, reverse=True):
+                cids, ccodes = self.codec_ids[:b], self.codec_codes[:b]
+                for _ in range(2):  # on the scratch row: no stream's state is touched
+                    self.codec(ccodes, cids)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=cs):
+                    self.pcm[b] = self.codec(ccodes, cids)
+                pool = g.pool() if pool is None else pool
+                self.codec_graphs[b] = g
+        torch.cuda.current_stream().wait_stream(cs)
 
     def run(self, slots: np.ndarray, ring: int) -> StepOutput:
         n, i = len(slots), self.flip
@@ -56,15 +105,31 @@ class FrameGraphs:
         ids = self.host_ids[i]
         ids.numpy()[:n] = slots
         ids[n:b] = self.scratch
+        main = torch.cuda.current_stream()
+        if self.snapshot is not None:
+            main.wait_event(self.snapshot)  # the codec stream has its copy of the last step's ids and codes
         self.slot_ids[:b].copy_(ids[:b], non_blocking=True)
         self.graphs[b].replay()
         codes, pcm = self.outputs[b]
         out = self.ring
         host_codes = out.codes[ring]
-        host_pcm = out.pcm[ring] if pcm is not None else None
+        host_pcm = out.pcm[ring] if pcm is not None or self.codec is not None else None
         host_codes[:n].copy_(codes[:n], non_blocking=True)
-        if pcm is not None:
-            host_pcm[:n].copy_(pcm[:n], non_blocking=True)  # float32 already (frame_step)
         event = self.events[ring]
-        event.record()
-        return StepOutput(slots, host_codes, host_pcm, event, ring)
+        if self.codec is None:
+            if pcm is not None:
+                host_pcm[:n].copy_(pcm[:n], non_blocking=True)  # float32 already (frame_step)
+            event.record()
+            return StepOutput(slots, host_codes, host_pcm, event, ring)
+        gen = self.gen_events[ring]
+        gen.record()
+        cs = self.codec_stream
+        with torch.cuda.stream(cs):
+            cs.wait_event(gen)
+            self.codec_ids[:b].copy_(self.slot_ids[:b])
+            self.codec_codes[:b].copy_(codes)
+            self.snapshot.record()
+            self.codec_graphs[b].replay()
+            host_pcm[:n].copy_(self.pcm[b][:n], non_blocking=True)
+            event.record()
+        return StepOutput(slots, host_codes, host_pcm, event, ring, gen)

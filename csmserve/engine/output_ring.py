@@ -143,6 +143,15 @@ class StepOutput:
     pcm: Tensor | None  # [B, frame_size] float32
     event: torch.cuda.Event | None
     ring: int = -1
+    # with the codec on its own stream (engine/graphs.py): the generation's end, before Mimi's decode
+    gen_event: torch.cuda.Event | None = None
+
+    def codec_lag_s(self) -> float:
+        """Once done: how long after the generation the decode ended (0 without a codec stream). The next
+        step's generation may start at the generation's end, so that is what the launch pacer aims at."""
+        if self.gen_event is None or self.event is None:
+            return 0.0
+        return max(0.0, self.gen_event.elapsed_time(self.event) / 1e3)
 
     def done(self) -> bool:
         """Finished already (reading it will not wait)."""

@@ -66,7 +66,8 @@ class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
                  max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
-                 max_prefill_chunk: int | None = None, spec_depth: int | None = None, weights: str = "bf16") -> None:
+                 max_prefill_chunk: int | None = None, spec_depth: int | None = None, weights: str = "bf16",
+                 codec_stream: bool = True) -> None:
         quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
@@ -112,7 +113,12 @@ class ModelRunner:
         fs = self.codec.frame_size if self.codec is not None else 0
         self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
         self.graphs = self.prefill_graphs = None
-        if use_graphs if use_graphs is not None else cuda:
+        graphs = use_graphs if use_graphs is not None else cuda
+        # Mimi's decode on a stream of its own beside the next frame's generation (EngineConfig.codec_stream;
+        # engine/graphs.py): its rows are reset there too, from their own staging buffer
+        self.codec_stream = torch.cuda.Stream() if graphs and codec_stream and self.codec is not None else None
+        self.codec_resets = Staging(num_slots + 1, 1, self.device) if self.codec_stream is not None else None
+        if graphs:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
             self.graphs = self.frame_graphs()
@@ -123,8 +129,12 @@ class ModelRunner:
         """The frame step, one CUDA graph per bucket (all captured here)."""
         from csmserve.engine.graphs import FrameGraphs
 
-        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets, self.scratch, self.ring,
-                           self.device)
+        if self.codec_stream is None:
+            return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets, self.scratch,
+                               self.ring, self.device)
+        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=False), self.buckets,
+                           self.scratch, self.ring, self.device, codec=self.codec_step, codec_stream=self.codec_stream,
+                           num_codebooks=self.cfg.num_codebooks)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission]) -> None:
@@ -178,7 +188,10 @@ class ModelRunner:
         s.top_p.index_copy_(0, slots, f[:, 1])
         if reset:
             s.frame.index_fill_(0, slots, 0)
-            if self.codec is not None:
+            if self.codec_stream is not None:  # after the decode of the slot's last stream, before its next
+                with torch.cuda.stream(self.codec_stream):
+                    self.codec.reset(self.codec_resets.put(ints[:, c + _SLOT:c + _SLOT + 1])[:, 0])
+            elif self.codec is not None:
                 self.codec.reset(slots)
 
     @torch.inference_mode()
@@ -207,8 +220,9 @@ class ModelRunner:
         self.model.forward_backbone(tokens, mask, pos, self.kv)
 
     # ---- the frame step ----
-    def frame_step(self, slot_ids: Tensor, kv_bound: int) -> tuple[Tensor, Tensor | None]:
-        """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None."""
+    def frame_step(self, slot_ids: Tensor, kv_bound: int, with_codec: bool = True) -> tuple[Tensor, Tensor | None]:
+        """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None (with_codec=False:
+        None; the decode is then `codec_step`'s, on the codec stream)."""
         s, m = self.state, self.model
         pos = s.pos[slot_ids]  # [B]
         x = m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])  # [B, 1, D]
@@ -234,8 +248,12 @@ class ModelRunner:
         s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)
         s.frame[slot_ids] = torch.where(live, frame + 1, 0)
         # float32 here, inside the graph: the host ring's dtype, no cast allocated per step outside it
-        pcm = None if self.codec is None else self.codec.decode_step(codes[:, :, None], slot_ids).float()
+        pcm = None if self.codec is None or not with_codec else self.codec_step(codes, slot_ids)
         return codes, pcm
+
+    def codec_step(self, codes: Tensor, slot_ids: Tensor) -> Tensor:
+        """codes [B, K] of one frame -> pcm [B, frame_size] float32 (the host ring's dtype, cast inside the graph)."""
+        return self.codec.decode_step(codes[:, :, None], slot_ids).float()
 
     @torch.inference_mode()
     def step(self, slots: np.ndarray, step_id: int = -1) -> StepOutput | None:

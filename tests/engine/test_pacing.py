@@ -35,3 +35,36 @@ def test_a_host_that_did_not_wait_launches_at_once():
     assert p.launch_at() is not None
     p.step_done(0.05, waited=False)  # the host is the bottleneck: its read time says nothing of the GPU
     assert p.launch_at() is None
+
+
+def test_the_engine_paces_from_the_generations_end_with_the_codec_on_its_own_stream():
+    """With Mimi's decode on its own stream a step's results are read when the decode ends, but the next
+    step may start when the generation ended, `codec_lag_s` earlier: that is the step end the pacer learns."""
+    import time
+
+    from csmserve.apps.bench.host_step import StandInRunner, _Out, _request
+    from csmserve.config import EngineConfig
+    from csmserve.engine.engine import Engine
+
+    class Lagged(_Out):
+        def done(self) -> bool:
+            return False  # the host waits for every step: the GPU sets the pace
+
+        def codec_lag_s(self) -> float:
+            return 0.003
+
+    class Runner(StandInRunner):
+        def step(self, slots, step_id=-1):
+            out = super().step(slots, step_id)
+            return None if out is None else Lagged(out.slots, out.codes, out.pcm)
+
+    cfg = EngineConfig(max_slots=4, max_seq_len=4096)
+    engine = Engine(Runner(cfg.max_slots), cfg, start=False, emit=lambda c, step, out: None)
+    seen = []
+    step_done = engine.pacer.step_done
+    engine.pacer.step_done = lambda t, waited: (seen.append(time.perf_counter() - t), step_done(t, waited))
+    engine.submit(_request(1, 0, 10**6))
+    for _ in range(6):
+        engine.step()
+    assert len(seen) >= 4
+    assert all(0.003 <= d < 0.003 + 0.05 for d in seen), seen

@@ -170,6 +170,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
     ap.add_argument("--early-launch", action="store_true",
                     help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
+    ap.add_argument("--no-codec-stream", action="store_true",
+                    help="EngineConfig(codec_stream=False): Mimi's decode after the generation in one graph")
     ap.add_argument("--spec-depth", type=int, default=None,
                     help="EngineConfig.spec_depth: draft/verify k codebooks per depth pass (2..8; prints the "
                          "acceptance rate, which only the real weights make meaningful)")
@@ -230,18 +232,20 @@ def run(args: argparse.Namespace) -> int:
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
                        prefill_token_budget=2048, overlap_steps=not args.no_overlap,
-                       late_launch=not args.early_launch, spec_depth=args.spec_depth, weights=args.weights)
+                       late_launch=not args.early_launch, spec_depth=args.spec_depth, weights=args.weights,
+                       codec_stream=not args.no_codec_stream)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_tokens=cfg.prefill_token_budget,
-                         spec_depth=cfg.spec_depth, weights=cfg.weights)
+                         spec_depth=cfg.spec_depth, weights=cfg.weights, codec_stream=cfg.codec_stream)
     capture_s = time.perf_counter() - t
     engine = Engine(runner, cfg)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     emit(f"device: {name}, torch {torch.__version__}, model {args.model}, dtype {args.dtype}, "
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
          f"overlap_steps {cfg.overlap_steps}, late_launch {cfg.late_launch}, weights {cfg.weights}, "
+         f"codec_stream {runner.codec_stream is not None}, "
          f"spec_depth {cfg.spec_depth or 'off'}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
     spec = SpecMeter(runner.spec)

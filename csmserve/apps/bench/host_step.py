@@ -42,6 +42,9 @@ class _Out:
     def wait(self):
         return self.codes, self.pcm
 
+    def codec_lag_s(self) -> float:
+        return 0.0
+
 
 class StandInRunner:
     """The runner's surface without a model: every frame step returns the same non-EOS codes at once."""
