@@ -425,21 +425,23 @@ fi
 if [[ $what == codecstream ]]; then
   # issue 16: Mimi's decode on its own stream beside the next frame's generation (EngineConfig.codec_stream): its
   # GPU tests, then per CODECSTREAM_WEIGHTS the frame step with Mimi (CODECSTREAM_BATCHES) and one stream through the
-  # engine, the one-graph step (--no-codec-stream) first; CODECSTREAM_PARTS picks the parts (~8 min for all)
+  # engine, the one-graph step (--no-codec-stream) first; CODECSTREAM_PARTS picks the parts (~4 min for all);
+  # CODECSTREAM_VARIANTS="stream" only the codec stream (e.g. beside CSMSERVE_CODEC_PRIORITY=0 for its priority)
   parts=${CODECSTREAM_PARTS:-tests frame engine}
   if [[ $parts == *tests* ]]; then
     timeout ${CODECSTREAM_TEST_S:-240} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_codec_stream_gpu.py \
       tests/engine/test_runner_gpu.py} 2>&1 | tee "$OUT/codec_stream_tests.txt" | tail -15
   fi
   for w in ${CODECSTREAM_WEIGHTS:-bf16 fp8-all}; do
-    for flag in --no-codec-stream ""; do
+    for v in ${CODECSTREAM_VARIANTS:---no-codec-stream stream}; do  # "stream": the default, no flag
+      flag=${v/#stream/}
       if [[ $parts == *frame* ]]; then
-        echo "== frame step, weights $w ${flag:-(codec stream)}" | tee -a "$OUT/codec_stream_frame.txt"
+        echo "== frame step, weights $w ${flag:-(codec stream, priority ${CSMSERVE_CODEC_PRIORITY:--1})}" | tee -a "$OUT/codec_stream_frame.txt"
         python bench/frame_step.py --batches ${CODECSTREAM_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w $flag \
           2>&1 | tee -a "$OUT/codec_stream_frame.txt" | tail -6
       fi
       if [[ $parts == *engine* ]]; then
-        echo "== one stream, weights $w ${flag:-(codec stream)}" | tee -a "$OUT/codec_stream_engine.txt"
+        echo "== one stream, weights $w ${flag:-(codec stream, priority ${CSMSERVE_CODEC_PRIORITY:--1})}" | tee -a "$OUT/codec_stream_engine.txt"
         python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $flag 2>&1 \
           | tee -a "$OUT/codec_stream_engine.txt" | grep -A3 "one stream\|^device" | head -12
       fi

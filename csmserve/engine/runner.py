@@ -115,8 +115,10 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = None
         graphs = use_graphs if use_graphs is not None else cuda
         # Mimi's decode on a stream of its own beside the next frame's generation (EngineConfig.codec_stream;
-        # engine/graphs.py): its rows are reset there too, from their own staging buffer
-        self.codec_stream = torch.cuda.Stream() if graphs and codec_stream and self.codec is not None else None
+        # engine/graphs.py): its rows are reset there too, from their own staging buffer. High priority (CUDA's -1;
+        # CSMSERVE_CODEC_PRIORITY=0: the default's): a frame's decode waits for no queued block of the next generation
+        self.codec_stream = (torch.cuda.Stream(priority=int(os.environ.get("CSMSERVE_CODEC_PRIORITY", "-1")))
+                             if graphs and codec_stream and self.codec is not None else None)
         self.codec_resets = Staging(num_slots + 1, 1, self.device) if self.codec_stream is not None else None
         if graphs:
             from csmserve.engine.prefill_graphs import PrefillGraphs

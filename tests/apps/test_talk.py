@@ -88,6 +88,7 @@ def _audio_rows(csm, context) -> list[np.ndarray]:
     return rows[rows.any(1)]  # without the all-zero frame that ends each turn's audio
 
 
+@pytest.mark.serial  # speech must start before the chat stream ends: real-time overlap (CI: 0.76 s beside a worker)
 def test_three_turns_context_streaming_and_barge_in(csm):
     stand = StandIns()
     server = Server(stand.app).start()
