@@ -33,7 +33,7 @@ class FrameGraphs:
 
     def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
                  device: torch.device, codec: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 codec_stream: torch.cuda.Stream | None = None, num_codebooks: int = 0) -> None:
+                 codec_stream: torch.cuda.Stream | None = None) -> None:
         self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
         self.codec, self.codec_stream = codec, codec_stream
         n = buckets[-1]
@@ -48,9 +48,6 @@ class FrameGraphs:
         self.events = [torch.cuda.Event(enable_timing=timed) for _ in range(ring.slots)]
         self.gen_events = [torch.cuda.Event(enable_timing=True) for _ in range(ring.slots)] if timed else None
         self.snapshot = torch.cuda.Event() if timed else None  # never recorded yet: a wait on it returns at once
-        if codec is not None:  # the codec graphs' own static inputs, written only on the codec stream
-            self.codec_ids = torch.full((n,), scratch, dtype=torch.long, device=device)
-            self.codec_codes = torch.zeros(n, num_codebooks, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.codec_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple] = {}
@@ -85,6 +82,9 @@ class FrameGraphs:
         and a graph keeps the one it was captured with, so the two kinds never share one while they run at the
         same time (captured on one stream, they did: GEMMs of 3+ rows came out wrong)."""
         pool, cs = None, self.codec_stream
+        # the codec graphs' own static inputs, written only on the codec stream (codes: as the generation's)
+        self.codec_ids = torch.full_like(self.slot_ids, self.scratch)
+        self.codec_codes = torch.zeros_like(self.outputs[self.buckets[-1]][0])
         cs.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(cs):
             for b in sorted(self.buckets, reverse=True):

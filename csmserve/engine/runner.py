@@ -131,12 +131,10 @@ class ModelRunner:
         """The frame step, one CUDA graph per bucket (all captured here)."""
         from csmserve.engine.graphs import FrameGraphs
 
-        if self.codec_stream is None:
-            return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len), self.buckets, self.scratch,
-                               self.ring, self.device)
-        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=False), self.buckets,
-                           self.scratch, self.ring, self.device, codec=self.codec_step, codec_stream=self.codec_stream,
-                           num_codebooks=self.cfg.num_codebooks)
+        apart = self.codec_stream is not None  # the decode in graphs of its own, on the codec stream
+        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart), self.buckets,
+                           self.scratch, self.ring, self.device, codec=self.codec_step if apart else None,
+                           codec_stream=self.codec_stream)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission]) -> None:
