@@ -78,3 +78,13 @@ def test_speculation_and_weights_flags(monkeypatch):
         configs(parse(["--spec-depth", "9"]))
     with pytest.raises(ValueError, match="weights must be one of"):
         configs(parse(["--weights", "int4"]))
+
+
+def test_codec_stream_flag(monkeypatch, capsys):
+    assert configs(parse([]))[1].codec_stream is True
+    assert configs(parse(["--codec-stream", "false"]))[1].codec_stream is False
+    monkeypatch.setenv("CSMSERVE_CODEC_STREAM", "0")
+    assert configs(parse([]))[1].codec_stream is False
+    with pytest.raises(SystemExit):
+        parse(["--codec-stream", "sometimes"])
+    assert "codec-stream" in capsys.readouterr().err
