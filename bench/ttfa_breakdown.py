@@ -31,10 +31,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="12,166,1000")
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"], help="EngineConfig.weights")
+    ap.add_argument("--no-codec-stream", action="store_true", help="Mimi's decode in the frame's one graph")
     args = ap.parse_args()
     model, _, model_dir = load_csm("dummy", "cuda", torch.bfloat16)
     codec = load_codec("dummy", model_dir, None, torch.device("cuda"), torch.bfloat16)
-    runner = ModelRunner(model, 8, 2048, mimi=codec)
+    runner = ModelRunner(model, 8, 2048, mimi=codec, weights=args.weights, codec_stream=not args.no_codec_stream)
+    print(f"weights {args.weights}, codec stream {runner.codec_stream is not None}")
     W = model.cfg.frame_width
     print("| prompt frames | admit host/device (ms) | prefill host/device (ms) | first step host/device (ms) |"
           " sum device (ms) |\n|---|---|---|---|---|")

@@ -448,3 +448,32 @@ if [[ $what == codecstream ]]; then
     done
   done
 fi
+if [[ $what == edges ]]; then
+  # issue 16: the depth step's edges (the embedding gathered in the projection's GEMV and the final norm in the head's:
+  # CSMSERVE_GEMV_EDGES; the attention and the o projection in one kernel: CSMSERVE_DEPTH_ATTN_O; the sampler's
+  # parameters and noise, the attention's static position before the PDL wait: CSMSERVE_SAMPLER_EARLY,
+  # CSMSERVE_DEPTH_POS_EARLY). EDGES_PARTS: tests frame engine; EDGES_VARIANTS: off (all four 0), on (the
+  # defaults), or one VAR=value; per EDGES_WEIGHTS the frame step with Mimi (EDGES_BATCHES) and one stream
+  parts=${EDGES_PARTS:-tests frame engine}
+  off="CSMSERVE_GEMV_EDGES=0 CSMSERVE_DEPTH_ATTN_O=0 CSMSERVE_SAMPLER_EARLY=0 CSMSERVE_DEPTH_POS_EARLY=0"
+  if [[ $parts == *tests* ]]; then
+    timeout ${EDGES_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py \
+      tests/kernels/test_depth_attention_gpu.py tests/kernels/test_sampler_gpu.py tests/engine/test_runner_gpu.py \
+      tests/engine/test_codec_stream_gpu.py} 2>&1 | tee "$OUT/edges_tests.txt" | tail -15
+  fi
+  for w in ${EDGES_WEIGHTS:-bf16 fp8-all}; do
+    for v in ${EDGES_VARIANTS:-off on}; do
+      case $v in off) envs=$off;; on) envs="";; *) envs=$v;; esac
+      if [[ $parts == *frame* ]]; then
+        echo "== frame step, weights $w, $v" | tee -a "$OUT/edges_frame.txt"
+        env $envs python bench/frame_step.py --batches ${EDGES_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w \
+          2>&1 | tee -a "$OUT/edges_frame.txt" | tail -6
+      fi
+      if [[ $parts == *engine* ]]; then
+        echo "== one stream, weights $w, $v" | tee -a "$OUT/edges_engine.txt"
+        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w 2>&1 \
+          | tee -a "$OUT/edges_engine.txt" | grep -A3 "one stream\|^device" | head -12
+      fi
+    done
+  done
+fi

@@ -93,8 +93,9 @@ class ModelRunner:
         self.buckets = buckets or bucket_sizes(num_slots)
         # draft/verify over codebooks (EngineConfig.spec_depth; it brings its own, longer depth KV)
         self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
-        self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device)
-        self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)
+        self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)  # [K], never written
+        self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device,
+                                                               static_pos=self.depth_pos)
         # codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; CSMSERVE_DEPTH_LOOP=1, off by
         # default until measured on the GPU). Not with speculation's own depth loop nor FP8 weights (it reads
         # nn.Linear weights)

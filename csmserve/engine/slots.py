@@ -70,8 +70,12 @@ class DepthKV(KVView):
     nothing crosses a frame boundary, so no slot indexing). One-query steps use the decode kernel."""
 
     def __init__(self, cfg: CSMConfig, batch: int, dtype: torch.dtype, device: torch.device,
-                 positions: int | None = None) -> None:
+                 positions: int | None = None, static_pos: Tensor | None = None) -> None:
         d = cfg.decoder
+        # static_pos: the depth steps' positions, written by no kernel of a frame: a step whose pos is a view of it
+        # reads it before the fused kernel's PDL wait (kernels/depth_attention.py, pos_static)
+        self.static_pos = static_pos
+        self.pos_static = False
         # positions: K, or more for speculation's verify passes (engine/speculate.py: K + k + 1)
         shape = (d.n_layers, batch, d.n_kv_heads, positions or cfg.num_codebooks, d.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -84,6 +88,7 @@ class DepthKV(KVView):
 
     def begin(self, pos: Tensor) -> None:
         self.pos = pos  # [B, S]
+        self.pos_static = self.static_pos is not None and (pos._base if pos._base is not None else pos) is self.static_pos
         if pos.shape[1] == 1 and self.use_triton:
             if not self.fused:  # the fused kernel reads pos itself: two launches less per depth step
                 self.lengths = (pos[:, 0] + 1).to(torch.int32)
@@ -97,8 +102,23 @@ class DepthKV(KVView):
             return None
         from csmserve.kernels.depth_attention import depth_attend_triton
 
-        out = depth_attend_triton(qkv[:, 0], self.pos[:, 0], cos, sin, self.k[layer], self.v[layer], n_q, n_kv)
+        out = depth_attend_triton(qkv[:, 0], self.pos[:, 0], cos, sin, self.k[layer], self.v[layer], n_q, n_kv,
+                                  self.pos_static)
         return out[:, None]
+
+    def attend_qkv_o(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, weight: Tensor,
+                     scale: Tensor | None) -> Tensor | None:
+        """KVView.attend_qkv_o: kernels/depth_attention.py's attention + o projection when fused, S == 1, 1-2 rows."""
+        if not self.fused or qkv.shape[1] != 1:
+            return None
+        from csmserve.kernels import depth_attention as da
+
+        k, v = self.k[layer], self.v[layer]
+        if not da.attend_o_applies(qkv[:, 0], k, n_q, n_kv, weight, scale):
+            return None
+        sc = None if scale is None else scale.reshape(-1)
+        return da.depth_attend_o_triton(qkv[:, 0], self.pos[:, 0], cos, sin, k, v, n_q, n_kv, weight, sc,
+                                        self.pos_static)[:, None]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, S = q.shape[:2]

@@ -72,16 +72,17 @@ def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0, u1, dt,
+def _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0, u1, dt,
                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, GLU: tl.constexpr):
-    """One chunk: the rows' inputs at columns rk [BK] times the chunk's weights w (and up u) [BN, BK]."""
+    """One chunk: the rows' inputs (X, X1: rows 0 and 1) at columns rk [BK] times the chunk's weights w (and up u)
+    [BN, BK]."""
     nw = 1.0
     if NORM:
         nw = tl.load(NW + rk).to(tl.float32)
     x0 = _chunk(X, DELTA, nw, rk, rk < K, rstd0, dt, NORM, HAS_DELTA)[None, :]
     g0 += w.to(tl.float32) * x0
     if TWO_ROWS:
-        x1 = _chunk(X + stride_xm, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
+        x1 = _chunk(X1, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
         g1 += w.to(tl.float32) * x1
     if GLU:
         u0 += u.to(tl.float32) * x0
@@ -94,7 +95,7 @@ def _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rst
 def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -117,17 +118,21 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    X1 = X + stride_xm
+    if GATHER:  # the rows are X's (a table [R, K]) rows IDX [M], written by the kernel before: read after the wait
+        X1 = X + tl.load(IDX + 1, mask=two, other=0) * stride_xm
+        X = X + tl.load(IDX) * stride_xm
     rstd0 = 1.0
     rstd1 = 1.0
     if NORM:  # program 0 writes h, the residual stream
         rstd0 = _rstd(X, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
         if TWO_ROWS:
-            rstd1 = _rstd(X + stride_xm, DELTA + stride_dm, H + stride_hm, K, two, pid == 0, eps, dt, HAS_DELTA, PRE_K)
+            rstd1 = _rstd(X1, DELTA + stride_dm, H + stride_hm, K, two, pid == 0, eps, dt, HAS_DELTA, PRE_K)
     g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk0, K, two, rstd0, rstd1, g0, g1, u0, u1,
+    g0, g1, u0, u1 = _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk0, K, two, rstd0, rstd1, g0, g1, u0, u1,
                                  dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
     for k0 in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (blocks() checks)
         rk = k0 + rk0
@@ -135,7 +140,7 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
         u = w
         if GLU:
             u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
-        g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
+        g0, g1, u0, u1 = _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
                                      u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
     _store(Y, rn, mn, g0, u0, sg, su, GLU)
     if TWO_ROWS:
@@ -204,6 +209,27 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = No
                                         HAS_DELTA=False, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk,
                                         SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
     return y.reshape(*x.shape[:-1], N)
+
+
+def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
+    return (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
+            and table.stride(-1) == 1 and applies(table[:len(idx)], weight, False, scale))
+
+
+def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """table[idx] @ weight^T without the gathered rows in memory: idx [M] int64 (rows of table [R, K]) -> [M, N].
+    The embedding before the depth decoder's projection, in the projection's kernel: one launch less per depth
+    step, and none of torch's between two PDL kernels. The caller checks `gather_applies`."""
+    M, K = len(idx), table.shape[1]
+    N = weight.shape[0]
+    bn, bk, warps, stages = config(M, N, K, fp8=scale is not None)
+    y = torch.empty(M, N, dtype=table.dtype, device=table.device)
+    _gemv_kernel[(triton.cdiv(N, bn),)](table, table, table, table, weight, weight if scale is None else scale, y, M, N,
+                                        K, table.stride(0), 0, 0, weight.stride(0), y.stride(0), N, 0.0, NORM=False,
+                                        HAS_DELTA=False, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=False, PRE_K=bk,
+                                        SCALED=scale is not None, IDX=idx, GATHER=True, **_launch_opts(warps, stages),
+                                        **pdl.opts())
+    return y
 
 
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,

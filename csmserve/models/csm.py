@@ -80,10 +80,13 @@ class CSMModel(nn.Module):
         text = self.text_embeddings(tokens[..., K])  # [B, S, Db]
         return (audio * m[..., :K, None]).sum(2) + text * m[..., K, None]
 
-    def embed_audio(self, codebook: int, codes: Tensor) -> Tensor:
-        # codebook's rows of the table (a view): one gather per depth step, no offset add before it
+    def audio_table(self, codebook: int) -> Tensor:
+        # codebook's rows of the embedding table [V, Db] (a view): a gather per depth step, no offset add before it
         V = self.cfg.audio_vocab_size
-        return F.embedding(codes, self.audio_embeddings.weight[codebook * V:(codebook + 1) * V])
+        return self.audio_embeddings.weight[codebook * V:(codebook + 1) * V]
+
+    def embed_audio(self, codebook: int, codes: Tensor) -> Tensor:
+        return F.embedding(codes, self.audio_table(codebook))
 
     def embed_codes(self, codes: Tensor) -> Tensor:
         # codes [B, K] of one generated frame -> [B, Db] backbone input of the next position
@@ -98,6 +101,15 @@ class CSMModel(nn.Module):
         if self.head_t is not None:
             return llama.matmul_t(h_dec, self.head_t[codebook - 1])[:, : self.cfg.audio_vocab_size]
         return h_dec @ self.audio_head[codebook - 1]
+
+    def codebook_logits_unnormed(self, codebook: int, x: Tensor, delta: Tensor) -> Tensor:
+        """codebook_logits of the depth decoder's final norm of x + delta [B, Dd] (Llama.forward's normed=False):
+        the add + norm in the head's GEMV (llama.norm_matmul_t) where the heads are prepared."""
+        if self.head_t is not None:
+            V = self.cfg.audio_vocab_size
+            return llama.norm_matmul_t(x, delta, self.decoder.norm, self.head_t[codebook - 1])[:, :V]
+        n = self.decoder.norm
+        return self.codebook_logits(codebook, llama.add_rms_norm(x, delta, n.weight, n.eps)[1])
 
     def codebook_logits_at(self, codebooks: Tensor, h_dec: Tensor, rows: Tensor | None = None) -> Tensor:
         """Each output row its own codebook head: codebooks [N] in 1..K-1, h_dec [M, Dd], rows [N] (the
@@ -134,11 +146,12 @@ class CSMModel(nn.Module):
         x = torch.stack([h, self.embed_audio(0, c)], dim=1)  # [B, 2, Db]
         p = pos[:2].expand(B, 2)
         n = upto or self.cfg.num_codebooks
+        y = llama.linear(x, self.projection)  # [B, 2, Dd]
         for i in range(1, n):
-            out = self.decoder(llama.linear(x, self.projection), p, kv)  # [B, S, Dd]
-            c = sample(self.codebook_logits(i, out[:, -1]), i)
+            out, delta = self.decoder(y, p, kv, normed=False)  # [B, S, Dd] each: the final norm is in the head's GEMV
+            c = sample(self.codebook_logits_unnormed(i, out[:, -1], delta[:, -1]), i)
             codes.append(c)
-            if i + 1 < n:
-                x = self.embed_audio(i, c)[:, None]  # codebook i's code enters at decoder position i+1
+            if i + 1 < n:  # codebook i's code enters at decoder position i+1, gathered in the projection's GEMV
+                y = llama.embed_linear(c, self.audio_table(i), self.projection)[:, None]  # [B, 1, Dd]
                 p = pos[i + 1 : i + 2].expand(B, 1)
         return torch.stack(codes, dim=1)

@@ -8,6 +8,7 @@ the engine supplies its own views over slot-indexed buffers.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,6 +159,27 @@ def _norm_then_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.
     return _norm_then(x, delta, norm, layer, gated)
 
 
+def _embed_linear(idx: Tensor, table: Tensor, layer: nn.Module) -> Tensor:
+    return linear(F.embedding(idx, table), layer)
+
+
+def _embed_linear_gemv(idx: Tensor, table: Tensor, layer: nn.Module) -> Tensor:
+    ws = _gemv_weight(table, layer)
+    if ws is not None and _gemv().gather_applies(idx, table, ws[0], ws[1]):
+        return _gemv().gather_gemv(idx, table, ws[0], ws[1])
+    return _embed_linear(idx, table, layer)
+
+
+def _norm_matmul_t(x: Tensor, delta: Tensor | None, norm: "RMSNorm", weight: Tensor) -> Tensor:
+    return matmul_t(add_rms_norm(x, delta, norm.weight, norm.eps)[1], weight)
+
+
+def _norm_matmul_t_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", weight: Tensor) -> Tensor:
+    if x.is_cuda and _gemv().norm_applies(x, norm.weight, weight):
+        return _gemv().norm_gemv(x, delta, norm.weight, norm.eps, weight)[1]
+    return _norm_matmul_t(x, delta, norm, weight)
+
+
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
     return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
 
@@ -173,9 +195,11 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
 # The elementwise pieces, swappable for fused Triton kernels by `fuse_elementwise()` (same math,
 # one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up), and the
 # GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up; norm_then: a block's residual
-# add + RMSNorm and the GEMM after it, (h, y) = (x + delta, layer(norm(h))), gated: glu), by `fuse_gemv()`.
+# add + RMSNorm and the GEMM after it, (h, y) = (x + delta, layer(norm(h))), gated: glu; embed_linear:
+# layer(table[idx]), the gather in the GEMM; norm_matmul_t: norm(x + delta) @ weight^T), by `fuse_gemv()`.
 add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
 matmul_t, linear_impl, glu, norm_then = _matmul_t, _linear, _glu, _norm_then
+embed_linear, norm_matmul_t = _embed_linear, _norm_matmul_t
 
 
 def fuse_elementwise() -> None:
@@ -189,9 +213,13 @@ def fuse_elementwise() -> None:
 def fuse_gemv(on: bool = True) -> None:
     """GEMMs of 1-2 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
     one and each block's two residual add + RMSNorm into the GEMM after them; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
-    global matmul_t, linear_impl, glu, norm_then
+    global matmul_t, linear_impl, glu, norm_then, embed_linear, norm_matmul_t
     matmul_t, linear_impl, glu, norm_then = ((_matmul_t_gemv, _linear_gemv, _glu_gemv, _norm_then_gemv) if on
                                              else (_matmul_t, _linear, _glu, _norm_then))
+    # CSMSERVE_GEMV_EDGES=0: the depth step's embedding and final norm as kernels of their own (to compare)
+    edges = on and os.environ.get("CSMSERVE_GEMV_EDGES", "1") != "0"
+    embed_linear, norm_matmul_t = ((_embed_linear_gemv, _norm_matmul_t_gemv) if edges
+                                   else (_embed_linear, _norm_matmul_t))
 
 
 class KVView(Protocol):
@@ -208,6 +236,12 @@ class KVView(Protocol):
     def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
         """RoPE, store and attention from the projection qkv [B, S, (n_q + 2 n_kv) hd] in one kernel ->
         [B, S, n_q hd], where the view has one (DepthKV); None: the caller ropes q and k and calls attend()."""
+        return None
+
+    def attend_qkv_o(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, weight: Tensor,
+                     scale: Tensor | None) -> Tensor | None:
+        """attend_qkv and the o projection after it (weight [D, n_q hd]; FP8: e4m3 with per-channel scale) in one
+        kernel -> [B, S, D], where the view has one (DepthKV at 1-2 rows); None: attend_qkv, then linear."""
         return None
 
 
@@ -268,6 +302,11 @@ class Attention(nn.Module):
     def forward(self, qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         # qkv [B, S, (Hq + 2 Hkv) hd]: qkv_proj of the normed input (Block: norm_then)
         B, S, _ = qkv.shape
+        ws = _gemv_weight(qkv, self.o_proj) if linear_impl is _linear_gemv else None  # fuse_gemv: our kernels
+        if ws is not None:
+            out = kv.attend_qkv_o(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv, *ws)
+            if out is not None:
+                return out
         out = kv.attend_qkv(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv)
         if out is not None:
             return linear(out, self.o_proj)
@@ -317,12 +356,15 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, hd] fp32
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x: Tensor, pos: Tensor, kv: KVView) -> Tensor:
-        # x [B, S, D]; pos [B, S] absolute positions
+    def forward(self, x: Tensor, pos: Tensor, kv: KVView, normed: bool = True) -> Tensor | tuple[Tensor, Tensor]:
+        # x [B, S, D]; pos [B, S] absolute positions -> the final-normed hidden states [B, S, D]; normed=False:
+        # (x, delta) before the final add + norm, for the caller to fuse them into its GEMM (norm_matmul_t)
         kv.begin(pos)
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, pos, self.rope_cos, self.rope_sin, kv, i)
+        if not normed:
+            return x, delta
         return add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def new_kv(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DenseKV:

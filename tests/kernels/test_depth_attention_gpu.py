@@ -37,7 +37,8 @@ def _reference_step(qkv, pos, cos, sin, kc, vc, n_q, n_kv):
 @run
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (5, 8, 2, 128, 32), (3, 4, 4, 32, 20), (2, 4, 2, 16, 33)])
-def test_a_frame_of_steps_equals_the_unfused_path(dtype, B, n_q, n_kv, hd, P):
+@pytest.mark.parametrize("pos_static", [False, True])
+def test_a_frame_of_steps_equals_the_unfused_path(dtype, B, n_q, n_kv, hd, P, pos_static):
     from csmserve.kernels.depth_attention import depth_attend_triton
 
     torch.manual_seed(0)
@@ -51,7 +52,7 @@ def test_a_frame_of_steps_equals_the_unfused_path(dtype, B, n_q, n_kv, hd, P):
         base = torch.randn(B, width + 7, dtype=dtype, device=DEV)
         qkv = base[:, 3:3 + width]  # strided rows, as a view into a wider projection
         pos = torch.full((B,), t, dtype=torch.long, device=DEV)
-        out = depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
+        out = depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv, pos_static)
         ref = _reference_step(qkv, pos, cos, sin, kr, vr, n_q, n_kv)
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype], msg=f"step {t}")
     torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])  # the same k, rounded as rope_qk does
@@ -131,3 +132,95 @@ def test_depth_kv_fused_equals_unfused(monkeypatch):
                 hs.append(model(x, torch.full((B, 1), t, device=DEV), kv))
         outs[fused] = torch.stack(hs)
     torch.testing.assert_close(outs["1"], outs["0"], atol=1e-4, rtol=1e-4)
+
+
+def _fp8_weight(n, k, seed):
+    from csmserve.models.fp8 import quantize_rows_torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[torch.randperm(n, generator=g)][:, None]
+    w8, s = quantize_rows_torch(w)
+    return w8.to(DEV), s.reshape(-1).to(DEV)
+
+
+@run
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (2, 8, 2, 128, 32), (2, 4, 2, 16, 33), (1, 4, 1, 32, 20)])
+@pytest.mark.parametrize("weights", ["plain", "fp8"])
+@pytest.mark.parametrize("pos_static", [False, True])
+def test_attention_and_o_projection_in_one_kernel_equal_the_two(dtype, B, n_q, n_kv, hd, P, weights, pos_static):
+    """depth_attend_o_triton (each program of the o GEMV computes the attention itself) over a frame of steps: the
+    output == the unfused attention (the torch reference) rounded to the model dtype, times the o weights (FP8: e4m3
+    with per-channel scales); the cache == the reference's (k rounded as rope_qk does, v exact); rows past the
+    batch untouched. A wrong head's weights, a missing scale or a position read past the row fail it."""
+    from csmserve.kernels.depth_attention import depth_attend_o_triton
+    from csmserve.models.fp8 import weight_only_torch
+
+    if weights == "fp8" and dtype == torch.float32:
+        pytest.skip("FP8 weights run with 16-bit activations")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=n_q * hd, n_layers=1, n_heads=n_q, n_kv_heads=n_kv, intermediate=64, max_seq_len=64)
+    cos, sin = (t.to(DEV) for t in rope_tables(cfg))
+    D = 96  # the o projection's outputs: not a multiple of the kernel's block (a masked last block)
+    if weights == "fp8":
+        w, scale = _fp8_weight(D, n_q * hd, seed=hd)
+    else:
+        w, scale = (torch.randn(D, n_q * hd) * 0.05).to(dtype).to(DEV), None
+    width = (n_q + 2 * n_kv) * hd
+    shape = (B + 2, n_kv, P, hd)
+    kc, vc = torch.zeros(shape, dtype=dtype, device=DEV), torch.zeros(shape, dtype=dtype, device=DEV)
+    kr, vr = kc.clone(), vc.clone()
+    for t in range(P):
+        base = torch.randn(B, width + 5, dtype=dtype, device=DEV)
+        qkv = base[:, 2:2 + width]
+        pos = torch.full((B,), t, dtype=torch.long, device=DEV)
+        y = depth_attend_o_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv, w, scale, pos_static)
+        att = _reference_step(qkv, pos, cos, sin, kr, vr, n_q, n_kv).to(dtype)
+        ref = weight_only_torch(att, w, scale).float() if scale is not None else att.float() @ w.float().t()
+        tol = 2e-4 if dtype == torch.float32 else 3e-2
+        assert y.shape == (B, D) and y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol, msg=f"step {t}")
+    torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(vc, vr, atol=0, rtol=0)
+    assert kc[B:].abs().sum() == 0 and vc[B:].abs().sum() == 0
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+def test_depth_kv_runs_attention_and_o_in_one_kernel_at_one_and_two_rows(monkeypatch):
+    """A depth decoder (CSM-1B's depth shape, bf16) through DepthKV with fuse_gemv: at 1-2 rows the attention and the
+    o projection run as one kernel (CSMSERVE_DEPTH_ATTN_O, on by default), with the same hidden states as with the
+    two kernels (=0) within bf16 rounding; at 3 rows the kernel does not apply."""
+    from csmserve.engine.slots import DepthKV
+    from csmserve.kernels import depth_attention as da
+    from csmserve.models import llama
+    from csmserve.models.csm import CSMConfig, llama_100m
+
+    torch.manual_seed(0)
+    dec = llama_100m()
+    cfg = CSMConfig(decoder=dec, num_codebooks=8)
+    model = llama.Llama(dec).to(DEV, torch.bfloat16).eval()
+    for p_ in model.parameters():
+        torch.nn.init.normal_(p_, std=0.02)
+    calls = []
+    real = da.depth_attend_o_triton
+    monkeypatch.setattr(da, "depth_attend_o_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    was_on = llama.linear_impl is llama._linear_gemv
+    llama.fuse_gemv(True)
+    try:
+        for B in (1, 2, 3):
+            outs = {}
+            for on in (False, True):
+                monkeypatch.setattr(da, "ATTN_O", on)
+                calls.clear()
+                kv = DepthKV(cfg, B, torch.bfloat16, torch.device(DEV))
+                torch.manual_seed(2)
+                hs = []
+                with torch.no_grad():
+                    for t in range(cfg.num_codebooks):
+                        x = torch.randn(B, 1, dec.dim, device=DEV, dtype=torch.bfloat16)
+                        hs.append(model(x, torch.full((B, 1), t, device=DEV), kv))
+                outs[on] = torch.stack(hs).float()
+                assert len(calls) == (cfg.num_codebooks * dec.n_layers if on and B <= 2 else 0), (B, on, len(calls))
+            torch.testing.assert_close(outs[True], outs[False], atol=3e-2, rtol=3e-2)
+    finally:
+        llama.fuse_gemv(was_on)

@@ -268,3 +268,32 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
         assert not torch.equal(outs["gemv"], outs["plain"])  # not the per-row quantized GEMM
     else:
         assert torch.equal(outs["gemv"], outs["plain"])
+
+
+@run
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
+    """gather_gemv (the depth step's embedding gathered in the projection's kernel): the same bits as F.embedding
+    then gemv, from a codebook's rows of a larger table (a row view, as CSMModel.audio_table gives), the first and
+    last rows among them; with FP8 weights too. A wrong row (an index read as another, row 1's offset) fails."""
+    from csmserve.kernels import gemv
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    torch.manual_seed(m)
+    V, K, N = 64, 2048, 1024
+    big = torch.randn(3 * V, K, dtype=dt).to(DEV)
+    table = big[V:2 * V]  # codebook 1's rows
+    if fp8:
+        w, scale = _fp8(N, K, seed=7)
+    else:
+        w, scale = (torch.randn(N, K, dtype=dt) * 0.05).to(DEV), None
+    for idx in ([0], [V - 1], [5, V - 1], [17, 17])[2 * (m - 1):2 * m]:
+        idx = torch.tensor(idx, dtype=torch.int64).to(DEV)
+        if DEV == "cuda":
+            assert gemv.gather_applies(idx, table, w, scale)
+        out = gemv.gather_gemv(idx, table, w, scale)
+        ref = gemv.gemv(F.embedding(idx, table), w, scale=scale)
+        assert out.shape == (m, N) and torch.equal(out, ref), idx
+    if DEV == "cuda":  # three rows: cuBLAS after the embedding, as before
+        assert not gemv.gather_applies(torch.zeros(3, dtype=torch.int64, device=DEV), table, w, scale)
