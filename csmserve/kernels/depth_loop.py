@@ -160,7 +160,7 @@ def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_w
                 u_n = w_n
                 if GLU:
                     u_n = tl.load(w_rows + UP_OFF * stride_wn + rk_n[None, :], mask=m_n, other=0.0)
-                g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
+                g0, g1, u0, u1 = _accumulate(X, X + stride_xm, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
                                              g1, u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
                 w, u, rk = w_n, u_n, rk_n
         else:
@@ -170,7 +170,7 @@ def _gemv(X, DELTA, H, NW, W, Y, N, K, stride_xm, stride_dm, stride_hm, stride_w
                 u = w
                 if GLU:
                     u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
-                g0, g1, u0, u1 = _accumulate(X, DELTA, NW, stride_xm, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
+                g0, g1, u0, u1 = _accumulate(X, X + stride_xm, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
                                              g1, u0, u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
         _store(Y, rn, mn, g0, u0, 1.0, 1.0, GLU)
         if TWO_ROWS:

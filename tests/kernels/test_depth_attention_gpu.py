@@ -177,9 +177,11 @@ def test_attention_and_o_projection_in_one_kernel_equal_the_two(dtype, B, n_q, n
         y = depth_attend_o_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv, w, scale, pos_static)
         att = _reference_step(qkv, pos, cos, sin, kr, vr, n_q, n_kv).to(dtype)
         ref = weight_only_torch(att, w, scale).float() if scale is not None else att.float() @ w.float().t()
-        tol = 2e-4 if dtype == torch.float32 else 3e-2
+        # relative to the largest output: the reference's attention rounds differently (bf16 SDPA), and FP8 weights
+        # of magnitude ~1 carry that difference into every output
+        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         assert y.shape == (B, D) and y.dtype == dtype
-        torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol, msg=f"step {t}")
+        assert err < (1e-5 if dtype == torch.float32 else 1.5e-2), (t, err)
     torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(vc, vr, atol=0, rtol=0)
     assert kc[B:].abs().sum() == 0 and vc[B:].abs().sum() == 0
