@@ -80,6 +80,19 @@ def attend_cached(src, p, c, s, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, sc
     """attend_one on the cache as read by cached_kv (positions >= p masked here) and position p's cos, sin
     (rope_at)."""
     dt = out_row.dtype.element_ty
+    out = attend_rows(src, p, c, s, k_base, v_base, s_kt, s_vt, h, n_kv, scale, n_q, kc1, kc2, vc, True, dt, G, GP, HD,
+                      HALF, BLOCK_N, IEEE)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, HD)
+    tl.store(out_row + (h * G + g)[:, None] * HD + d[None, :], out.to(dt), mask=(g < G)[:, None])
+
+
+@triton.jit
+def attend_rows(src, p, c, s, k_base, v_base, s_kt, s_vt, h, n_kv, scale, n_q, kc1, kc2, vc, store, dt,
+                G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                IEEE: tl.constexpr):
+    """attend_cached's attention -> [GP, HD] fp32 (rows >= G: padding, not an output); store: write the new k and v
+    at p (else only read them)."""
     i = tl.arange(0, HALF)
     d = tl.arange(0, HD)
     # this head's new key, rotated, and value -> the cache at position p
@@ -88,9 +101,10 @@ def attend_cached(src, p, c, s, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, sc
     k1 = (kx1 * c - kx2 * s).to(dt)  # [HALF]
     k2 = (kx2 * c + kx1 * s).to(dt)
     v_new = tl.load(src + (n_q + n_kv + h) * HD + d)  # [HD]
-    tl.store(k_base + p * s_kt + i, k1)
-    tl.store(k_base + p * s_kt + HALF + i, k2)
-    tl.store(v_base + p * s_vt + d, v_new)
+    if store:
+        tl.store(k_base + p * s_kt + i, k1)
+        tl.store(k_base + p * s_kt + HALF + i, k2)
+        tl.store(v_base + p * s_vt + d, v_new)
     # the group's query heads, rotated (padded to the 16 rows tl.dot needs)
     g = tl.arange(0, GP)
     g_ok = g < G
@@ -122,8 +136,7 @@ def attend_cached(src, p, c, s, k_base, v_base, out_row, s_kt, s_vt, h, n_kv, sc
     else:
         acc = tl.dot(pc.to(dt), vc)
     acc = acc + pn[:, None] * v_new.to(tl.float32)[None, :]
-    out = acc / l_sum[:, None]
-    tl.store(out_row + qh[:, None] * HD + d[None, :], out.to(dt), mask=g_ok[:, None])
+    return acc / l_sum[:, None]
 
 
 @triton.jit
@@ -191,61 +204,36 @@ ATTN_O_WARPS = 8
 
 @triton.jit
 def _head_o(src, p, c, s, k_base, v_base, w, s_kt, s_vt, h, n_q, n_kv, scale, store, dt, G: tl.constexpr,
-            HD: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One (row, KV head): the attention output of its G query heads [G, HD] (rounded to the model dtype, as the
-    unfused path stores it) times their o weights w [BN, G, HD] -> [BN] fp32. src the row's qkv, p its position,
-    c/s its cos/sin (rope_at), k_base/v_base the head's cache [P, HD]; store: write the new k and v at p."""
-    i = tl.arange(0, HALF)
-    d = tl.arange(0, HD)
+            GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, IEEE: tl.constexpr):
+    """One (row, KV head): attend_rows' attention of its G query heads (rounded to the model dtype, as the unfused
+    path stores it) times their o weights w [BN, G, HD] -> [BN] fp32. src the row's qkv, p its position, c/s its
+    cos/sin (rope_at), k_base/v_base the head's cache [P, HD]; store: write the new k and v at p."""
+    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, p, HD, HALF, BLOCK_P)
+    out = attend_rows(src, p, c, s, k_base, v_base, s_kt, s_vt, h, n_kv, scale, n_q, kc1, kc2, vc, store, dt, G, GP,
+                      HD, HALF, BLOCK_P, IEEE)  # [GP, HD]
+    r = tl.arange(0, GP)
     g = tl.arange(0, G)
-    n = tl.arange(0, BLOCK_P)
-    valid = n < p  # the earlier positions, written by earlier depth steps
-    kc1 = tl.load(k_base + n[:, None] * s_kt + i[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    kc2 = tl.load(k_base + n[:, None] * s_kt + HALF + i[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    vc = tl.load(v_base + n[:, None] * s_vt + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)  # [P, HD]
-    kx1 = tl.load(src + (n_q + h) * HD + i).to(tl.float32)
-    kx2 = tl.load(src + (n_q + h) * HD + HALF + i).to(tl.float32)
-    k1 = (kx1 * c - kx2 * s).to(dt)  # [HALF]
-    k2 = (kx2 * c + kx1 * s).to(dt)
-    v_new = tl.load(src + (n_q + n_kv + h) * HD + d)  # [HD]
-    if store:
-        tl.store(k_base + p * s_kt + i, k1)
-        tl.store(k_base + p * s_kt + HALF + i, k2)
-        tl.store(v_base + p * s_vt + d, v_new)
-    qh = h * G + g  # [G]
-    qx1 = tl.load(src + qh[:, None] * HD + i[None, :]).to(tl.float32)
-    qx2 = tl.load(src + qh[:, None] * HD + HALF + i[None, :]).to(tl.float32)
-    q1 = (qx1 * c[None, :] - qx2 * s[None, :]).to(dt).to(tl.float32)  # [G, HALF]
-    q2 = (qx2 * c[None, :] + qx1 * s[None, :]).to(dt).to(tl.float32)
-    sc = tl.sum(q1[:, None, :] * kc1[None, :, :], 2) + tl.sum(q2[:, None, :] * kc2[None, :, :], 2)  # [G, P]
-    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-    s_new = (tl.sum(q1 * k1.to(tl.float32)[None, :], 1) + tl.sum(q2 * k2.to(tl.float32)[None, :], 1)) * scale  # [G]
-    m = tl.maximum(tl.max(sc, 1), s_new)
-    pc = tl.exp(sc - m[:, None])
-    pn = tl.exp(s_new - m)
-    l_sum = tl.sum(pc, 1) + pn
-    # the probabilities rounded to the model dtype for the cached values' product (as attend_cached's tl.dot)
-    acc = tl.sum(pc.to(dt).to(tl.float32)[:, :, None] * vc[None, :, :], 1)  # [G, HD]
-    acc = acc + pn[:, None] * v_new.to(tl.float32)[None, :]
-    out = (acc / l_sum[:, None]).to(dt).to(tl.float32)
-    return tl.sum(tl.sum(w.to(tl.float32) * out[None, :, :], 2), 1)  # [BN]
+    # the G output rows of the GP computed: [G, HD]
+    sel = tl.sum(tl.where(r[None, :, None] == g[:, None, None], out.to(dt).to(tl.float32)[None, :, :], 0.0), 1)
+    return tl.sum(tl.sum(w.to(tl.float32) * sel[None, :, :], 2), 1)  # [BN]
 
 
 @triton.jit
 def _row_o(QKV, KC, VC, p, c, s, w0, w1, s_kh, s_kt, s_vh, s_vt, n_q, scale, store, dt,
-           NKV: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr):
+           NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_P: tl.constexpr, IEEE: tl.constexpr):
     """One row: the o projection of its attention [BN] fp32, summed over its (one or two) KV heads' query heads."""
-    y = _head_o(QKV, p, c, s, KC, VC, w0, s_kt, s_vt, 0, n_q, NKV, scale, store, dt, G, HD, HALF, BLOCK_P)
+    y = _head_o(QKV, p, c, s, KC, VC, w0, s_kt, s_vt, 0, n_q, NKV, scale, store, dt, G, GP, HD, HALF, BLOCK_P, IEEE)
     if NKV == 2:
-        y += _head_o(QKV, p, c, s, KC + s_kh, VC + s_vh, w1, s_kt, s_vt, 1, n_q, NKV, scale, store, dt, G, HD, HALF,
-                     BLOCK_P)
+        y += _head_o(QKV, p, c, s, KC + s_kh, VC + s_vh, w1, s_kt, s_vt, 1, n_q, NKV, scale, store, dt, G, GP, HD, HALF,
+                     BLOCK_P, IEEE)
     return y
 
 
 @triton.jit
 def _depth_attend_o_kernel(QKV, POS, COS, SIN, KC, VC, W, S, Y, N, stride_qkv, stride_pos, s_kn, s_kh, s_kt, s_vn,
                            s_vh, s_vt, stride_wn, stride_ym, scale, n_q, NKV: tl.constexpr, G: tl.constexpr,
-                           HD: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                           GP: tl.constexpr, IEEE: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                            TWO_ROWS: tl.constexpr, SCALED: tl.constexpr, POS_EARLY: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -281,11 +269,11 @@ def _depth_attend_o_kernel(QKV, POS, COS, SIN, KC, VC, W, S, Y, N, stride_qkv, s
             c1, s1 = rope_at(COS, SIN, p1, dt, HD, HALF)
     store = pid == 0  # one program writes each row's new k and v
     y0 = _row_o(QKV, KC, VC, p0, c0, s0, w0, w1, s_kh, s_kt, s_vh, s_vt, n_q, scale, store, dt, NKV,
-                G, HD, HALF, BLOCK_P)
+                G, GP, HD, HALF, BLOCK_P, IEEE)
     tl.store(Y + rn, (y0 * sw).to(dt), mask=mn)
     if TWO_ROWS:
         y1 = _row_o(QKV + stride_qkv, KC + s_kn, VC + s_vn, p1, c1, s1, w0, w1, s_kh, s_kt, s_vh, s_vt,
-                    n_q, scale, store, dt, NKV, G, HD, HALF, BLOCK_P)
+                    n_q, scale, store, dt, NKV, G, GP, HD, HALF, BLOCK_P, IEEE)
         tl.store(Y + stride_ym + rn, (y1 * sw).to(dt), mask=mn)
 
 
@@ -318,7 +306,8 @@ def depth_attend_o_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_
     _depth_attend_o_kernel[(triton.cdiv(N, ATTN_O_BLOCK_N),)](
         qkv, pos, cos, sin, k_cache, v_cache, weight, weight if scale is None else scale, y, N, qkv.stride(0),
         pos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), weight.stride(0), y.stride(0), 1.0 / math.sqrt(hd), n_q, NKV=n_kv, G=n_q // n_kv, HD=hd,
+        v_cache.stride(2), weight.stride(0), y.stride(0), 1.0 / math.sqrt(hd), n_q, NKV=n_kv, G=n_q // n_kv,
+        GP=max(16, triton.next_power_of_2(n_q // n_kv)), IEEE=qkv.dtype == torch.float32, HD=hd,
         HALF=hd // 2, BLOCK_P=max(16, triton.next_power_of_2(k_cache.shape[2])), BLOCK_N=ATTN_O_BLOCK_N,
         TWO_ROWS=B == 2, SCALED=scale is not None, POS_EARLY=pos_static and POS_EARLY, num_warps=ATTN_O_WARPS,
         **pdl.opts())
