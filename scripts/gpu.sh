@@ -452,10 +452,15 @@ if [[ $what == edges ]]; then
   # issue 16: the depth step's edges (the embedding gathered in the projection's GEMV and the final norm in the head's:
   # CSMSERVE_GEMV_EDGES; the attention and the o projection in one kernel: CSMSERVE_DEPTH_ATTN_O; the sampler's
   # parameters and noise, the attention's static position before the PDL wait: CSMSERVE_SAMPLER_EARLY,
-  # CSMSERVE_DEPTH_POS_EARLY). EDGES_PARTS: tests frame engine; EDGES_VARIANTS: off (all four 0), on (the
+  # CSMSERVE_DEPTH_POS_EARLY). EDGES_PARTS: tests frame engine ttfa; EDGES_VARIANTS: off (all four 0), on (the
   # defaults), or one VAR=value; per EDGES_WEIGHTS the frame step with Mimi (EDGES_BATCHES) and one stream
   parts=${EDGES_PARTS:-tests frame engine}
   off="CSMSERVE_GEMV_EDGES=0 CSMSERVE_DEPTH_ATTN_O=0 CSMSERVE_SAMPLER_EARLY=0 CSMSERVE_DEPTH_POS_EARLY=0"
+  if [[ $parts == *ttfa* ]]; then  # where an idle engine's first audio goes, per weights, with the defaults
+    for w in ${EDGES_WEIGHTS:-bf16 fp8-all}; do
+      python bench/ttfa_breakdown.py --prompts 12 --weights $w 2>&1 | tee -a "$OUT/edges_ttfa.txt" | tail -3
+    done
+  fi
   if [[ $parts == *tests* ]]; then
     timeout ${EDGES_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py \
       tests/kernels/test_depth_attention_gpu.py tests/kernels/test_sampler_gpu.py tests/engine/test_runner_gpu.py \

@@ -196,8 +196,10 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
 # A depth layer's attention output feeds only its o projection. At 1-2 rows the attention is a few thousand
 # products, so each program of the o GEMV computes it itself (redundantly, from L2) for the output columns it owns:
 # one launch and one store-then-load less per layer, and the o weights (read before the PDL wait, as kernels/gemv.py
-# does) no longer wait behind a separate attention kernel. CSMSERVE_DEPTH_ATTN_O=0 keeps the two kernels.
-ATTN_O = os.environ.get("CSMSERVE_DEPTH_ATTN_O", "1") != "0"
+# does) no longer wait behind a separate attention kernel. Off by default: measured slower (docs/benchmarks.md,
+# issue 16: 3.92 against 3.52 ms a frame at batch 1, fp8-all; each program computes both KV heads' attention in
+# turn, where the attention kernel runs them side by side). CSMSERVE_DEPTH_ATTN_O=1 turns it on.
+ATTN_O = os.environ.get("CSMSERVE_DEPTH_ATTN_O", "0") == "1"
 ATTN_O_BLOCK_N = 8  # o-projection outputs per program: 128 programs for the depth decoder's 1,024
 ATTN_O_WARPS = 8
 

@@ -190,8 +190,8 @@ def test_attention_and_o_projection_in_one_kernel_equal_the_two(dtype, B, n_q, n
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 def test_depth_kv_runs_attention_and_o_in_one_kernel_at_one_and_two_rows(monkeypatch):
     """A depth decoder (CSM-1B's depth shape, bf16) through DepthKV with fuse_gemv: at 1-2 rows the attention and the
-    o projection run as one kernel (CSMSERVE_DEPTH_ATTN_O, on by default), with the same hidden states as with the
-    two kernels (=0) within bf16 rounding; at 3 rows the kernel does not apply."""
+    o projection run as one kernel when CSMSERVE_DEPTH_ATTN_O=1 (off by default), with the same hidden states as
+    with the two kernels within bf16 rounding; at 3 rows the kernel does not apply."""
     from csmserve.engine.slots import DepthKV
     from csmserve.kernels import depth_attention as da
     from csmserve.models import llama
