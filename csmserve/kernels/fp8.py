@@ -35,7 +35,8 @@ def quantize_rows_triton(x: Tensor) -> tuple[Tensor, Tensor]:
 # ---- weight-only FP8 GEMM for a few to tens of rows: e4m3 weights, activations as they are
 # y[m, n] = scale[n] * sum_k x[m, k] * w8[n, k]: the weights go to bf16 in registers and through tl.dot,
 # so only the weights' bytes (half of bf16's) stream from HBM and no kernel quantizes the activations.
-# Split over K (SPLIT_K programs per output tile, atomically added in fp32) when N alone gives too few programs.
+# Split over K (SPLIT_K programs per output tile, their fp32 partial sums added after, deterministically) when N
+# alone gives too few programs.
 
 @triton.jit
 def _weight_only_mm_kernel(X, W, S, Y, M, N, K, stride_x, stride_w, stride_y,
@@ -61,8 +62,8 @@ def _weight_only_mm_kernel(X, W, S, Y, M, N, K, stride_x, stride_w, stride_y,
     y_ptr = Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptr, y.to(Y.dtype.element_ty), mask=xm & wm)
-    else:
-        tl.atomic_add(y_ptr, y, mask=xm & wm)
+    else:  # this split's partial sums [M, N] fp32 at Y[pid_k]; summed by the wrapper in a fixed order (no atomics:
+        tl.store(y_ptr + pid_k * M * stride_y, y, mask=xm & wm)  # the same bits every run)
 
 
 def weight_only_mm(x: Tensor, w8: Tensor, scale: Tensor, block_n: int = 64, block_k: int = 128,
@@ -75,9 +76,22 @@ def weight_only_mm(x: Tensor, w8: Tensor, scale: Tensor, block_n: int = 64, bloc
     assert K % (block_k * split_k) == 0, (K, block_k, split_k)
     block_m = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if split_k == 1 else \
-        torch.zeros(M, N, dtype=torch.float32, device=x.device)
+        torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
-    _weight_only_mm_kernel[grid](x, w8, scale, out, M, N, K, x.stride(0), w8.stride(0), out.stride(0),
+    _weight_only_mm_kernel[grid](x, w8, scale, out, M, N, K, x.stride(0), w8.stride(0), out.stride(-2),
                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                  num_warps=warps, num_stages=stages)
-    return out if split_k == 1 else out.to(x.dtype)
+    return out if split_k == 1 else out.sum(0).to(x.dtype)
+
+
+def weight_only_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """(block_n, block_k, split_k, warps, stages) of weight_only_mm for an [m, k] @ [n, k]^T at a few rows, or None
+    where it does not apply: 64 x 128 tiles, split over K until ~128 programs cover the GPU (the K = 8192 down
+    projections' N alone gives 16-32)."""
+    if k % 128:
+        return None
+    split = 1
+    while triton.cdiv(n, 64) * split < 128 and split < 8 and k % (128 * split * 2) == 0:
+        split *= 2
+    return 64, 128, split, 4, 4
+

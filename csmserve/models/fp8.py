@@ -18,16 +18,25 @@ weight-only one instead: the e4m3 weights times the activations as they are, no 
 
     y[r, o] = s_w[o] sum_i x[r, i] w8[o, i]                              (fp32 accumulation)
 
+Up to 16 rows on Hopper (the prefill of a short prompt, small batches; 1-2 rows outside fuse_gemv) the same
+weight-only numbers come from
+kernels/fp8.py's weight_only_mm (e4m3 tiles to bf16 in registers, tl.dot): the per-row quantization kernel and
+`_scaled_mm` cost more there than the GEMM itself (docs/benchmarks.md, issue 16).
+CSMSERVE_FP8_WEIGHT_ONLY_ROWS sets the most rows it runs at (16; 0: w8a8 at every row count).
+
 `weight_only = True` makes an FP8Linear compute those numbers in torch at any row count (the reference
 of the kernel, and the error bench's weight-only rows).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
+WEIGHT_ONLY_ROWS = int(os.environ.get("CSMSERVE_FP8_WEIGHT_ONLY_ROWS", "16"))  # weight_only_mm up to this many rows
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,6 +76,12 @@ class FP8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.weight_only:
             return weight_only_torch(x2, self.weight8, self.scale).to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if self.fast and x2.is_cuda and x2.dtype == torch.bfloat16 and len(x2) <= WEIGHT_ONLY_ROWS:
+            from csmserve.kernels.fp8 import weight_only_config, weight_only_mm
+
+            cfg = weight_only_config(len(x2), self.out_features, self.in_features)
+            if cfg is not None:
+                return weight_only_mm(x2, self.weight8, self.scale, *cfg).reshape(*shape[:-1], self.out_features)
         x8, sx = quantize_rows(x2)
         if self.fast:
             y = torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.scale, out_dtype=torch.bfloat16)

@@ -31,3 +31,20 @@ def test_weight_only_mm_matches_torch(m, n, k, cfg):
     ref = weight_only_torch(x, w8, s)
     assert out.shape == (m, n) and out.dtype == dt
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    if cfg[2] > 1:  # split over K: the partial sums added in a fixed order, the same bits every call
+        assert torch.equal(weight_only_mm(x, w8, s, *cfg), out)
+
+
+@run
+def test_the_few_rows_config_splits_k_until_the_gpu_is_covered():
+    """weight_only_config (FP8Linear at up to 16 rows): N alone covers the GPU for the wide GEMMs; the K = 8192 down
+    projections (N 1,024 / 2,048: 16 / 32 tiles) split 8 ways; every split divides K into whole chunks."""
+    from csmserve.kernels.fp8 import weight_only_config
+
+    assert weight_only_config(11, 16384, 2048)[2] == 1
+    assert weight_only_config(11, 1024, 8192)[2] == 8
+    assert weight_only_config(11, 2048, 8192)[2] == 4
+    assert weight_only_config(11, 100, 100) is None
+    for n, k in [(3072, 2048), (1536, 1024), (1024, 1024), (2048, 2048), (1024, 2048)]:
+        bn, bk, split, _, _ = weight_only_config(16, n, k)
+        assert k % (bk * split) == 0 and -(-n // bn) * split >= 64, (n, k, split)
