@@ -482,3 +482,35 @@ if [[ $what == edges ]]; then
     done
   done
 fi
+if [[ $what == frameio ]]; then
+  # issue 16: the frame step's prologue and epilogue in one kernel each (kernels/frame_io.py; CSMSERVE_FRAME_IO=0:
+  # the torch ops), and where an idle engine's first audio goes on one timeline (bench/ttfa_timeline.py).
+  # FRAMEIO_PARTS: tests timeline frame engine; FRAMEIO_WEIGHTS; FRAMEIO_VARIANTS: off on (or VAR=value)
+  parts=${FRAMEIO_PARTS:-tests timeline frame engine}
+  if [[ $parts == *tests* ]]; then
+    timeout ${FRAMEIO_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_frame_io_gpu.py \
+      tests/engine/test_runner_gpu.py tests/engine/test_codec_stream_gpu.py tests/engine/test_engine_gpu.py} 2>&1 \
+      | tee "$OUT/frameio_tests.txt" | tail -15
+  fi
+  if [[ $parts == *timeline* ]]; then
+    for w in ${FRAMEIO_WEIGHTS:-bf16 fp8-all}; do
+      python bench/ttfa_timeline.py --weights $w --probes-traced 3 --trace-dir "$OUT/traces" 2>&1 \
+        | tee -a "$OUT/frameio_timeline.txt" | tail -4
+    done
+  fi
+  for w in ${FRAMEIO_WEIGHTS:-bf16 fp8-all}; do
+    for v in ${FRAMEIO_VARIANTS:-off on}; do
+      case $v in off) envs="CSMSERVE_FRAME_IO=0";; on) envs="";; *) envs=$v;; esac
+      if [[ $parts == *frame* ]]; then
+        echo "== frame step, weights $w, $v" | tee -a "$OUT/frameio_frame.txt"
+        env $envs python bench/frame_step.py --batches ${FRAMEIO_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w \
+          2>&1 | tee -a "$OUT/frameio_frame.txt" | tail -6
+      fi
+      if [[ $parts == *engine* ]]; then
+        echo "== one stream, weights $w, $v" | tee -a "$OUT/frameio_engine.txt"
+        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w 2>&1 \
+          | tee -a "$OUT/frameio_engine.txt" | grep -A3 "one stream\|^device" | head -12
+      fi
+    done
+  done
+fi

@@ -85,6 +85,9 @@ class ModelRunner:
                 # CSMSERVE_GEMV=0: cuBLAS (docs/benchmarks.md compares them)
                 fuse_gemv(os.environ.get("CSMSERVE_GEMV", "1") != "0")
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        # the frame step's prologue (gathers + embedding) and epilogue (next inputs) as one kernel each
+        # (kernels/frame_io.py; CSMSERVE_FRAME_IO=0: the torch ops)
+        self.frame_io = cuda and fuse and os.environ.get("CSMSERVE_FRAME_IO", "1") != "0"
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
         # the prefix cache's tensors: key -> (k, v) [L, Hkv, n, hd]; the index is the scheduler's PrefixCache
@@ -225,29 +228,44 @@ class ModelRunner:
         """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None (with_codec=False:
         None; the decode is then `codec_step`'s, on the codec stream)."""
         s, m = self.state, self.model
-        pos = s.pos[slot_ids]  # [B]
-        x = m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])  # [B, 1, D]
-        self.kv.set_decode(slot_ids, kv_bound)
+        if self.frame_io:  # kernels/frame_io.py: the gathers and the embedding in one kernel
+            from csmserve.kernels.frame_io import prologue_triton
+
+            fi = prologue_triton(s, slot_ids, m.audio_embeddings.weight, m.text_embeddings.weight,
+                                 self.cfg.num_codebooks, self.cfg.audio_vocab_size)
+            x, pos = fi.x, fi.pos
+            temp, top_k, top_p, seed, frame = fi.temperature, fi.top_k, fi.top_p, fi.seed, fi.frame
+            self.kv.set_decode(slot_ids, kv_bound, fi.lengths)
+        else:
+            pos = s.pos[slot_ids]  # [B]
+            x = m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])  # [B, 1, D]
+            self.kv.set_decode(slot_ids, kv_bound)
+            temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
+            seed, frame = s.seed[slot_ids], s.frame[slot_ids]
         h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
-        temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
-        seed, frame = s.seed[slot_ids], s.frame[slot_ids]
         n = self.cfg.sampleable_codes
 
         def sampler(logits: Tensor, codebook: int) -> Tensor:
             return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
-        live = slot_ids != self.scratch
         if self.spec is not None:
+            live = slot_ids != self.scratch
             codes = self.spec.decode_frame(h, sampler, RowParams(temp, top_k, top_p, seed, frame), live)
         elif self.depth_loop is not None and len(slot_ids) <= self.depth_loop.max_rows:
             first = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos, upto=2)  # [B, 2]
             codes = self.depth_loop(first, temp, top_k, top_p, seed, frame)  # [B, K]
         else:
             codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
-        s.next_tokens[slot_ids] = torch.cat([codes, torch.zeros_like(codes[:, :1])], 1)
-        s.next_mask[slot_ids] = self.audio_mask.expand(len(slot_ids), -1)
-        s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)
-        s.frame[slot_ids] = torch.where(live, frame + 1, 0)
+        if self.frame_io:
+            from csmserve.kernels.frame_io import epilogue_triton
+
+            epilogue_triton(s, slot_ids, codes, pos, frame, self.scratch, self.max_seq_len - 1)
+        else:
+            live = slot_ids != self.scratch
+            s.next_tokens[slot_ids] = torch.cat([codes, torch.zeros_like(codes[:, :1])], 1)
+            s.next_mask[slot_ids] = self.audio_mask.expand(len(slot_ids), -1)
+            s.pos[slot_ids] = torch.where(live, (pos + 1).clamp(max=self.max_seq_len - 1), 0)
+            s.frame[slot_ids] = torch.where(live, frame + 1, 0)
         # float32 here, inside the graph: the host ring's dtype, no cast allocated per step outside it
         pcm = None if self.codec is None or not with_codec else self.codec_step(codes, slot_ids)
         return codes, pcm

@@ -33,7 +33,7 @@ class SlotKV(KVView):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.use_triton = device.type == "cuda" and c.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
-        self.slot_tok = self.pos = self.lengths = None
+        self.slot_tok = self.pos = self.lengths = self.given_lengths = None
         self.kv_bound = max_seq_len  # torch path: keys read per row (host-known upper bound)
 
     @property
@@ -45,13 +45,15 @@ class SlotKV(KVView):
         """k and v of one position of one slot, all layers (a prefix-cache entry's size per position)."""
         return 2 * self.k[:, 0, :, 0].numel() * self.k.element_size()
 
-    def set_decode(self, slot_ids: Tensor, kv_bound: int) -> None:
-        # slot_ids [B]: each row's slot; the rows' positions come through begin()
-        self.slot_tok, self.kv_bound = slot_ids, kv_bound
+    def set_decode(self, slot_ids: Tensor, kv_bound: int, lengths: Tensor | None = None) -> None:
+        # slot_ids [B]: each row's slot; the rows' positions come through begin(); lengths [B] int32: their
+        # positions + 1 where the caller has them (the frame step's prologue kernel), else begin() computes them
+        self.slot_tok, self.kv_bound, self.given_lengths = slot_ids, kv_bound, lengths
 
     def begin(self, pos: Tensor) -> None:
         self.pos = pos  # [B, 1]
-        self.lengths = (pos[:, 0] + 1).to(torch.int32)
+        given, self.given_lengths = self.given_lengths, None
+        self.lengths = given if given is not None else (pos[:, 0] + 1).to(torch.int32)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.k[layer], self.v[layer]  # q [B, 1, Hq, hd]
