@@ -39,6 +39,10 @@ class EngineConfig:
     # requests arriving during N join N+1 (measured: ~9 ms less time to first audio at 1-64 streams,
     # the same frames/s; docs/benchmarks.md)
     late_launch: bool = True
+    # after a frame step whose every row makes its request's (or segment's) first frame (an idle engine's
+    # new request): launch the next step only once it is done, so that frame's Mimi decode has the GPU to
+    # itself (time to first audio), not beside the next generation; False: overlapped as any other step
+    first_frame_alone: bool = True
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB:
     # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;

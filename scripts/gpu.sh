@@ -484,8 +484,11 @@ if [[ $what == edges ]]; then
 fi
 if [[ $what == frameio ]]; then
   # issue 16: the frame step's prologue and epilogue in one kernel each (kernels/frame_io.py; CSMSERVE_FRAME_IO=0:
-  # the torch ops), and where an idle engine's first audio goes on one timeline (bench/ttfa_timeline.py).
-  # FRAMEIO_PARTS: tests timeline frame engine; FRAMEIO_WEIGHTS; FRAMEIO_VARIANTS: off on (or VAR=value)
+  # the torch ops), the depth decoder's first step (positions 0-1) in one kernel per layer (CSMSERVE_DEPTH_FIRST=0:
+  # the torch path), the step after an idle engine's first frame launched once it is done (--no-first-frame-alone:
+  # overlapped), and where an idle engine's first audio goes on one timeline (bench/ttfa_timeline.py).
+  # FRAMEIO_PARTS: tests timeline ttfa frame engine; FRAMEIO_WEIGHTS; FRAMEIO_VARIANTS: off (all three off), on,
+  # frameio0, first0, alone0
   parts=${FRAMEIO_PARTS:-tests timeline frame engine}
   if [[ $parts == *tests* ]]; then
     timeout ${FRAMEIO_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_frame_io_gpu.py \
@@ -498,9 +501,18 @@ if [[ $what == frameio ]]; then
         | tee -a "$OUT/frameio_timeline.txt" | tail -4
     done
   fi
+  if [[ $parts == *ttfa* ]]; then
+    for w in ${FRAMEIO_WEIGHTS:-bf16 fp8-all}; do
+      python bench/ttfa_breakdown.py --prompts 12 --weights $w 2>&1 | tee -a "$OUT/frameio_ttfa.txt" | tail -3
+    done
+  fi
   for w in ${FRAMEIO_WEIGHTS:-bf16 fp8-all}; do
     for v in ${FRAMEIO_VARIANTS:-off on}; do
-      case $v in off) envs="CSMSERVE_FRAME_IO=0";; on) envs="";; *) envs=$v;; esac
+      envs=""; args=""
+      case $v in
+        off) envs="CSMSERVE_FRAME_IO=0 CSMSERVE_DEPTH_FIRST=0"; args="--no-first-frame-alone";;
+        frameio0) envs="CSMSERVE_FRAME_IO=0";; first0) envs="CSMSERVE_DEPTH_FIRST=0";; alone0) args="--no-first-frame-alone";;
+      esac
       if [[ $parts == *frame* ]]; then
         echo "== frame step, weights $w, $v" | tee -a "$OUT/frameio_frame.txt"
         env $envs python bench/frame_step.py --batches ${FRAMEIO_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w \
@@ -508,7 +520,7 @@ if [[ $what == frameio ]]; then
       fi
       if [[ $parts == *engine* ]]; then
         echo "== one stream, weights $w, $v" | tee -a "$OUT/frameio_engine.txt"
-        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w 2>&1 \
+        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $args 2>&1 \
           | tee -a "$OUT/frameio_engine.txt" | grep -A3 "one stream\|^device" | head -12
       fi
     done

@@ -93,6 +93,7 @@ class Engine:
                       "reader_wait_s": 0.0}
         self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
+        self._prev_first = False  # _prev makes only first frames (Batch.first_frames, EngineConfig.first_frame_alone)
         self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
         self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
@@ -186,8 +187,10 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         t_in = time.perf_counter()
-        if not self.config.overlap_steps and self._prev is not None:
-            self._prev[1].wait()  # admit what arrived during the step in flight into the next one
+        if self._prev is not None and (not self.config.overlap_steps or self._prev_first):
+            # admit what arrived during the step in flight into the next one; after a step of first frames only
+            # (EngineConfig.first_frame_alone), its Mimi decode runs with the GPU to itself
+            self._prev[1].wait()
         elif self.config.late_launch and self._prev is not None:
             at = self.pacer.launch_at()
             delay = 0.0 if at is None else at - time.perf_counter()
@@ -201,9 +204,12 @@ class Engine:
         tr = self.tracer
         if tr is not None and (self._traced or batch.admissions):
             self._trace_admitted(batch)
-        self.runner.admit(batch.admissions)
-        self.runner.resume(batch.resumes)
+        # the prefill first (after the cached prefixes it attends to): the GPU runs it while the host launches the
+        # admissions' loads (~40 small copies), which only the frame step reads
+        self.runner.copy_prefixes(batch.admissions)
         self.runner.prefill(batch.prefills)
+        self.runner.admit(batch.admissions, prefixes=False)
+        self.runner.resume(batch.resumes)
         self.runner.store_prefixes(batch.prefix_stores)
         t_r = time.perf_counter()
         if self.emit is not None and len(batch.decode_slots):
@@ -236,6 +242,7 @@ class Engine:
         else:  # the host's own time this iteration (not sleeping, not waiting for the device)
             self.stats["host_s"] += time.perf_counter() - t_in - t_idle
         self._prev = (batch.step, out) if out is not None else None
+        self._prev_first = out is not None and batch.first_frames and self.config.first_frame_alone
 
     def _await_readers(self) -> None:
         """Before a step overwrites an output-ring buffer: wait (up to reader_wait_s) for the workers

@@ -144,6 +144,7 @@ class Batch:
     resumes: list[Admission] = field(default_factory=list)
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
     prefix_stores: list[PrefixStore] = field(default_factory=list)  # run after the prefills, in order
+    first_frames: bool = False  # every decode slot makes its request's (or segment's) first frame
 
     @property
     def empty(self) -> bool:

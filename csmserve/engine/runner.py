@@ -141,10 +141,16 @@ class ModelRunner:
                            codec_stream=self.codec_stream)
 
     # ---- admissions and prefill ----
-    def admit(self, admissions: list[Admission]) -> None:
+    def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
         """New requests: load each slot's first input, position and sampling params; reset its codec row;
-        copy a cached prompt prefix's KV into the slot's first positions (device to device)."""
+        copy a cached prompt prefix's KV into the slot's first positions (device to device; prefixes=False:
+        copy_prefixes did)."""
         self._load(admissions, reset=True)
+        if prefixes:
+            self.copy_prefixes(admissions)
+
+    def copy_prefixes(self, admissions: list[Admission]) -> None:
+        """The cached prompt prefixes' KV into the admitted slots: before the prefill that attends to them."""
         for a in admissions:
             if a.prefix_hit is not None:
                 k, v = self.prefix_kv[a.prefix_hit]

@@ -274,12 +274,14 @@ class Scheduler:
         prefills = self._schedule_prefills()
         stores, self._stores = self._stores, []
         slots = np.flatnonzero(self._stepping)  # [B] sorted
+        first = False
         if len(slots):
             sched = self._seg_scheduled[slots] + 1
             self._seg_scheduled[slots] = sched
             self._stepping[slots[sched >= self._limit[slots]]] = False  # the segment's last frame step
             self._inflight.append(_Step(self._step, slots, self._gen[slots]))
-        return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores)
+            first = bool((sched == 1).all())
+        return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores, first_frames=first)
 
     def update(self, step: int, codes: np.ndarray) -> StepRows:
         """Take step `step`'s codes [len(decode_slots), K], rows in batch.decode_slots order."""

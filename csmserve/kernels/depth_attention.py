@@ -192,6 +192,62 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
     return out
 
 
+# ---- the frame's first depth step: two queries, at positions 0 and 1 ----
+# The depth decoder's first step takes two positions at once (the backbone's state and codebook 0's code). Unfused
+# that is the torch path: per layer the cache stores as index_put, a mask, SDPA: ~8 plain launches between PDL
+# kernels, ~36 a frame (docs/benchmarks.md, issue 16). Both positions are static (DepthKV.first_static: a view of
+# depth_pos[:2]), so no earlier key exists: a program stores position 0's k and v, attends (one key: v0), then
+# reads them back after a block barrier for position 1. CSMSERVE_DEPTH_FIRST=0: the torch path.
+FIRST = os.environ.get("CSMSERVE_DEPTH_FIRST", "1") != "0"
+
+
+@triton.jit
+def _depth_attend_first_kernel(QKV, COS, SIN, KC, VC, OUT, stride_qb, stride_qs, s_kn, s_kh, s_kt, s_vn, s_vh, s_vt,
+                               scale, n_q, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # kv head
+    k_base = KC + b * s_kn + h * s_kh
+    v_base = VC + b * s_vn + h * s_vh
+    dt = OUT.dtype.element_ty
+    c0, s0 = rope_at(COS, SIN, 0, dt, HD, HALF)  # constant positions: before the wait
+    c1, s1 = rope_at(COS, SIN, 1, dt, HD, HALF)
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
+    src = QKV + b * stride_qb
+    out = OUT + b * 2 * (n_q * HD)
+    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, 0, HD, HALF, BLOCK_N)  # no earlier key: all masked
+    attend_cached(src, 0, c0, s0, k_base, v_base, out, s_kt, s_vt, h, tl.num_programs(1), scale, n_q, kc1, kc2, vc,
+                  G, GP, HD, HALF, BLOCK_N, IEEE)
+    tl.debug_barrier()  # position 0's k and v, stored above by this program's threads, read back below
+    kc1, kc2, vc = cached_kv(k_base, v_base, s_kt, s_vt, 1, HD, HALF, BLOCK_N)
+    attend_cached(src + stride_qs, 1, c1, s1, k_base, v_base, out + n_q * HD, s_kt, s_vt, h, tl.num_programs(1), scale,
+                  n_q, kc1, kc2, vc, G, GP, HD, HALF, BLOCK_N, IEEE)
+
+
+def depth_attend_first_triton(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, n_q: int,
+                              n_kv: int) -> Tensor:
+    """The depth decoder's first step: qkv [B, 2, (n_q + 2 n_kv) hd] of positions 0 and 1 (rows contiguous) ->
+    out [B, 2, n_q * hd]; the cache gets each row's rotated k and v at positions 0 and 1, as depth_attend_triton
+    would in two steps."""
+    B, S, width = qkv.shape
+    hd = cos.shape[-1]
+    if S != 2 or qkv.stride(2) != 1 or width != (n_q + 2 * n_kv) * hd:
+        raise ValueError("depth_attend_first_triton: qkv must be [B, 2, (n_q + 2 n_kv) hd] with contiguous rows")
+    for t in (k_cache, v_cache):
+        if t.stride(3) != 1 or t.shape[2] < 2:
+            raise ValueError("depth_attend_first_triton: the caches need >= 2 positions, the last dimension contiguous")
+    G = n_q // n_kv
+    out = torch.empty(B, 2, n_q * hd, dtype=qkv.dtype, device=qkv.device)
+    _depth_attend_first_kernel[(B, n_kv)](
+        qkv, cos, sin, k_cache, v_cache, out, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 1.0 / math.sqrt(hd), n_q, G=G,
+        GP=max(16, triton.next_power_of_2(G)), HD=hd, HALF=hd // 2, BLOCK_N=max(16, triton.next_power_of_2(k_cache.shape[2])),
+        IEEE=qkv.dtype == torch.float32, num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
+    return out
+
+
 # ---- the attention and the o projection in one kernel (1-2 rows) ----
 # A depth layer's attention output feeds only its o projection. At 1-2 rows the attention is a few thousand
 # products, so each program of the o GEMV computes it itself (redundantly, from L2) for the output columns it owns:

@@ -246,3 +246,49 @@ def test_a_failed_step_fails_its_requests_not_the_queued_ones(model):
     np.testing.assert_array_equal(codes_of(got[queued.request_id]),
                                   reference.generate(model, queued.tokens, queued.mask, params).codes)
     assert engine.scheduler.num_free_slots == 1
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_step_of_first_frames_is_done_before_the_next_launch(model, alone):
+    """EngineConfig.first_frame_alone: after a frame step whose rows all make their first frame (an idle engine's
+    new request), the next step launches only once that one is done (its decode alone on the GPU); every other
+    step overlaps the next one's launch. The codes are the same either way."""
+    greedy = SamplingParams(temperature=0.0, max_audio_length_ms=6 * 80)
+    engine, col = make_engine(model, first_frame_alone=alone), Collector()
+    log, firsts = [], {}
+    launch = engine.runner.step
+
+    def step(slots, step_id=-1):
+        out = launch(slots, step_id)
+        if out is not None:
+            log.append(("launch", step_id))
+            wait = out.wait
+
+            def logged_wait():
+                log.append(("wait", step_id))
+                return wait()
+
+            out.wait = logged_wait
+        return out
+
+    schedule = engine.scheduler.schedule
+
+    def sched():
+        b = schedule()
+        firsts[b.step] = b.first_frames
+        return b
+
+    engine.runner.step, engine.scheduler.schedule = step, sched
+    a = Request(*prompt(9, 1), params=greedy)
+    b = Request(*prompt(5, 2), params=greedy)
+    drive(engine, col, {0: [a], 3: [b]})
+    launched = [s for kind, s in log if kind == "launch"]
+    first = [s for s in launched if firsts[s]]
+    assert first == [launched[0]]  # only the idle engine's first step: b's first frame joins a running a
+    s0, s1 = launched[0], launched[1]
+    waited_first = log.index(("wait", s0)) < log.index(("launch", s1))
+    assert waited_first == alone
+    for later, nxt in zip(launched[1:], launched[2:]):  # the rest overlap: launched before the previous is read
+        assert log.index(("launch", nxt)) < log.index(("wait", later))
+    for r in (a, b):
+        np.testing.assert_array_equal(col.codes(r.request_id), reference.generate(model, r.tokens, r.mask, greedy).codes)

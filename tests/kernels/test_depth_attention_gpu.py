@@ -134,6 +134,80 @@ def test_depth_kv_fused_equals_unfused(monkeypatch):
     torch.testing.assert_close(outs["1"], outs["0"], atol=1e-4, rtol=1e-4)
 
 
+@run
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (3, 8, 2, 128, 32), (2, 4, 4, 32, 20), (2, 4, 2, 16, 33)])
+def test_the_first_step_equals_two_unfused_steps(dtype, B, n_q, n_kv, hd, P):
+    """depth_attend_first_triton (positions 0 and 1 at once) == the unfused path at position 0, then at 1; the
+    cache's positions 0 and 1 hold the same k and v, the rest stays as it was (another frame's values)."""
+    from csmserve.kernels.depth_attention import depth_attend_first_triton
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(dim=n_q * hd, n_layers=1, n_heads=n_q, n_kv_heads=n_kv, intermediate=64, max_seq_len=64)
+    cos, sin = (t.to(DEV) for t in rope_tables(cfg))
+    width = (n_q + 2 * n_kv) * hd
+    shape = (B + 1, n_kv, P, hd)
+    kc, vc = torch.randn(shape, dtype=dtype, device=DEV), torch.randn(shape, dtype=dtype, device=DEV)  # stale
+    kr, vr = kc.clone(), vc.clone()
+    base = torch.randn(B, 2, width + 5, dtype=dtype, device=DEV)
+    qkv = base[:, :, 2:2 + width]  # strided rows
+    out = depth_attend_first_triton(qkv, cos, sin, kc, vc, n_q, n_kv)
+    assert out.shape == (B, 2, n_q * hd)
+    for t in (0, 1):
+        pos = torch.full((B,), t, dtype=torch.long, device=DEV)
+        ref = _reference_step(qkv[:, t], pos, cos, sin, kr, vr, n_q, n_kv)
+        torch.testing.assert_close(out[:, t], ref, atol=TOL[dtype], rtol=TOL[dtype], msg=f"position {t}")
+    torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(vc, vr, atol=0, rtol=0)
+    # position 0 attends to itself alone: its output is its value, exactly
+    v0 = qkv[:, 0, (n_q + n_kv) * hd:].reshape(B, n_kv, 1, hd).expand(B, n_kv, n_q // n_kv, hd).reshape(B, n_q * hd)
+    assert torch.equal(out[:, 0], v0)
+
+
+@run
+@pytest.mark.parametrize("first", ["0", "1"])
+def test_depth_kv_first_step_fused_equals_unfused(monkeypatch, first):
+    """A tiny depth decoder's frame as decode_frame runs it (positions 0-1 at once, then one at a time, all views of
+    the static positions): DepthKV's fused path, with the first-step kernel (first=1) or the torch path for the
+    first step (first=0), gives the hidden states of the unfused path."""
+    from csmserve.engine.slots import DepthKV
+    from csmserve.models import llama
+    from csmserve.models.csm import CSMConfig
+
+    torch.manual_seed(0)
+    dec = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=512, max_seq_len=32)
+    cfg = CSMConfig(backbone=dec, decoder=dec, num_codebooks=8, audio_vocab_size=64, text_vocab_size=64)
+    model = llama.Llama(dec).to(DEV).eval()
+    B = 2
+    static = torch.arange(cfg.num_codebooks, device=DEV)
+    outs = {}
+    monkeypatch.setenv("CSMSERVE_DEPTH_FIRST", first)
+    for fused in ("0", "1"):
+        monkeypatch.setenv("CSMSERVE_DEPTH_FUSED", fused)
+        kv = DepthKV(cfg, B, torch.float32, torch.device(DEV), static_pos=static)
+        if DEV != "cuda":  # under the interpreter: DepthKV keeps the torch path off CUDA
+            kv.use_triton, kv.fused, kv.first = True, fused == "1", fused == "1" and first == "1"
+        torch.manual_seed(2)
+        hs, flags = [], []
+        with torch.no_grad():
+            x = torch.randn(B, 2, dec.dim, device=DEV)
+            hs.append(model(x, static[:2].expand(B, 2), kv)[:, -1])
+            flags.append(kv.first_static)
+            for t in range(2, cfg.num_codebooks):
+                x = torch.randn(B, 1, dec.dim, device=DEV)
+                hs.append(model(x, static[t:t + 1].expand(B, 1), kv)[:, -1])
+        outs[fused] = torch.stack(hs)
+        assert flags == [fused == "1" and first == "1"]
+    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-4, rtol=1e-4)
+    # positions computed per row (speculation's) are never taken as the static first step
+    kv = DepthKV(cfg, B, torch.float32, torch.device(DEV), static_pos=static)
+    kv.fused = kv.first = True
+    kv.begin(torch.arange(2, device=DEV).expand(B, 2))
+    assert not kv.first_static
+    kv.begin(static[1:3].expand(B, 2))  # a view of the static positions, but not 0 and 1
+    assert not kv.first_static
+
+
 def _fp8_weight(n, k, seed):
     from csmserve.models.fp8 import quantize_rows_torch
 

@@ -170,6 +170,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
     ap.add_argument("--early-launch", action="store_true",
                     help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
+    ap.add_argument("--no-first-frame-alone", action="store_true",
+                    help="EngineConfig(first_frame_alone=False): the step after a first frame overlaps its decode")
     ap.add_argument("--no-codec-stream", action="store_true",
                     help="EngineConfig(codec_stream=False): Mimi's decode after the generation in one graph")
     ap.add_argument("--spec-depth", type=int, default=None,
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
                        prefill_token_budget=2048, overlap_steps=not args.no_overlap,
                        late_launch=not args.early_launch, spec_depth=args.spec_depth, weights=args.weights,
-                       codec_stream=not args.no_codec_stream)
+                       codec_stream=not args.no_codec_stream, first_frame_alone=not args.no_first_frame_alone)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     emit(f"device: {name}, torch {torch.__version__}, model {args.model}, dtype {args.dtype}, "
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
          f"overlap_steps {cfg.overlap_steps}, late_launch {cfg.late_launch}, weights {cfg.weights}, "
-         f"codec_stream {runner.codec_stream is not None}, "
+         f"codec_stream {runner.codec_stream is not None}, first_frame_alone {cfg.first_frame_alone}, "
          f"spec_depth {cfg.spec_depth or 'off'}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
     spec = SpecMeter(runner.spec)

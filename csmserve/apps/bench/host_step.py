@@ -65,10 +65,10 @@ class StandInRunner:
         self.codes = np.full((num_slots, K), 7, np.int64)
         self.pcm = np.zeros((num_slots, FS), np.float32)
 
-    def admit(self, admissions) -> None:
+    def admit(self, admissions, prefixes: bool = True) -> None:
         pass
 
-    resume = prefill = store_prefixes = admit
+    resume = prefill = store_prefixes = copy_prefixes = admit
 
     def step(self, slots: np.ndarray, step_id: int = -1):
         if not len(slots):
