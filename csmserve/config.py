@@ -43,6 +43,10 @@ class EngineConfig:
     # new request): launch the next step only once it is done, so that frame's Mimi decode has the GPU to
     # itself (time to first audio), not beside the next generation; False: overlapped as any other step
     first_frame_alone: bool = True
+    # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
+    # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
+    # backbone pass: time to first audio); False: the last frame enters through the first frame step
+    first_frame_from_prefill: bool = True
     # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
     # bytes at most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB:
     # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;

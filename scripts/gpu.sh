@@ -510,7 +510,8 @@ if [[ $what == frameio ]]; then
     for v in ${FRAMEIO_VARIANTS:-off on}; do
       envs=""; args=""
       case $v in
-        off) envs="CSMSERVE_FRAME_IO=0 CSMSERVE_DEPTH_FIRST=0"; args="--no-first-frame-alone";;
+        off) envs="CSMSERVE_FRAME_IO=0 CSMSERVE_DEPTH_FIRST=0"; args="--no-first-frame-alone --no-first-frame-from-prefill";;
+        prefill0) args="--no-first-frame-from-prefill";;
         frameio0) envs="CSMSERVE_FRAME_IO=0";; first0) envs="CSMSERVE_DEPTH_FIRST=0";; alone0) args="--no-first-frame-alone";;
       esac
       if [[ $parts == *frame* ]]; then

@@ -215,7 +215,7 @@ class Engine:
         if self.emit is not None and len(batch.decode_slots):
             self._await_readers()
         t_r = time.perf_counter() - t_r
-        out = self.runner.step(batch.decode_slots, batch.step)
+        out = self.runner.step(batch.decode_slots, batch.step, batch.from_prefill)
         t_launched = time.perf_counter()
         if out is not None:  # the launch cost of a frame step, not of an empty iteration
             self.pacer.launched(t_launched - t0)

@@ -104,6 +104,7 @@ class PrefillChunk:
     start: int  # position of tokens[0] in the slot's context
     tokens: np.ndarray  # [n, 33]
     mask: np.ndarray  # [n, 33]
+    head: bool = False  # tokens[-1] is the prompt's last frame: its hidden state is kept (runner.h0) for the first frame
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class Batch:
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
     prefix_stores: list[PrefixStore] = field(default_factory=list)  # run after the prefills, in order
     first_frames: bool = False  # every decode slot makes its request's (or segment's) first frame
+    from_prefill: bool = False  # ... from the hidden state this step's prefill keeps (PrefillChunk.head)
 
     @property
     def empty(self) -> bool:

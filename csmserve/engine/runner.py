@@ -34,6 +34,8 @@ from csmserve.engine.staging import Staging
 if TYPE_CHECKING:
     from csmserve.engine.graphs import FrameGraphs
 
+# the first frame from the prefill's hidden state (EngineConfig.first_frame_from_prefill) is graphed up to this many rows
+FIRST_ROWS = 8
 # admission staging columns: tokens [W], mask [W], then these
 _POS, _TOPK, _SEED, _SLOT, _RESET, _TEMP, _TOPP = range(7)
 
@@ -47,9 +49,9 @@ class StreamingCodec(Protocol):
 
 
 def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -> np.ndarray:
-    """The chunks' tokens packed as rows [T, 2W + 2] int64: tokens, mask, position, slot; padding rows
-    write the scratch slot at position 0."""
-    a = np.zeros((T, 2 * width + 2), np.int64)
+    """The chunks' tokens packed as rows [T, 2W + 3] int64: tokens, mask, head (1: keep the row's hidden state
+    as its slot's h0: a head chunk's last row), position, slot; padding rows write the scratch slot at position 0."""
+    a = np.zeros((T, 2 * width + 3), np.int64)
     a[:, -1] = scratch
     i = 0
     for c in chunks:
@@ -58,6 +60,8 @@ def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -
         a[i:i + n, width:2 * width] = c.mask
         a[i:i + n, -2] = np.arange(c.start, c.start + n)
         a[i:i + n, -1] = c.slot
+        if c.head:
+            a[i + n - 1, 2 * width] = 1
         i += n
     return a
 
@@ -113,10 +117,13 @@ class ModelRunner:
         self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
         self.admit_ints = Staging(num_slots + 1, 2 * W + 5, self.device)  # tokens, mask, pos, top_k, seed, slot, reset
         self.admit_floats = Staging(num_slots + 1, 2, self.device, torch.float32)  # temperature, top_p
-        self.prefill_in = Staging(self.max_prefill_tokens, 2 * W + 2, self.device)  # pack_prefill rows
+        self.prefill_in = Staging(self.max_prefill_tokens, 2 * W + 3, self.device)  # pack_prefill rows
+        # [N+1, D] each slot's prompt's last hidden state, kept by the prefill (PrefillChunk.head) for a first frame
+        # step from_prefill (EngineConfig.first_frame_from_prefill); the scratch row takes every other row's
+        self.h0 = torch.zeros(num_slots + 1, self.cfg.backbone.dim, dtype=self.dtype, device=self.device)
         fs = self.codec.frame_size if self.codec is not None else 0
         self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.first_graphs = None
         graphs = use_graphs if use_graphs is not None else cuda
         # Mimi's decode on a stream of its own beside the next frame's generation (EngineConfig.codec_stream;
         # engine/graphs.py): its rows are reset there too, from their own staging buffer. High priority (CUDA's -1;
@@ -128,15 +135,21 @@ class ModelRunner:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
             self.graphs = self.frame_graphs()
+            # the first frame from the prefill's h0 (no backbone pass), graphed at the small buckets an idle engine's
+            # arrivals take; more rows run the plain step (it recomputes the last prompt position)
+            self.first_graphs = self.frame_graphs(from_prefill=True)
             self.prefill_graphs = PrefillGraphs(lambda packed: self.prefill_forward(packed, self.max_seq_len),
                                                 self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
 
-    def frame_graphs(self) -> FrameGraphs:
-        """The frame step, one CUDA graph per bucket (all captured here)."""
+    def frame_graphs(self, from_prefill: bool = False) -> FrameGraphs:
+        """The frame step, one CUDA graph per bucket (all captured here); from_prefill: the first-frame step from
+        h0, at the buckets up to FIRST_ROWS."""
         from csmserve.engine.graphs import FrameGraphs
 
         apart = self.codec_stream is not None  # the decode in graphs of its own, on the codec stream
-        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart), self.buckets,
+        buckets = [b for b in self.buckets if b <= FIRST_ROWS] if from_prefill else self.buckets
+        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
+                                                       from_prefill=from_prefill), buckets,
                            self.scratch, self.ring, self.device, codec=self.codec_step if apart else None,
                            codec_stream=self.codec_stream)
 
@@ -227,28 +240,34 @@ class ModelRunner:
         # the kernels (RoPE, K/V store, attention) index positions and slots as contiguous arrays
         pos, slot_tok = packed[:, -2:-1].contiguous(), packed[:, -1].contiguous()  # [T, 1], [T]
         self.kv.set_decode(slot_tok, kv_bound)
-        self.model.forward_backbone(tokens, mask, pos, self.kv)
+        h = self.model.forward_backbone(tokens, mask, pos, self.kv)  # [T, 1, D]
+        # the head rows' hidden states -> their slots' h0 (every other row -> the scratch row)
+        self.h0.index_copy_(0, torch.where(packed[:, 2 * W] != 0, slot_tok, self.scratch), h[:, 0])
 
     # ---- the frame step ----
-    def frame_step(self, slot_ids: Tensor, kv_bound: int, with_codec: bool = True) -> tuple[Tensor, Tensor | None]:
+    def frame_step(self, slot_ids: Tensor, kv_bound: int, with_codec: bool = True,
+                   from_prefill: bool = False) -> tuple[Tensor, Tensor | None]:
         """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None (with_codec=False:
-        None; the decode is then `codec_step`'s, on the codec stream)."""
+        None; the decode is then `codec_step`'s, on the codec stream). from_prefill: each row's first frame, from
+        the hidden state the prefill kept (h0; its last prompt position's KV is written): no backbone pass."""
         s, m = self.state, self.model
         if self.frame_io:  # kernels/frame_io.py: the gathers and the embedding in one kernel
             from csmserve.kernels.frame_io import prologue_triton
 
             fi = prologue_triton(s, slot_ids, m.audio_embeddings.weight, m.text_embeddings.weight,
                                  self.cfg.num_codebooks, self.cfg.audio_vocab_size)
-            x, pos = fi.x, fi.pos
+            x, pos, lengths = fi.x, fi.pos, fi.lengths
             temp, top_k, top_p, seed, frame = fi.temperature, fi.top_k, fi.top_p, fi.seed, fi.frame
-            self.kv.set_decode(slot_ids, kv_bound, fi.lengths)
         else:
-            pos = s.pos[slot_ids]  # [B]
-            x = m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])  # [B, 1, D]
-            self.kv.set_decode(slot_ids, kv_bound)
+            pos, lengths = s.pos[slot_ids], None  # [B]
+            x = None if from_prefill else m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])
             temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
             seed, frame = s.seed[slot_ids], s.frame[slot_ids]
-        h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
+        if from_prefill:
+            h = self.h0[slot_ids]  # [B, D]
+        else:
+            self.kv.set_decode(slot_ids, kv_bound, lengths)
+            h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
         n = self.cfg.sampleable_codes
 
         def sampler(logits: Tensor, codebook: int) -> Tensor:
@@ -281,19 +300,22 @@ class ModelRunner:
         return self.codec.decode_step(codes[:, :, None], slot_ids).float()
 
     @torch.inference_mode()
-    def step(self, slots: np.ndarray, step_id: int = -1) -> StepOutput | None:
+    def step(self, slots: np.ndarray, step_id: int = -1, from_prefill: bool = False) -> StepOutput | None:
         """One frame for each of `slots` [B] (sorted, unique): launched; results in the next ring buffer,
-        whose header then names `step_id`."""
+        whose header then names `step_id`. from_prefill (Batch.from_prefill): every row's first frame, from the
+        hidden state this step's prefill kept (frame_step's from_prefill; more than FIRST_ROWS rows: the plain step)."""
         if not len(slots):
             return None
         slots = np.asarray(slots, np.int64)
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
+            if from_prefill and len(slots) <= FIRST_ROWS:
+                return self.first_graphs.run(slots, ring)
             return self.graphs.run(slots, ring)
         self.host_pos[slots] += 1
         bound = int(self.host_pos[slots].max())  # the torch path attends to [0, bound)
-        codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound)
+        codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound, from_prefill=from_prefill)
         n, r = len(slots), self.ring
         r.codes[ring, :n].copy_(codes)
         if pcm is not None:

@@ -163,6 +163,8 @@ class Scheduler:
         self._inflight: deque[_Step] = deque()  # scheduled frame steps whose codes are not back
         self._history: dict[str, _History] = {}  # long-form requests
         self._resumes: list[Admission] = []  # continuations to load at the next schedule()
+        self.first_from_prefill = config.first_frame_from_prefill
+        self._finals: dict[int, Request] = {}  # slot -> request whose prompt this step's prefill completes
         self._step = 0
         # ---- per-slot arrays (the vectorised state of every running slot)
         self._stepping = np.zeros(N, bool)  # RUNNING and below its segment's limit: steps a frame
@@ -281,7 +283,29 @@ class Scheduler:
             self._stepping[slots[sched >= self._limit[slots]]] = False  # the segment's last frame step
             self._inflight.append(_Step(self._step, slots, self._gen[slots]))
             first = bool((sched == 1).all())
-        return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores, first_frames=first)
+        from_prefill = False
+        if first and self.first_from_prefill and self._finals:
+            prefills, from_prefill = self._with_last_frames(prefills, slots)
+        self._finals.clear()
+        return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores, first_frames=first,
+                     from_prefill=from_prefill)
+
+    def _with_last_frames(self, chunks: list[PrefillChunk], slots: np.ndarray) -> tuple[list[PrefillChunk], bool]:
+        """EngineConfig.first_frame_from_prefill: when this step's prefill completes the prompt of every row of its
+        frame step, each final chunk takes its prompt's last frame too (head): the first frame then runs from the
+        hidden state the prefill keeps. Else the chunks as they are."""
+        finals = self._finals
+        if (len(slots) > len(finals) or any(int(s) not in finals for s in slots)
+                or sum(len(c.tokens) for c in chunks) + len(finals) > self.prefill_token_budget):
+            return chunks, False
+        out = []
+        for c in chunks:
+            req = finals.get(c.slot)
+            if req is not None and c.start + len(c.tokens) == req.seg_start_pos:  # the prompt's final chunk
+                j = c.start - req.prompt_start
+                c = PrefillChunk(c.slot, c.start, req.tokens[j:], req.mask[j:], head=True)
+            out.append(c)
+        return out, True
 
     def update(self, step: int, codes: np.ndarray) -> StepRows:
         """Take step `step`'s codes [len(decode_slots), K], rows in batch.decode_slots order."""
@@ -414,6 +438,7 @@ class Scheduler:
                 self._store_prefix(req)
             if req.num_to_prefill == 0:
                 done.append(req)
+                self._finals[req.slot] = req
         if done:
             self.prefilling = deque(r for r in self.prefilling if r.num_to_prefill > 0)
             for req in done:

@@ -258,8 +258,8 @@ def test_a_step_of_first_frames_is_done_before_the_next_launch(model, alone):
     log, firsts = [], {}
     launch = engine.runner.step
 
-    def step(slots, step_id=-1):
-        out = launch(slots, step_id)
+    def step(slots, step_id=-1, from_prefill=False):
+        out = launch(slots, step_id, from_prefill)
         if out is not None:
             log.append(("launch", step_id))
             wait = out.wait

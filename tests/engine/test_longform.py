@@ -178,7 +178,8 @@ def test_abort_while_idle_frees_the_slot(model):
 
 def _sched(max_frames):
     from csmserve.engine.scheduler import Scheduler
-    s = Scheduler(EngineConfig(max_slots=1, max_seq_len=64, prefill_token_budget=64))
+    # the plain layout (the last prompt frame through the frame step); first_frame_from_prefill: test_scheduler.py
+    s = Scheduler(EngineConfig(max_slots=1, max_seq_len=64, prefill_token_budget=64, first_frame_from_prefill=False))
     req = Request(*text(4, 0), params=SamplingParams(temperature=0.0, max_audio_length_ms=None, max_segment_length_ms=max_frames * 80),
                   segments=deque([text(4, 1)]))
     s.add(req)

@@ -54,7 +54,7 @@ def test_the_engine_paces_from_the_generations_end_with_the_codec_on_its_own_str
             return 0.003
 
     class Runner(StandInRunner):
-        def step(self, slots, step_id=-1):
+        def step(self, slots, step_id=-1, from_prefill=False):
             out = super().step(slots, step_id)
             return None if out is None else Lagged(out.slots, out.codes, out.pcm)
 

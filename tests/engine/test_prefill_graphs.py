@@ -29,7 +29,8 @@ def test_pack_layout_and_padding():
     t1, m1 = np.arange(3 * W).reshape(3, W), np.ones((3, W), bool)
     t2, m2 = np.full((1, W), 7), np.eye(1, W, 4, dtype=bool)
     a = pack_prefill([PrefillChunk(2, 10, t1, m1), PrefillChunk(4, 0, t2, m2)], T=6, width=W, scratch=scratch)
-    assert a.shape == (6, 2 * W + 2)
+    assert a.shape == (6, 2 * W + 3)
+    assert (a[:, 2 * W] == 0).all()  # no head chunk: no hidden state kept
     np.testing.assert_array_equal(a[:3, :W], t1)
     np.testing.assert_array_equal(a[:3, W:2 * W], m1)
     np.testing.assert_array_equal(a[:3, -2], [10, 11, 12])

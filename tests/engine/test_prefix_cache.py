@@ -139,7 +139,8 @@ def make_engine(model, cache_bytes=None, **kw):
     prefill = engine.runner.prefill
 
     def counting(chunks):
-        engine.prefilled += sum(len(c.tokens) for c in chunks)
+        # positions before the prompt's last frame (a head chunk also takes that frame: first_frame_from_prefill)
+        engine.prefilled += sum(len(c.tokens) - c.head for c in chunks)
         prefill(chunks)
 
     engine.runner.prefill = counting
@@ -245,7 +246,8 @@ def test_longest_cached_boundary_is_used_and_the_whole_prefix_stored():
     s.add(r2)
     batch = s.schedule()
     assert batch.admissions[0].prefix_hit == key_a
-    assert [(c.start, len(c.tokens)) for c in batch.prefills] == [(12, 24 + 4 - 1 - 12)]
+    # from position 12 to the prompt's end (the last frame too, head: an idle engine's first frame from the prefill)
+    assert [(c.start, len(c.tokens), c.head) for c in batch.prefills] == [(12, 24 + 4 - 12, True)]
     assert batch.prefix_stores[0].n == 24 and s.prefix_cache.stats["hits"] == 1
     assert s.prefix_cache.stats["misses"] == 1  # r1's; r2 counts one hit, not a miss and a hit
 

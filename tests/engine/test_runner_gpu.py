@@ -58,6 +58,37 @@ def test_graph_replay_equals_eager_every_bucket(n):
         np.testing.assert_array_equal(a, b)
 
 
+def run_from_prefill(runner, prompts, seeds, temperature, steps):
+    """run()'s prompts, all admitted at once with their last frame in the prefill (head) and the first frame
+    from the prefill's hidden state (from_prefill), as an idle engine does (EngineConfig.first_frame_from_prefill)."""
+    runner.prefill([PrefillChunk(slot, 0, tok, mask, head=True) for slot, (tok, mask) in enumerate(prompts)])
+    runner.admit([Admission(slot, tok[-1], mask[-1], len(tok) - 1, temperature, 20, 1.0, seeds[slot])
+                  for slot, (tok, mask) in enumerate(prompts)])
+    slots = list(range(len(prompts)))
+    out = [runner.step(slots, from_prefill=True).wait()[0].copy()]
+    for _ in range(steps - 1):
+        out.append(runner.step(slots).wait()[0].copy())
+    return np.stack(out, 1)  # [slots, steps, K]
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 3, 8, 9])  # 9: more rows than the first-frame graphs take (the plain step)
+def test_first_frame_from_prefill_graphs_equal_eager_and_the_plain_first_step(n):
+    """The first frame from the prefill's kept hidden state (no backbone pass) through its graphs == eager, and ==
+    the plain path (the last prompt frame through the first frame step) in float32, greedy and sampled."""
+    model = tiny_model(torch.float32)
+    ps, seeds = prompts(n), list(range(200, 200 + n))
+    graphed = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=True)
+    eager = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=False)
+    plain = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=True)
+    assert max(graphed.first_graphs.buckets) == 8
+    for temperature in (0.0, 0.9):
+        a = run_from_prefill(graphed, ps, seeds, temperature, 10)
+        b = run_from_prefill(eager, ps, seeds, temperature, 10)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, run(plain, ps, seeds, temperature, 10))
+
+
 @cuda
 def test_prefill_graphs_equal_eager_prefill():
     """Many chunks packed into one graphed prefill (fresh prompts, then their continuations) write the same

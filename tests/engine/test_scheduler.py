@@ -27,8 +27,10 @@ def make_req(prompt_len: int = 1, max_frames: int = 100, seed: int | None = 1, r
 
 
 def make_sched(**kw: int) -> Scheduler:
+    # the plain layout: a prompt's last frame enters through its first frame step (first_frame_from_prefill:
+    # its own tests below, and the random run)
     return Scheduler(EngineConfig(**{"max_slots": 4, "max_waiting": 8, "prefill_token_budget": 8,
-                                     "max_prefill_chunk": 8, **kw}))
+                                     "max_prefill_chunk": 8, "first_frame_from_prefill": False, **kw}))
 
 
 def frames(n: int, value: int = 7) -> np.ndarray:
@@ -340,23 +342,36 @@ class FakeRunner:
         self.first_pos = [0] * max_slots
         self.frame = [0] * max_slots
         self.seed = [0] * max_slots
+        self.from_prefill_steps = 0
 
     def run(self, batch: Batch) -> np.ndarray:
         for adm in batch.admissions:  # reset the slot's row
             self.kv_len[adm.slot], self.frame[adm.slot] = 0, 0
             self.first_pos[adm.slot], self.seed[adm.slot] = adm.first_pos, adm.seed
+        heads = set()
         for c in batch.prefills:
             assert c.start == self.kv_len[c.slot], "prefill chunks must be contiguous"
             self.kv_len[c.slot] += len(c.tokens)
-            assert self.kv_len[c.slot] <= self.first_pos[c.slot], "prefill stops before the last prompt frame"
+            if c.head:  # it took the last prompt frame too (first_frame_from_prefill)
+                heads.add(c.slot)
+                assert self.kv_len[c.slot] == self.first_pos[c.slot] + 1, "a head chunk ends at the last prompt frame"
+            else:
+                assert self.kv_len[c.slot] <= self.first_pos[c.slot], "prefill stops before the last prompt frame"
         assert len(set(batch.decode_slots)) == len(batch.decode_slots)
+        # from_prefill: every row's first frame, and every row's prompt completed by a head chunk of this batch
+        assert batch.from_prefill == bool(heads)
+        assert not batch.from_prefill or set(batch.decode_slots.tolist()) == heads
         rows = []
         for s in batch.decode_slots:
-            assert self.kv_len[s] == self.first_pos[s] + self.frame[s], "frame step before prefill completed"
             assert self.kv_len[s] < self.max_seq_len
+            if batch.from_prefill:  # its last prompt frame's KV is the prefill's: the step adds none
+                assert self.frame[s] == 0 and self.kv_len[s] == self.first_pos[s] + 1
+            else:
+                assert self.kv_len[s] == self.first_pos[s] + self.frame[s], "frame step before prefill completed"
+                self.kv_len[s] += 1
             rows.append(expected_frame(self.seed[s], self.frame[s]))
-            self.kv_len[s] += 1
             self.frame[s] += 1
+        self.from_prefill_steps += batch.from_prefill
         return np.stack(rows) if rows else np.zeros((0, 32), np.int64)
 
 
@@ -398,6 +413,7 @@ def test_random_run_against_fake_runner(seed: int) -> None:
             collect(upd(sched, prev.step, prev_codes))
         prev, prev_codes = batch, codes
     collect(upd(sched, prev.step, prev_codes))
+    assert runner.from_prefill_steps > 0  # idle moments: first frames from the prefill's hidden state
 
     assert not sched.has_unfinished() and sched.num_free_slots == cfg.max_slots and sched.num_inflight_steps == 0
     finished = {S.FINISHED_EOS: 0, S.FINISHED_LENGTH: 0, S.FINISHED_ABORTED: 0}
@@ -417,3 +433,36 @@ def test_random_run_against_fake_runner(seed: int) -> None:
             np.testing.assert_array_equal(out, want)
         assert r.num_frames == len(out)
     assert all(n > 0 for n in finished.values()), finished
+
+
+def test_first_frames_from_the_prefill_take_the_last_prompt_frame_into_it():
+    """first_frame_from_prefill (the default): on a step whose rows all make their first frame and whose prefill
+    completes all their prompts, each final chunk takes the prompt's last frame too (head) and the batch is
+    from_prefill; a request joining running ones, or a prefill over the budget with that frame, keeps the plain
+    layout."""
+    s = make_sched(first_frame_from_prefill=True, prefill_token_budget=12, max_prefill_chunk=12)
+    a, b = make_req(5, 4), make_req(3, 4)
+    s.add(a)
+    s.add(b)
+    b0 = s.schedule()
+    assert [(c.slot, c.start, len(c.tokens), c.head) for c in b0.prefills] == [(0, 0, 5, True), (1, 0, 3, True)]
+    np.testing.assert_array_equal(b0.prefills[0].tokens, a.tokens)
+    assert b0.first_frames and b0.from_prefill and b0.decode_slots.tolist() == [0, 1]
+    b1 = s.schedule()
+    assert not b1.first_frames and not b1.from_prefill
+    c = make_req(4, 4)
+    s.add(c)  # joins two running rows: the plain layout
+    b2 = s.schedule()
+    assert [(len(ch.tokens), ch.head) for ch in b2.prefills] == [(3, False)]
+    assert not b2.first_frames and not b2.from_prefill
+    # alone on an idle engine, but its final chunk fills the budget: no room for the last frame
+    s2 = make_sched(first_frame_from_prefill=True, prefill_token_budget=8, max_prefill_chunk=8)
+    s2.add(make_req(9, 4))
+    b = s2.schedule()
+    assert [(len(ch.tokens), ch.head) for ch in b.prefills] == [(8, False)]
+    assert b.first_frames and not b.from_prefill
+    # a prompt of one frame has nothing to prefill: its first frame is a plain step
+    s3 = make_sched(first_frame_from_prefill=True)
+    s3.add(make_req(1, 4))
+    b = s3.schedule()
+    assert not b.prefills and b.first_frames and not b.from_prefill

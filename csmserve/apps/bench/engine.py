@@ -172,6 +172,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
     ap.add_argument("--no-first-frame-alone", action="store_true",
                     help="EngineConfig(first_frame_alone=False): the step after a first frame overlaps its decode")
+    ap.add_argument("--no-first-frame-from-prefill", action="store_true",
+                    help="EngineConfig(first_frame_from_prefill=False): an idle engine's first frame through the backbone")
     ap.add_argument("--no-codec-stream", action="store_true",
                     help="EngineConfig(codec_stream=False): Mimi's decode after the generation in one graph")
     ap.add_argument("--spec-depth", type=int, default=None,
@@ -235,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
                        prefill_token_budget=2048, overlap_steps=not args.no_overlap,
                        late_launch=not args.early_launch, spec_depth=args.spec_depth, weights=args.weights,
-                       codec_stream=not args.no_codec_stream, first_frame_alone=not args.no_first_frame_alone)
+                       codec_stream=not args.no_codec_stream, first_frame_alone=not args.no_first_frame_alone,
+                       first_frame_from_prefill=not args.no_first_frame_from_prefill)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
@@ -248,11 +251,12 @@ def run(args: argparse.Namespace) -> int:
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
          f"overlap_steps {cfg.overlap_steps}, late_launch {cfg.late_launch}, weights {cfg.weights}, "
          f"codec_stream {runner.codec_stream is not None}, first_frame_alone {cfg.first_frame_alone}, "
+         f"first_frame_from_prefill {cfg.first_frame_from_prefill}, "
          f"spec_depth {cfg.spec_depth or 'off'}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
     spec = SpecMeter(runner.spec)
     try:
-        one = one_stream(engine, args.one_stream_frames)
+        one = one_stream(engine, args.one_stream_frames, max(5, args.probes))
         emit(f"\n| one stream | frames/s | real-time factor | time to first audio p50 (ms) |{spec.head}\n"
              f"|---|---|---|---|{spec.rule}")
         emit(f"| csmserve | {one['fps']:.1f} | {one['rtf']:.2f}x | {one['ttfa_p50_ms']:.1f} |{spec.cells()}")

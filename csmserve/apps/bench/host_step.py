@@ -70,7 +70,7 @@ class StandInRunner:
 
     resume = prefill = store_prefixes = copy_prefixes = admit
 
-    def step(self, slots: np.ndarray, step_id: int = -1):
+    def step(self, slots: np.ndarray, step_id: int = -1, from_prefill: bool = False):
         if not len(slots):
             return None
         n = len(slots)
