@@ -33,8 +33,15 @@ class FrameGraphs:
 
     def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
                  device: torch.device, codec: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 codec_stream: torch.cuda.Stream | None = None) -> None:
+                 codec_stream: torch.cuda.Stream | None = None, first: Callable[[Tensor], tuple] | None = None,
+                 first_buckets: list[int] | None = None) -> None:
+        # first: a second step function (the runner's first frame from the prefill's h0), captured at first_buckets
+        # (a prefix of buckets) on the same stream and pool as `step`, sharing the inputs and the decode graphs
         self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
+        self.first = first
+        self.first_buckets = [b for b in (first_buckets or []) if b in buckets] if first is not None else []
+        self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.first_outputs: dict[int, tuple] = {}
         self.codec, self.codec_stream = codec, codec_stream
         n = buckets[-1]
         self.slot_ids = torch.full((n,), scratch, dtype=torch.long, device=device)  # static input
@@ -72,6 +79,13 @@ class FrameGraphs:
                     self.outputs[b] = self.step(ids)
                 pool = g.pool() if pool is None else pool
                 self.graphs[b] = g
+                if b in self.first_buckets:
+                    for _ in range(2):
+                        self.first(ids)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                        self.first_outputs[b] = self.first(ids)
+                    self.first_graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         if self.codec is not None:
             self._capture_codec()
@@ -98,7 +112,8 @@ class FrameGraphs:
                 self.codec_graphs[b] = g
         torch.cuda.current_stream().wait_stream(cs)
 
-    def run(self, slots: np.ndarray, ring: int) -> StepOutput:
+    def run(self, slots: np.ndarray, ring: int, first: bool = False) -> StepOutput:
+        """first: replay the `first` step's graph (the caller checks len(slots) <= first_buckets[-1])."""
         n, i = len(slots), self.flip
         self.flip ^= 1
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -109,8 +124,8 @@ class FrameGraphs:
         if self.snapshot is not None:
             main.wait_event(self.snapshot)  # the codec stream has its copy of the last step's ids and codes
         self.slot_ids[:b].copy_(ids[:b], non_blocking=True)
-        self.graphs[b].replay()
-        codes, pcm = self.outputs[b]
+        (self.first_graphs if first else self.graphs)[b].replay()
+        codes, pcm = (self.first_outputs if first else self.outputs)[b]
         out = self.ring
         host_codes = out.codes[ring]
         host_pcm = out.pcm[ring] if pcm is not None or self.codec is not None else None

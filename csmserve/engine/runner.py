@@ -123,7 +123,7 @@ class ModelRunner:
         self.h0 = torch.zeros(num_slots + 1, self.cfg.backbone.dim, dtype=self.dtype, device=self.device)
         fs = self.codec.frame_size if self.codec is not None else 0
         self.ring = output_ring or OutputRing(2, self.buckets[-1], self.cfg.num_codebooks, fs, cuda=cuda)
-        self.graphs = self.prefill_graphs = self.first_graphs = None
+        self.graphs = self.prefill_graphs = None
         graphs = use_graphs if use_graphs is not None else cuda
         # Mimi's decode on a stream of its own beside the next frame's generation (EngineConfig.codec_stream;
         # engine/graphs.py): its rows are reset there too, from their own staging buffer. High priority (CUDA's -1;
@@ -135,23 +135,22 @@ class ModelRunner:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
             self.graphs = self.frame_graphs()
-            # the first frame from the prefill's h0 (no backbone pass), graphed at the small buckets an idle engine's
-            # arrivals take; more rows run the plain step (it recomputes the last prompt position)
-            self.first_graphs = self.frame_graphs(from_prefill=True)
             self.prefill_graphs = PrefillGraphs(lambda packed: self.prefill_forward(packed, self.max_seq_len),
                                                 self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
 
-    def frame_graphs(self, from_prefill: bool = False) -> FrameGraphs:
-        """The frame step, one CUDA graph per bucket (all captured here); from_prefill: the first-frame step from
-        h0, at the buckets up to FIRST_ROWS."""
+    def frame_graphs(self) -> FrameGraphs:
+        """The frame step, one CUDA graph per bucket (all captured here); and the first frame from the prefill's h0
+        (no backbone pass) at the small buckets an idle engine's arrivals take (up to FIRST_ROWS; more rows run the
+        plain step, which recomputes the last prompt position)."""
         from csmserve.engine.graphs import FrameGraphs
 
         apart = self.codec_stream is not None  # the decode in graphs of its own, on the codec stream
-        buckets = [b for b in self.buckets if b <= FIRST_ROWS] if from_prefill else self.buckets
-        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
-                                                       from_prefill=from_prefill), buckets,
+        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart), self.buckets,
                            self.scratch, self.ring, self.device, codec=self.codec_step if apart else None,
-                           codec_stream=self.codec_stream)
+                           codec_stream=self.codec_stream,
+                           first=lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
+                                                             from_prefill=True),
+                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS])
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
@@ -310,9 +309,8 @@ class ModelRunner:
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
-            if from_prefill and len(slots) <= FIRST_ROWS:
-                return self.first_graphs.run(slots, ring)
-            return self.graphs.run(slots, ring)
+            first = from_prefill and bool(self.graphs.first_buckets) and len(slots) <= self.graphs.first_buckets[-1]
+            return self.graphs.run(slots, ring, first=first)
         self.host_pos[slots] += 1
         bound = int(self.host_pos[slots].max())  # the torch path attends to [0, bound)
         codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound, from_prefill=from_prefill)

@@ -81,7 +81,7 @@ def test_first_frame_from_prefill_graphs_equal_eager_and_the_plain_first_step(n)
     graphed = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=True)
     eager = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=False)
     plain = ModelRunner(model, num_slots=9, max_seq_len=128, use_graphs=True)
-    assert max(graphed.first_graphs.buckets) == 8
+    assert graphed.graphs.first_buckets == [1, 2, 4, 8]
     for temperature in (0.0, 0.9):
         a = run_from_prefill(graphed, ps, seeds, temperature, 10)
         b = run_from_prefill(eager, ps, seeds, temperature, 10)
