@@ -448,6 +448,20 @@ if [[ $what == codecstream ]]; then
     done
   done
 fi
+ab_frame_engine() {  # TAG PARTS WEIGHTS VARIANT ENVS ARGS BATCHES: one variant's frame step and one stream, appended
+  # to $OUT/TAG_frame.txt and $OUT/TAG_engine.txt (ENVS: environment for both; ARGS: engine-bench flags)
+  local tag=$1 parts=$2 w=$3 v=$4 envs=$5 args=$6 batches=$7
+  if [[ $parts == *frame* ]]; then
+    echo "== frame step, weights $w, $v" | tee -a "$OUT/${tag}_frame.txt"
+    env $envs python bench/frame_step.py --batches $batches --steps 30 --fuse --codec --weights $w \
+      2>&1 | tee -a "$OUT/${tag}_frame.txt" | tail -6
+  fi
+  if [[ $parts == *engine* ]]; then
+    echo "== one stream, weights $w, $v" | tee -a "$OUT/${tag}_engine.txt"
+    env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $args 2>&1 \
+      | tee -a "$OUT/${tag}_engine.txt" | grep -A3 "one stream\|^device" | head -12
+  fi
+}
 if [[ $what == edges ]]; then
   # issue 16: the depth step's edges (the embedding gathered in the projection's GEMV and the final norm in the head's:
   # CSMSERVE_GEMV_EDGES; the attention and the o projection in one kernel: CSMSERVE_DEPTH_ATTN_O; the sampler's
@@ -469,16 +483,7 @@ if [[ $what == edges ]]; then
   for w in ${EDGES_WEIGHTS:-bf16 fp8-all}; do
     for v in ${EDGES_VARIANTS:-off on}; do
       case $v in off) envs=$off;; on) envs="";; *) envs=$v;; esac
-      if [[ $parts == *frame* ]]; then
-        echo "== frame step, weights $w, $v" | tee -a "$OUT/edges_frame.txt"
-        env $envs python bench/frame_step.py --batches ${EDGES_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w \
-          2>&1 | tee -a "$OUT/edges_frame.txt" | tail -6
-      fi
-      if [[ $parts == *engine* ]]; then
-        echo "== one stream, weights $w, $v" | tee -a "$OUT/edges_engine.txt"
-        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w 2>&1 \
-          | tee -a "$OUT/edges_engine.txt" | grep -A3 "one stream\|^device" | head -12
-      fi
+      ab_frame_engine edges "$parts" $w $v "$envs" "" ${EDGES_BATCHES:-1,2,64,2048}
     done
   done
 fi
@@ -514,16 +519,7 @@ if [[ $what == frameio ]]; then
         prefill0) args="--no-first-frame-from-prefill";;
         frameio0) envs="CSMSERVE_FRAME_IO=0";; first0) envs="CSMSERVE_DEPTH_FIRST=0";; alone0) args="--no-first-frame-alone";;
       esac
-      if [[ $parts == *frame* ]]; then
-        echo "== frame step, weights $w, $v" | tee -a "$OUT/frameio_frame.txt"
-        env $envs python bench/frame_step.py --batches ${FRAMEIO_BATCHES:-1,2,64,2048} --steps 30 --fuse --codec --weights $w \
-          2>&1 | tee -a "$OUT/frameio_frame.txt" | tail -6
-      fi
-      if [[ $parts == *engine* ]]; then
-        echo "== one stream, weights $w, $v" | tee -a "$OUT/frameio_engine.txt"
-        env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $args 2>&1 \
-          | tee -a "$OUT/frameio_engine.txt" | grep -A3 "one stream\|^device" | head -12
-      fi
+      ab_frame_engine frameio "$parts" $w $v "$envs" "$args" ${FRAMEIO_BATCHES:-1,2,64,2048}
     done
   done
 fi
