@@ -113,10 +113,11 @@ class FrameGraphs:
         torch.cuda.current_stream().wait_stream(cs)
 
     def run(self, slots: np.ndarray, ring: int, first: bool = False) -> StepOutput:
-        """first: replay the `first` step's graph (the caller checks len(slots) <= first_buckets[-1])."""
+        """first: replay the `first` step's graph where one was captured for the bucket, else the plain one."""
         n, i = len(slots), self.flip
         self.flip ^= 1
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        first = first and b in self.first_graphs
         ids = self.host_ids[i]
         ids.numpy()[:n] = slots
         ids[n:b] = self.scratch

@@ -254,7 +254,7 @@ class ModelRunner:
             from csmserve.kernels.frame_io import prologue_triton
 
             fi = prologue_triton(s, slot_ids, m.audio_embeddings.weight, m.text_embeddings.weight,
-                                 self.cfg.num_codebooks, self.cfg.audio_vocab_size)
+                                 self.cfg.num_codebooks, self.cfg.audio_vocab_size, embed=not from_prefill)
             x, pos, lengths = fi.x, fi.pos, fi.lengths
             temp, top_k, top_p, seed, frame = fi.temperature, fi.top_k, fi.top_p, fi.seed, fi.frame
         else:
@@ -309,8 +309,7 @@ class ModelRunner:
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
-            first = from_prefill and bool(self.graphs.first_buckets) and len(slots) <= self.graphs.first_buckets[-1]
-            return self.graphs.run(slots, ring, first=first)
+            return self.graphs.run(slots, ring, first=from_prefill)
         self.host_pos[slots] += 1
         bound = int(self.host_pos[slots].max())  # the torch path attends to [0, bound)
         codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound, from_prefill=from_prefill)

@@ -164,7 +164,6 @@ class Scheduler:
         self._history: dict[str, _History] = {}  # long-form requests
         self._resumes: list[Admission] = []  # continuations to load at the next schedule()
         self.first_from_prefill = config.first_frame_from_prefill
-        self._finals: dict[int, Request] = {}  # slot -> request whose prompt this step's prefill completes
         self._step = 0
         # ---- per-slot arrays (the vectorised state of every running slot)
         self._stepping = np.zeros(N, bool)  # RUNNING and below its segment's limit: steps a frame
@@ -273,7 +272,7 @@ class Scheduler:
         self._step += 1
         admissions = [self._admit(self.waiting.popleft()) for _ in range(min(len(self.waiting), len(self._free)))]
         resumes, self._resumes = self._resumes, []
-        prefills = self._schedule_prefills()
+        prefills, done = self._schedule_prefills()
         stores, self._stores = self._stores, []
         slots = np.flatnonzero(self._stepping)  # [B] sorted
         first = False
@@ -284,18 +283,17 @@ class Scheduler:
             self._inflight.append(_Step(self._step, slots, self._gen[slots]))
             first = bool((sched == 1).all())
         from_prefill = False
-        if first and self.first_from_prefill and self._finals:
-            prefills, from_prefill = self._with_last_frames(prefills, slots)
-        self._finals.clear()
+        if first and self.first_from_prefill and done:
+            prefills, from_prefill = self._with_last_frames(prefills, slots, {r.slot: r for r in done})
         return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores, first_frames=first,
                      from_prefill=from_prefill)
 
-    def _with_last_frames(self, chunks: list[PrefillChunk], slots: np.ndarray) -> tuple[list[PrefillChunk], bool]:
-        """EngineConfig.first_frame_from_prefill: when this step's prefill completes the prompt of every row of its
-        frame step, each final chunk takes its prompt's last frame too (head): the first frame then runs from the
-        hidden state the prefill keeps. Else the chunks as they are."""
-        finals = self._finals
-        if (len(slots) > len(finals) or any(int(s) not in finals for s in slots)
+    def _with_last_frames(self, chunks: list[PrefillChunk], slots: np.ndarray, finals: dict[int, Request]
+                          ) -> tuple[list[PrefillChunk], bool]:
+        """EngineConfig.first_frame_from_prefill: when this step's prefill completes (finals: slot -> request) the
+        prompt of every row of its frame step, each final chunk takes its prompt's last frame too (head): the first
+        frame then runs from the hidden state the prefill keeps. Else the chunks as they are."""
+        if (not set(slots.tolist()) <= finals.keys()
                 or sum(len(c.tokens) for c in chunks) + len(finals) > self.prefill_token_budget):
             return chunks, False
         out = []
@@ -422,7 +420,8 @@ class Scheduler:
         if self.prefix_cache.reserve(key, n):
             self._stores.append(PrefixStore(req.slot, key, n, tuple(self.prefix_cache.take_evicted())))
 
-    def _schedule_prefills(self) -> list[PrefillChunk]:
+    def _schedule_prefills(self) -> tuple[list[PrefillChunk], list[Request]]:
+        """This step's chunks, and the requests whose prompts they complete (now running)."""
         chunks: list[PrefillChunk] = []
         budget, done = self.prefill_token_budget, []
         for req in self.prefilling:  # FIFO; a long prompt takes several steps
@@ -438,12 +437,11 @@ class Scheduler:
                 self._store_prefix(req)
             if req.num_to_prefill == 0:
                 done.append(req)
-                self._finals[req.slot] = req
         if done:
             self.prefilling = deque(r for r in self.prefilling if r.num_to_prefill > 0)
             for req in done:
                 self._start_running(req)  # its first frame step runs in this same batch
-        return chunks
+        return chunks, done
 
     def _start_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

@@ -86,7 +86,7 @@ class DepthKV(KVView):
         self.use_triton = device.type == "cuda" and d.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
         # kernels/depth_attention.py: RoPE + K/V store + attention in one launch (CSMSERVE_DEPTH_FUSED=0: three)
         self.fused = self.use_triton and os.environ.get("CSMSERVE_DEPTH_FUSED", "1") != "0"
-        self.first = self.fused and os.environ.get("CSMSERVE_DEPTH_FIRST", "1") != "0"
+        self.first = self.fused and os.environ.get("CSMSERVE_DEPTH_FIRST", "1") != "0"  # depth_attend_first_triton
         self.first_static = False
         self.pos = self.lengths = self.mask = None
 
@@ -95,8 +95,8 @@ class DepthKV(KVView):
         self.pos_static = self.static_pos is not None and (pos._base if pos._base is not None else pos) is self.static_pos
         # the frame's first step, positions 0 and 1 (a view of static_pos[:2]): kernels/depth_attention.py's
         # depth_attend_first_triton, no mask
-        self.first_static = (self.fused and self.pos_static and pos.shape[1] == 2 and pos.storage_offset() == 0
-                             and pos.stride(1) == self.static_pos.stride(0) and self.first)
+        self.first_static = (self.first and self.pos_static and pos.shape[1] == 2 and pos.storage_offset() == 0
+                             and pos.stride(1) == self.static_pos.stride(0))
         if pos.shape[1] == 1 and self.use_triton:
             if not self.fused:  # the fused kernel reads pos itself: two launches less per depth step
                 self.lengths = (pos[:, 0] + 1).to(torch.int32)
@@ -106,7 +106,7 @@ class DepthKV(KVView):
 
     def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
         """KVView.attend_qkv: kernels/depth_attention.py when fused and S == 1, or S == 2 at positions 0 and 1."""
-        if self.fused and qkv.shape[1] == 2 and self.first_static:
+        if self.first_static and qkv.shape[1] == 2:
             from csmserve.kernels.depth_attention import depth_attend_first_triton
 
             return depth_attend_first_triton(qkv, cos, sin, self.k[layer], self.v[layer], n_q, n_kv)

@@ -197,8 +197,7 @@ def depth_attend_triton(qkv: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, k_ca
 # that is the torch path: per layer the cache stores as index_put, a mask, SDPA: ~8 plain launches between PDL
 # kernels, ~36 a frame (docs/benchmarks.md, issue 16). Both positions are static (DepthKV.first_static: a view of
 # depth_pos[:2]), so no earlier key exists: a program stores position 0's k and v, attends (one key: v0), then
-# reads them back after a block barrier for position 1. CSMSERVE_DEPTH_FIRST=0: the torch path.
-FIRST = os.environ.get("CSMSERVE_DEPTH_FIRST", "1") != "0"
+# reads them back after a block barrier for position 1. CSMSERVE_DEPTH_FIRST=0 (read by DepthKV): the torch path.
 
 
 @triton.jit

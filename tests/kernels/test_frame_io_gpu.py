@@ -77,6 +77,12 @@ def test_prologue_equals_the_gathers_and_embed_frames(name, make, dtype, rows):
     for got, want in [(fi.temperature, s.temperature), (fi.top_k, s.top_k), (fi.top_p, s.top_p), (fi.seed, s.seed),
                       (fi.frame, s.frame)]:
         assert got.dtype == want.dtype and torch.equal(got, want[ids])
+    # without the embedding (a first frame from the prefill's hidden state): the same gathers, no x
+    ne = prologue_triton(s, ids, m.audio_embeddings.weight, m.text_embeddings.weight, cfg.num_codebooks,
+                         cfg.audio_vocab_size, embed=False)
+    assert ne.x is None
+    for got, want in zip(ne[1:], fi[1:]):
+        assert torch.equal(got, want)
     # a frame with every column off embeds to zeros; text alone to its text row
     s.next_mask[ids[0]] = False
     s.next_mask[ids[0], cfg.num_codebooks] = True
