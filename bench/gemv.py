@@ -1,6 +1,7 @@
 """The frame step's GEMMs at a few rows: cuBLAS (F.linear) against kernels/gemv.py, per shape and M.
 
 python bench/gemv.py --rows 1,2 [--fp8]
+python bench/gemv.py --rows 4,12,16 --fp8 --mma-sweep   (3-16 rows: the tensor-core kernel's rule and other configs)
 
 Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
 > 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
@@ -30,6 +31,27 @@ SHAPES = [
 ]
 
 
+# (BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel at 3-16 rows (--mma-sweep)
+MMA_CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 4), (16, 512, 4, 3), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+               (64, 128, 4, 4), (64, 256, 4, 3), (16, 512, 8, 4), (32, 256, 8, 4), (16, 256, 4, 6), (32, 128, 4, 6)]
+
+
+def sweep(run, k: int) -> tuple[float, tuple] | None:
+    """The fastest of MMA_CONFIGS for run(cfg) (us per call)."""
+    best = None
+    for cfg in MMA_CONFIGS:
+        if cfg[1] > k or k % cfg[1]:
+            continue
+        try:
+            t = run(cfg)
+        except Exception as e:  # noqa: BLE001 - a config Triton cannot build (shared memory): skip it
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
@@ -38,6 +60,8 @@ def main() -> None:
     ap.add_argument("--elems", type=int, default=None, help="gemv._ELEMS (weights per program per chunk)")
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
+    ap.add_argument("--mma-sweep", action="store_true",
+                    help="at 3-16 rows also MMA_CONFIGS: the best one per shape and weights, against the rule")
     args = ap.parse_args()
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
     gemv._ELEMS = args.elems or gemv._ELEMS
@@ -99,6 +123,28 @@ def main() -> None:
                 rel = ((gemv.gemv(x, w8, glu, s).float() - want).abs().max() / want.abs().max()).item()
                 line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} |"
             print(line, flush=True)
+            if args.mma_sweep and m > gemv.ELEMENTWISE_ROWS:
+                def timed(cfg, w8s=w8s):
+                    if w8s:
+                        def f():
+                            for i in range(args.reps):
+                                w8, s = w8s[i % len(w8s)]
+                                gemv.gemv(x, w8, glu, s, cfg=cfg)
+                    else:
+                        def f():
+                            for i in range(args.reps):
+                                gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
+                    return graph_timed(f, args.reps)
+
+                rule = gemv.config(m, n, k, glu)
+                for label, use in (("bf16", []), ("fp8", w8s)):
+                    if label == "fp8" and not args.fp8:
+                        continue
+                    t_rule = timed(rule, use)
+                    best = sweep(lambda c, use=use: timed(c, use), k)
+                    if best:
+                        print(f"  sweep {name} M={m} {label}: rule {rule} {t_rule:.2f} us, best {best[1]} "
+                              f"{best[0]:.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -458,7 +458,7 @@ ab_frame_engine() {  # TAG PARTS WEIGHTS VARIANT ENVS ARGS BATCHES: one variant'
   fi
   if [[ $parts == *engine* ]]; then
     echo "== one stream, weights $w, $v" | tee -a "$OUT/${tag}_engine.txt"
-    env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes 8 --weights $w $args 2>&1 \
+    env $envs python bench/engine_bench.py --sweep 1 --frames 150 --probes ${ENGINE_PROBES:-8} --weights $w $args 2>&1 \
       | tee -a "$OUT/${tag}_engine.txt" | grep -A3 "one stream\|^device" | head -12
   fi
 }
@@ -484,6 +484,23 @@ if [[ $what == edges ]]; then
     for v in ${EDGES_VARIANTS:-off on}; do
       case $v in off) envs=$off;; on) envs="";; *) envs=$v;; esac
       ab_frame_engine edges "$parts" $w $v "$envs" "" ${EDGES_BATCHES:-1,2,64,2048}
+    done
+  done
+fi
+if [[ $what == mma ]]; then
+  # issue 16: GEMMs of 3-16 rows by kernels/gemv.py's tensor-core kernel (CSMSERVE_GEMV_MMA_ROWS=16) against cuBLAS /
+  # weight_only_mm (=2). MMA_PARTS: tests gemv frame engine; MMA_VARIANTS: VAR=value sets for the frame step
+  parts=${MMA_PARTS:-tests gemv frame engine}
+  if [[ $parts == *tests* ]]; then
+    timeout ${MMA_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py \
+      tests/models/test_fp8_gpu.py tests/engine/test_runner_gpu.py} 2>&1 | tee "$OUT/mma_tests.txt" | tail -5
+  fi
+  if [[ $parts == *gemv* ]]; then
+    timeout 200 python bench/gemv.py --rows ${MMA_ROWS:-4,16} --fp8 ${MMA_GEMV_ARGS:-} 2>&1 | tee "$OUT/mma_gemv.txt" | tail -25
+  fi
+  for w in ${MMA_WEIGHTS:-bf16 fp8-all}; do
+    for v in ${MMA_VARIANTS:-CSMSERVE_GEMV_MMA_ROWS=16 CSMSERVE_GEMV_MMA_ROWS=2}; do
+      ab_frame_engine mma "$parts" $w $v "$v" "" ${MMA_BATCHES:-1,2,4,16,64}
     done
   done
 fi

@@ -1,4 +1,4 @@
-"""Skinny GEMMs (M <= 2 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
+"""Skinny GEMMs (M <= 16 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
 
 At batch 1 a frame is ~560 of these (31 depth steps x (4 layers x 4 + projection + head) + the
 backbone's 64): 2-32 MB each, where cuBLAS' GEMV kernels (+ a split-K reduction) run at ~40% of HBM
@@ -14,12 +14,22 @@ FP8 weights (scale given: models/fp8.py's FP8Linear): w is e4m3 [N, K] with a fl
 (per [gate; up] row for glu), y = scale[n] * sum_k x[k] w[n, k]: weight-only, the activations stay in the model
 dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight for the same products.
 
+3-16 rows (a prompt's short prefill, a few streams' frame step): `_gemv_mma_kernel`, the same fusions (glu, FP8
+scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the rows as one 16-row tile
+through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a
+chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
+Measured (docs/benchmarks.md, issue 16): per GEMM faster than cuBLAS on most shapes at 4-16 rows; in the frame step
+level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, 17-23% slower (each program
+normalises all 16 rows of every chunk again), hence the add + RMSNorm stays a kernel of its own at 3+ rows.
+
 norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it: h = x + delta,
 y = gemv(rms_norm(h) * norm_weight), with the rounding of kernels/elementwise.py's add_rms_norm (h and
 the normed row in the model dtype). Every program reads the row (K <= 8192: from L2) once for its sum of
 squares and again per chunk; program 0 writes h, the residual stream. Two launches less per layer.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,7 +39,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve.kernels import pdl, tuning
 
-MAX_ROWS = 2  # above this, cuBLAS' GEMMs (bench/gemv.py: at 4-8 rows it is faster than this kernel)
+ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (bench/gemv.py: the elementwise
+# tiles lose to cuBLAS from 4 rows, the 16-row tensor-core tiles do not)
+# CSMSERVE_GEMV_MMA_ROWS: the most rows of the tensor-core kernel (16; 2: cuBLAS from 3 rows, as before). Read once
+# at import, before any graph is captured.
+MAX_ROWS = max(ELEMENTWISE_ROWS, min(16, int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
 NUM_WARPS = 4
@@ -147,9 +161,94 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
         _store(Y + stride_ym, rn, mn & two, g1, u1, sg, su, GLU)
 
 
-# (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): CSM-1B's shapes (kernels/tuning.py); any
-# other shape takes blocks()' rule with NUM_WARPS and Triton's default stages
+@triton.jit
+def _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """The rows' input chunk [BM, BK] in the model dtype: x, or rms_norm(x + delta) * nw rounded as _chunk does."""
+    m2 = mm[:, None]
+    x = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+    if NORM:
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
+        nw = tl.load(NW + rk).to(tl.float32)
+        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
+def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
+                     UP_OFF, eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr,
+                     PDL: tl.constexpr, SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation)
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+    mn = rn < N
+    rm = tl.arange(0, BLOCK_M)  # [BM] rows, >= M masked
+    mm = rm < M
+    rk0 = tl.arange(0, BLOCK_K)
+    dt = X.dtype.element_ty
+    w_cols = W + rn.to(tl.int64)[None, :] * stride_wn  # [1, BN]: weight row n is the tile's column n
+    # the first chunk of weights depends on no kernel: read while the kernel before still runs (kernels/pdl.py)
+    w = tl.load(w_cols + rk0[:, None], mask=mn[None, :], other=0.0)  # [BK, BN]
+    u = w
+    if GLU:
+        u = tl.load(w_cols + UP_OFF * stride_wn + rk0[:, None], mask=mn[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if GATHER:  # the rows are X's (a table [R, K]) rows IDX [M], written by the kernel before: read after the wait
+        x_rows = X + tl.load(IDX + rm, mask=mm, other=0).to(tl.int64) * stride_xm
+    else:
+        x_rows = X + rm.to(tl.int64) * stride_xm
+    d_rows = DELTA + rm.to(tl.int64) * stride_dm
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if NORM:  # 1 / rms of each row of h = x + delta; program 0 writes h, the residual stream
+        ss = tl.zeros([BLOCK_M, PRE_K], dtype=tl.float32)
+        h_rows = H + rm.to(tl.int64) * stride_hm
+        for k0 in range(0, K, PRE_K):
+            rk = k0 + tl.arange(0, PRE_K)
+            m2 = mm[:, None] & (rk < K)[None, :]
+            h = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+            if HAS_DELTA:
+                h = (h.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+                     ).to(dt)
+                tl.store(h_rows[:, None] + rk[None, :], h, mask=m2 & (pid == 0))
+            ss += h.to(tl.float32) * h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x = _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk0, rstd, dt, NORM, HAS_DELTA)
+    acc = tl.dot(x, w.to(dt), acc)
+    if GLU:
+        acc_u = tl.dot(x, u.to(dt), acc_u)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (mma_blocks() checks)
+        rk = k0 + rk0
+        w = tl.load(w_cols + rk[:, None], mask=mn[None, :], other=0.0)
+        x = _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM, HAS_DELTA)
+        acc = tl.dot(x, w.to(dt), acc)
+        if GLU:
+            u = tl.load(w_cols + UP_OFF * stride_wn + rk[:, None], mask=mn[None, :], other=0.0)
+            acc_u = tl.dot(x, u.to(dt), acc_u)
+    y = acc
+    if SCALED:  # FP8 weights: a float32 scale per output channel (gate's, then up's at UP_OFF)
+        y = y * tl.load(S + rn, mask=mn, other=0.0)[None, :]
+    if GLU:
+        yu = acc_u
+        if SCALED:
+            yu = yu * tl.load(S + UP_OFF + rn, mask=mn, other=0.0)[None, :]
+        y = y / (1.0 + tl.exp(-y)) * yu
+    tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+             mask=mm[:, None] & mn[None, :])
+
+
+# (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): CSM-1B's shapes at 1-2 rows (kernels/tuning.py);
+# any other shape takes blocks()' rule with NUM_WARPS and Triton's default stages (3-16 rows: mma_blocks())
 TUNED: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV)
+MMA_ROWS = 16  # the tensor-core kernel's row tile
+_MMA_ELEMS = int(os.environ.get("CSMSERVE_GEMV_MMA_ELEMS", "8192"))  # weights per program per chunk, per gate/up tile
+MMA_NORM = os.environ.get("CSMSERVE_GEMV_MMA_NORM", "0") == "1"  # 1: the add + RMSNorm fused at 3+ rows too (slower)
+_MMA_PROGRAMS = 256
+MMA_WARPS, MMA_STAGES = 4, 4
 
 
 def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
@@ -159,6 +258,9 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     tuned = None if fp8 else TUNED.get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
+    if m > ELEMENTWISE_ROWS:
+        bn, bk = mma_blocks(m, n, k, glu)
+        return bn, bk, MMA_WARPS, MMA_STAGES
     bn, bk = blocks(m, n, k, glu)
     return bn, bk, NUM_WARPS, None
 
@@ -170,13 +272,29 @@ def _launch_opts(warps: int, stages: int | None) -> dict:
 def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply. The same for e4m3
     weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower)."""
-    if not 1 <= m <= MAX_ROWS or k < 128:
+    if m > ELEMENTWISE_ROWS:
+        return mma_blocks(m, n, k, glu)
+    if not 1 <= m or k < 128:
         return None
     block_n = 16
     while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
         block_n //= 2
     tiles = m * (2 if glu else 1)  # fp32 accumulator tiles: ~64 registers a thread in all
     block_k = min(triton.next_power_of_2(k), max(128, _ELEMS // tiles // block_n))
+    if k % block_k:
+        return None
+    return block_n, block_k
+
+
+def mma_blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) of the tensor-core kernel at 3..MAX_ROWS rows, or None: the widest BLOCK_N (16-64) that
+    still gives ~256 programs, BLOCK_K so that a chunk is ~8K weights (per gate/up tile)."""
+    if not ELEMENTWISE_ROWS < m <= MAX_ROWS or k < 128:
+        return None
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) < _MMA_PROGRAMS:
+        block_n //= 2
+    block_k = min(triton.next_power_of_2(k), max(64, _MMA_ELEMS // block_n))
     if k % block_k:
         return None
     return block_n, block_k
@@ -193,27 +311,43 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
             and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
 
 
-def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> Tensor:
+def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,
+            idx=None, cfg=None) -> None:
+    """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS.
+    strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages) in place of config()'s."""
+    bn, bk, warps, stages = cfg or config(M, N, K, glu, norm, fp8=scale is not None)
+    sx, sd, sh = strides
+    args = (x, delta, h, nw, weight, weight if scale is None else scale, y, M, N, K, sx, sd, sh, weight.stride(0),
+            y.stride(0), N, eps)
+    kw = dict(NORM=norm, HAS_DELTA=has_delta, BLOCK_N=bn, BLOCK_K=bk, GLU=glu,
+              PRE_K=pre_k if pre_k else bk, SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
+    if idx is not None:
+        kw.update(IDX=idx, GATHER=True)
+    grid = (triton.cdiv(N, bn),)
+    if M > ELEMENTWISE_ROWS:
+        _gemv_mma_kernel[grid](*args, BLOCK_M=MMA_ROWS, **kw)
+    else:
+        _gemv_kernel[grid](*args, TWO_ROWS=M > 1, **kw)
+
+
+def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] (glu: weight [2I, K] -> silu(gate) * up [..., I]); scale: FP8
-    weights (e4m3 weight, [N] float32 scales). The caller checks `applies` (else F.linear / FP8Linear)."""
+    weights (e4m3 weight, [N] float32 scales). The caller checks `applies` (else F.linear / FP8Linear).
+    cfg: a launch configuration to try (bench/gemv.py)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk, warps, stages = config(M, N, K, glu, fp8=scale is not None)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, bn),)](x2, x2, x2, x2, weight, weight if scale is None else scale, y, M, N, K,
-                                        x2.stride(0), 0, 0, weight.stride(0), y.stride(0), N, 0.0, NORM=False,
-                                        HAS_DELTA=False, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=bk,
-                                        SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
+    _launch(x2, x2, x2, x2, weight, scale, y, M, N, K, (x2.stride(0), 0, 0), 0.0, glu=glu, norm=False, cfg=cfg)
     return y.reshape(*x.shape[:-1], N)
 
 
 def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
     return (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
-            and table.stride(-1) == 1 and applies(table[:len(idx)], weight, False, scale))
+            and table.stride(-1) == 1 and len(idx) <= len(table) and applies(table[:len(idx)], weight, False, scale))
 
 
 def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
@@ -222,23 +356,20 @@ def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None
     step, and none of torch's between two PDL kernels. The caller checks `gather_applies`."""
     M, K = len(idx), table.shape[1]
     N = weight.shape[0]
-    bn, bk, warps, stages = config(M, N, K, fp8=scale is not None)
     y = torch.empty(M, N, dtype=table.dtype, device=table.device)
-    _gemv_kernel[(triton.cdiv(N, bn),)](table, table, table, table, weight, weight if scale is None else scale, y, M, N,
-                                        K, table.stride(0), 0, 0, weight.stride(0), y.stride(0), N, 0.0, NORM=False,
-                                        HAS_DELTA=False, TWO_ROWS=M > 1, BLOCK_N=bn, BLOCK_K=bk, GLU=False, PRE_K=bk,
-                                        SCALED=scale is not None, IDX=idx, GATHER=True, **_launch_opts(warps, stages),
-                                        **pdl.opts())
+    _launch(table, table, table, table, weight, scale, y, M, N, K, (table.stride(0), 0, 0), 0.0, glu=False,
+            norm=False, idx=idx)
     return y
 
 
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,
                  scale: Tensor | None = None) -> bool:
-    return applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+    return (applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and (MMA_NORM or x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS))
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-              glu: bool = False, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              glu: bool = False, scale: Tensor | None = None, cfg=None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
     after it in one kernel. x/delta [..., K]; the caller checks `norm_applies`."""
     K = x.shape[-1]
@@ -247,14 +378,13 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     h = x2 if delta is None else torch.empty_like(x2)
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
-    bn, bk, warps, stages = config(M, N, K, glu, True, fp8=scale is not None)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pre = bk  # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row
-    while pre * 2 <= 4096 // M and K % (pre * 2) == 0:
+    # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row (1-2 rows), 8,192 in
+    # all (the 16-row tile)
+    per_row = 4096 // M if M <= ELEMENTWISE_ROWS else 8192 // MMA_ROWS
+    pre = (cfg or config(M, N, K, glu, True, fp8=scale is not None))[1]
+    while pre * 2 <= per_row and K % (pre * 2) == 0:
         pre *= 2
-    _gemv_kernel[(triton.cdiv(N, bn),)](
-        x2, d2, h, norm_weight, weight, weight if scale is None else scale, y, M, N, K, x2.stride(0), d2.stride(0),
-        h.stride(0), weight.stride(0), y.stride(0), N, eps, NORM=True, HAS_DELTA=delta is not None, TWO_ROWS=M > 1,
-        BLOCK_N=bn, BLOCK_K=bk, GLU=glu, PRE_K=pre, SCALED=scale is not None, **_launch_opts(warps, stages),
-        **pdl.opts())
+    _launch(x2, d2, h, norm_weight, weight, scale, y, M, N, K, (x2.stride(0), d2.stride(0), h.stride(0)), eps,
+            glu=glu, norm=True, has_delta=delta is not None, pre_k=pre, cfg=cfg)
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

@@ -13,13 +13,12 @@ scale would make a seeded request's codes depend on its neighbours). Elsewhere (
 models, older GPUs) the same quantized numbers are multiplied in float32: the CPU tests run this code.
 The embeddings, the codebook heads and the norms stay in the model's dtype.
 
-At 1-2 rows on CUDA (models/llama.py's fuse_gemv, the batch-1 frame step) the GEMM is kernels/gemv.py's
-weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
+At 1-16 rows on CUDA (models/llama.py's fuse_gemv: the frame step of a few streams, a short prefill) the GEMM is
+kernels/gemv.py's weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
 
     y[r, o] = s_w[o] sum_i x[r, i] w8[o, i]                              (fp32 accumulation)
 
-Up to 16 rows on Hopper (the prefill of a short prompt, small batches; 1-2 rows outside fuse_gemv) the same
-weight-only numbers come from
+Up to 16 rows on Hopper outside fuse_gemv the same weight-only numbers come from
 kernels/fp8.py's weight_only_mm (e4m3 tiles to bf16 in registers, tl.dot): the per-row quantization kernel and
 `_scaled_mm` cost more there than the GEMM itself (docs/benchmarks.md, issue 16).
 CSMSERVE_FP8_WEIGHT_ONLY_ROWS sets the most rows it runs at (16; 0: w8a8 at every row count).

@@ -211,8 +211,9 @@ def fuse_elementwise() -> None:
 
 
 def fuse_gemv(on: bool = True) -> None:
-    """GEMMs of 1-2 rows (CUDA, bf16/fp16) by kernels/gemv.py, the MLP's SiLU*up fused into its first
-    one and each block's two residual add + RMSNorm into the GEMM after them; off: F.linear (cuBLAS). Read when a graph is captured: set it before the runner is built."""
+    """GEMMs of 1-16 rows (CUDA, bf16/fp16; gemv.MAX_ROWS) by kernels/gemv.py, the MLP's SiLU*up fused into its
+    first one and (at 1-2 rows) each block's two residual add + RMSNorm into the GEMM after them; off: F.linear
+    (cuBLAS). Read when a graph is captured: set it before the runner is built."""
     global matmul_t, linear_impl, glu, norm_then, embed_linear, norm_matmul_t
     matmul_t, linear_impl, glu, norm_then = ((_matmul_t_gemv, _linear_gemv, _glu_gemv, _norm_then_gemv) if on
                                              else (_matmul_t, _linear, _glu, _norm_then))

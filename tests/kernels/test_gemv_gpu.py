@@ -45,7 +45,8 @@ def test_gemv_does_not_apply_where_it_should_not():
     from csmserve.kernels import gemv
 
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    assert not gemv.applies(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
+    assert gemv.applies(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), w)  # the tensor-core kernel
+    assert not gemv.applies(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
     assert not gemv.applies(torch.randn(2, 256, device="cuda"), w.float())  # float32: cuBLAS
     assert not gemv.applies(torch.randn(2, 256, dtype=torch.bfloat16), w.cpu())
 
@@ -229,10 +230,10 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
 
 
 @cuda
-@pytest.mark.parametrize("batch", [1, 2, 16])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 17])
 def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
-    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1-2 rows (the weight-only kernel)
-    == the same numbers in torch (FP8Linear.weight_only); at 16 rows fuse_gemv leaves FP8Linear's own GEMM."""
+    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1-16 rows (the weight-only kernels)
+    == the same numbers in torch (FP8Linear.weight_only); at 17 rows fuse_gemv leaves FP8Linear's own GEMM."""
     from csmserve.models import llama
     from csmserve.models.csm import llama_100m
     from csmserve.models.fp8 import FP8Linear, GEMMS
@@ -262,7 +263,7 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
             llama.fuse_gemv(False)
     for m in fp8:
         m.weight_only = False
-    if batch <= 2:
+    if batch <= 16:
         torch.testing.assert_close(outs["gemv"], outs["torch"], atol=5e-2, rtol=5e-2)
         assert (outs["gemv"] - outs["torch"]).abs().mean() < 1e-2
         assert not torch.equal(outs["gemv"], outs["plain"])  # not the per-row quantized GEMM
@@ -271,7 +272,7 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
 
 
 @run
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
     """gather_gemv (the depth step's embedding gathered in the projection's kernel): the same bits as F.embedding
@@ -288,12 +289,78 @@ def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
         w, scale = _fp8(N, K, seed=7)
     else:
         w, scale = (torch.randn(N, K, dtype=dt) * 0.05).to(DEV), None
-    for idx in ([0], [V - 1], [5, V - 1], [17, 17])[2 * (m - 1):2 * m]:
+    cases = {1: ([0], [V - 1]), 2: ([5, V - 1], [17, 17]), 3: ([V - 1, 0, 9],),
+             16: (torch.randperm(V, generator=torch.Generator().manual_seed(3))[:16].tolist(),)}[m]
+    for idx in cases:
         idx = torch.tensor(idx, dtype=torch.int64).to(DEV)
         if DEV == "cuda":
             assert gemv.gather_applies(idx, table, w, scale)
         out = gemv.gather_gemv(idx, table, w, scale)
         ref = gemv.gemv(F.embedding(idx, table), w, scale=scale)
         assert out.shape == (m, N) and torch.equal(out, ref), idx
-    if DEV == "cuda":  # three rows: cuBLAS after the embedding, as before
-        assert not gemv.gather_applies(torch.zeros(3, dtype=torch.int64, device=DEV), table, w, scale)
+    if DEV == "cuda":  # past MAX_ROWS: cuBLAS after the embedding, as before
+        assert not gemv.gather_applies(torch.zeros(17, dtype=torch.int64, device=DEV), table, w, scale)
+
+
+@run
+@pytest.mark.parametrize("m", [3, 5, 12, 16])
+@pytest.mark.parametrize("n,k,glu", [(1536, 1024, False), (1024, 8192, False), (4096, 1024, True), (40, 256, True)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
+    """3-16 rows (_gemv_mma_kernel: the rows as one 16-row tensor-core tile): against F.linear in float32 (bf16
+    weights) or weight_only_torch (FP8 weights), with the glu, the fused residual add + RMSNorm (h bit for bit), and
+    rows of a strided view. A row read from the wrong place, a mask that let the padding rows in, a scale misapplied
+    or the up tile read as the gate fails; also N = 40 (a partial column tile)."""
+    from csmserve.kernels import gemv
+    from csmserve.models import llama
+    from csmserve.models.fp8 import weight_only_torch
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    torch.manual_seed(m + n)
+    if fp8:
+        w, scale = _fp8(2 * n if glu else n, k, seed=n + k + m)
+    else:
+        w, scale = (torch.randn(2 * n if glu else n, k, dtype=dt) * 0.05).to(DEV), None
+    big = torch.randn(m, 3, k, dtype=dt).to(DEV)
+    x = big[:, 1]  # strided rows
+    if DEV == "cuda":
+        assert gemv.applies(x, w, glu, scale)
+    delta = torch.randn(m, k, dtype=dt).to(DEV)
+    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
+    if norm:
+        h_ref, y = llama._add_rms_norm(x, delta, nw, 1e-5)
+        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale)
+        assert torch.equal(h, h_ref)
+    else:
+        y, out = x, gemv.gemv(x, w, glu, scale)
+    ref = weight_only_torch(y, w, scale) if fp8 else F.linear(y.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    assert out.shape == (m, n) and out.dtype == dt
+    tol = 1e-2 * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=1e-2)
+    if norm:  # without the delta too: the norm of x itself
+        _, y2 = llama._add_rms_norm(x, None, nw, 1e-5)
+        ref2 = weight_only_torch(y2, w, scale) if fp8 else F.linear(y2.float(), w.float())
+        if glu:
+            a, b = ref2.chunk(2, -1)
+            ref2 = F.silu(a) * b
+        torch.testing.assert_close(gemv.norm_gemv(x, None, nw, 1e-5, w, glu, scale)[1].float(), ref2, atol=tol,
+                                   rtol=1e-2)
+
+
+@run
+def test_mma_gemv_rows_are_independent_of_the_padding():
+    """A row's result at 3-16 rows does not depend on the rows beside it or their count: the 16-row tile's
+    products for row r read only row r (the same bits for row 0 of 3 rows and of 16 rows)."""
+    from csmserve.kernels import gemv
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    torch.manual_seed(0)
+    w = (torch.randn(1024, 2048, dtype=dt) * 0.05).to(DEV)
+    x = torch.randn(16, 2048, dtype=dt).to(DEV)
+    a = gemv.gemv(x[:3], w)
+    b = gemv.gemv(x, w)
+    assert torch.equal(a, b[:3])
