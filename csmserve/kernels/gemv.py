@@ -19,7 +19,7 @@ scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) w
 through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a
 chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
 Measured (docs/benchmarks.md, issue 16): per GEMM faster than cuBLAS on most shapes at 4-16 rows; in the frame step
-level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, 17-23% slower (each program
+level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, up to 22% slower (each program
 normalises all 16 rows of every chunk again), hence the add + RMSNorm stays a kernel of its own at 3+ rows.
 
 norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it: h = x + delta,
