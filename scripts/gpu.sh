@@ -487,6 +487,12 @@ if [[ $what == edges ]]; then
     done
   done
 fi
+if [[ $what == graphprofile ]]; then  # where a graphed frame step's time goes (PDL overlap counted once per kernel)
+  for w in ${GRAPHPROF_WEIGHTS:-bf16 fp8-all}; do
+    timeout 200 python bench/graph_profile.py --batches ${GRAPHPROF_BATCHES:-1,4,16} --weights $w ${GRAPHPROF_ARGS:-} 2>&1 \
+      | tee -a "$OUT/graph_profile.txt" | tail -30
+  done
+fi
 if [[ $what == mma ]]; then
   # issue 16: GEMMs of 3-16 rows by kernels/gemv.py's tensor-core kernel (CSMSERVE_GEMV_MMA_ROWS=16) against cuBLAS /
   # weight_only_mm (=2). MMA_PARTS: tests gemv frame engine; MMA_VARIANTS: VAR=value sets for the frame step
