@@ -37,3 +37,25 @@ def test_dialogue_panel_plays_a_script_with_timestamps(server, page):  # noqa: F
     assert d["samples"] == segs[-1]["audio_end_ms"] * 24 == d["done"]["usage"]["output_tokens"] * 1920
     assert [s["audio_start_ms"] for s in segs[1:]] == [s["audio_end_ms"] for s in segs[:-1]]
     assert caption.startswith("S")
+
+
+def test_dialogue_voices_fill_when_the_list_loaded_before_its_script(server, page):  # noqa: F811
+    """dialogue.js fills its voice lists from the page's on load too, not only on a later change: here its script
+    arrives after app.js has already loaded the voice list (held back 1.5 s), as on a slow link or a busy server."""
+    import time
+
+    r = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "bea", "transcript": "I am Bea."},
+                   files={"audio_sample": ("b.wav", wav_bytes(0.5), "audio/wav")}, timeout=60)
+    assert r.status_code == 200
+
+    def late(route):
+        time.sleep(1.5)
+        route.continue_()
+
+    page.route("**/static/dialogue.js", late)
+    page.goto(server.url + "/")
+    page.wait_for_function("[...document.querySelectorAll('#voice-select option')].some(o => "
+                           "o.textContent.startsWith('bea'))")
+    names = page.eval_on_selector_all("#dialogue-s1 option", "os => os.map(o => o.textContent)")
+    assert any(n.startswith("bea") for n in names), names
+    assert not page.problems

@@ -21,6 +21,7 @@
     }
   }
   new MutationObserver(fillVoices).observe($("voice-select"), { childList: true, subtree: true });
+  fillVoices();  // app.js may have loaded the list before this script ran: no mutation would come then
 
   function caption(seg, startAt) {  // shown while its audio plays: the timestamps say when
     const ac = window.csm.audioContext;
