@@ -31,16 +31,19 @@ SHAPES = [
 ]
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) of the tensor-core kernel at 3-16 rows (--mma-sweep)
-MMA_CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 4), (16, 512, 4, 3), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
-               (64, 128, 4, 4), (64, 256, 4, 3), (16, 512, 8, 4), (32, 256, 8, 4), (16, 256, 4, 6), (32, 128, 4, 6)]
+# the tensor-core kernel's configs at 3-16 rows (--mma-sweep): (BLOCK_N, BLOCK_K, warps, stages, splits over K)
+MMA_CONFIGS = [(16, 256, 4, 4, 1), (16, 512, 4, 4, 1), (16, 512, 4, 3, 1), (16, 1024, 4, 3, 1), (32, 256, 4, 4, 1),
+               (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 8, 4, 1), (32, 256, 8, 4, 1),
+               (16, 256, 4, 6, 1), (32, 128, 4, 6, 1), (16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (16, 256, 4, 4, 4),
+               (16, 256, 4, 4, 8), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (16, 1024, 4, 3, 2)]
 
 
 def sweep(run, k: int) -> tuple[float, tuple] | None:
     """The fastest of MMA_CONFIGS for run(cfg) (us per call)."""
     best = None
     for cfg in MMA_CONFIGS:
-        if cfg[1] > k or k % cfg[1]:
+        bk, split = cfg[1], cfg[4]
+        if k % (bk * split) or k // split < bk:
             continue
         try:
             t = run(cfg)
@@ -136,7 +139,8 @@ def main() -> None:
                                 gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
                     return graph_timed(f, args.reps)
 
-                rule = gemv.config(m, n, k, glu)
+                rule = (*gemv.config(m, n, k, glu)[:4],
+                        gemv.mma_split(n, k, *gemv.config(m, n, k, glu)[:2]))
                 for label, use in (("bf16", []), ("fp8", w8s)):
                     if label == "fp8" and not args.fp8:
                         continue

@@ -494,8 +494,9 @@ if [[ $what == graphprofile ]]; then  # where a graphed frame step's time goes (
   done
 fi
 if [[ $what == mma ]]; then
-  # issue 16: GEMMs of 3-16 rows by kernels/gemv.py's tensor-core kernel (CSMSERVE_GEMV_MMA_ROWS=16) against cuBLAS /
-  # weight_only_mm (=2). MMA_PARTS: tests gemv frame engine; MMA_VARIANTS: VAR=value sets for the frame step
+  # issue 16: GEMMs of 3-16 rows by kernels/gemv.py's tensor-core kernel (CSMSERVE_GEMV_MMA_ROWS=16), split over K
+  # (CSMSERVE_GEMV_MMA_SPLIT=8: up to 8 splits), against cuBLAS / weight_only_mm (=2). MMA_PARTS: tests gemv frame
+  # engine; MMA_VARIANTS: VAR=value sets for the frame step; MMA_GEMV_ARGS: e.g. --mma-sweep
   parts=${MMA_PARTS:-tests gemv frame engine}
   if [[ $parts == *tests* ]]; then
     timeout ${MMA_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py \
@@ -505,7 +506,7 @@ if [[ $what == mma ]]; then
     timeout 200 python bench/gemv.py --rows ${MMA_ROWS:-4,16} --fp8 ${MMA_GEMV_ARGS:-} 2>&1 | tee "$OUT/mma_gemv.txt" | tail -25
   fi
   for w in ${MMA_WEIGHTS:-bf16 fp8-all}; do
-    for v in ${MMA_VARIANTS:-CSMSERVE_GEMV_MMA_ROWS=16 CSMSERVE_GEMV_MMA_ROWS=2}; do
+    for v in ${MMA_VARIANTS:-CSMSERVE_GEMV_MMA_ROWS=16 CSMSERVE_GEMV_MMA_SPLIT=8 CSMSERVE_GEMV_MMA_ROWS=2}; do
       ab_frame_engine mma "$parts" $w $v "$v" "" ${MMA_BATCHES:-1,2,4,16,64}
     done
   done

@@ -18,6 +18,9 @@ dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight 
 scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the rows as one 16-row tile
 through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a
 chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
+Opt-in (CSMSERVE_GEMV_MMA_SPLIT, not yet measured): a GEMM with too few column blocks (the K = 8,192 down
+projections) split over K, the partial sums added by the column block's last program in a fixed order (no second
+kernel, the same bits every run).
 Measured (docs/benchmarks.md, issue 16): per GEMM faster than cuBLAS on most shapes at 4-16 rows; in the frame step
 level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, up to 22% slower (each program
 normalises all 16 rows of every chunk again), hence the add + RMSNorm stays a kernel of its own at 3+ rows.
@@ -178,14 +181,21 @@ def _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM: tl.constexpr
 def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
                      UP_OFF, eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr,
-                     PDL: tl.constexpr, SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
-    # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation)
+                     PDL: tl.constexpr, SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
+                     WS=None, CTR=None, SPLIT: tl.constexpr = 1):
+    # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
+    # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
+    # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
+    # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_per = K // SPLIT  # a multiple of BLOCK_K (mma_split() checks)
+    k_lo = pid_k * k_per
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
     rm = tl.arange(0, BLOCK_M)  # [BM] rows, >= M masked
     mm = rm < M
-    rk0 = tl.arange(0, BLOCK_K)
+    rk0 = k_lo + tl.arange(0, BLOCK_K)
     dt = X.dtype.element_ty
     w_cols = W + rn.to(tl.int64)[None, :] * stride_wn  # [1, BN]: weight row n is the tile's column n
     # the first chunk of weights depends on no kernel: read while the kernel before still runs (kernels/pdl.py)
@@ -212,7 +222,7 @@ def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, st
             if HAS_DELTA:
                 h = (h.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)
                      ).to(dt)
-                tl.store(h_rows[:, None] + rk[None, :], h, mask=m2 & (pid == 0))
+                tl.store(h_rows[:, None] + rk[None, :], h, mask=m2 & (pid == 0) & (pid_k == 0))
             ss += h.to(tl.float32) * h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -221,7 +231,7 @@ def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, st
     acc = tl.dot(x, w.to(dt), acc)
     if GLU:
         acc_u = tl.dot(x, u.to(dt), acc_u)
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (mma_blocks() checks)
+    for k0 in range(BLOCK_K, k_per, BLOCK_K):  # K % BLOCK_K == 0 (mma_blocks() checks)
         rk = k0 + rk0
         w = tl.load(w_cols + rk[:, None], mask=mn[None, :], other=0.0)
         x = _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM, HAS_DELTA)
@@ -229,6 +239,29 @@ def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, st
         if GLU:
             u = tl.load(w_cols + UP_OFF * stride_wn + rk[:, None], mask=mn[None, :], other=0.0)
             acc_u = tl.dot(x, u.to(dt), acc_u)
+    if SPLIT == 1:
+        _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED, GLU)
+    else:
+        ws_rows = WS + (pid_k * BLOCK_M + rm).to(tl.int64)[:, None] * (2 * N) + rn[None, :]  # [BM, BN]
+        tl.store(ws_rows, acc, mask=mn[None, :])
+        if GLU:
+            tl.store(ws_rows + N, acc_u, mask=mn[None, :])
+        tl.debug_barrier()  # every thread's partial sums stored before the arrival (release: visible with it)
+        arrived = tl.atomic_add(CTR + pid, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last: every other split's sums are visible (acquire)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for sk in range(SPLIT):
+                part = WS + (sk * BLOCK_M + rm).to(tl.int64)[:, None] * (2 * N) + rn[None, :]
+                acc += tl.load(part, mask=mn[None, :], other=0.0, cache_modifier=".cg")
+                if GLU:
+                    acc_u += tl.load(part + N, mask=mn[None, :], other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(CTR + pid, 0)  # for the next call (which reads it only after its PDL wait)
+            _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED, GLU)
+
+
+@triton.jit
+def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED: tl.constexpr, GLU: tl.constexpr):
     y = acc
     if SCALED:  # FP8 weights: a float32 scale per output channel (gate's, then up's at UP_OFF)
         y = y * tl.load(S + rn, mask=mn, other=0.0)[None, :]
@@ -249,6 +282,10 @@ _MMA_ELEMS = int(os.environ.get("CSMSERVE_GEMV_MMA_ELEMS", "8192"))  # weights p
 MMA_NORM = os.environ.get("CSMSERVE_GEMV_MMA_NORM", "0") == "1"  # 1: the add + RMSNorm fused at 3+ rows too (slower)
 _MMA_PROGRAMS = 256
 MMA_WARPS, MMA_STAGES = 4, 4
+# CSMSERVE_GEMV_MMA_SPLIT: the most splits over K of the tensor-core kernel (1: none, the default until measured on
+# the H200); mma_split() splits a GEMM whose column blocks alone give < _MMA_PROGRAMS programs (the K = 8,192 down
+# projections: 64-128) while each split keeps >= 2 chunks
+MMA_SPLIT = max(1, int(os.environ.get("CSMSERVE_GEMV_MMA_SPLIT", "1")))
 
 
 def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
@@ -300,6 +337,32 @@ def mma_blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | N
     return block_n, block_k
 
 
+def mma_split(n: int, k: int, block_n: int, block_k: int, most: int | None = None) -> int:
+    """Splits over K for the tensor-core kernel (a power of two <= most, MMA_SPLIT by default)."""
+    most = MMA_SPLIT if most is None else most
+    split, tiles = 1, triton.cdiv(n, block_n)
+    while split * 2 <= most and tiles * split < _MMA_PROGRAMS and k % (block_k * split * 2) == 0 \
+            and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+# (device, splits, N, column blocks) -> (WS [splits, MMA_ROWS, 2N] fp32, CTR [blocks] int32 zeros): one pair per
+# shape, shared by its GEMMs (they run one after the other on the stream; a PDL kernel touches them after its wait)
+_SPLIT_BUFS: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _split_bufs(device: torch.device, split: int, n: int, tiles: int) -> tuple[Tensor, Tensor] | None:
+    key = (device, split, n, tiles)
+    bufs = _SPLIT_BUFS.get(key)
+    if bufs is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # never made inside a capture (it would live in the graph's pool): no split this time
+        bufs = _SPLIT_BUFS[key] = (torch.empty(split, MMA_ROWS, 2 * n, dtype=torch.float32, device=device),
+                                   torch.zeros(tiles, dtype=torch.int32, device=device))
+    return bufs
+
+
 def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> bool:
     """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3."""
     m = x.numel() // x.shape[-1]
@@ -314,8 +377,10 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
 def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,
             idx=None, cfg=None) -> None:
     """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS.
-    strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages) in place of config()'s."""
-    bn, bk, warps, stages = cfg or config(M, N, K, glu, norm, fp8=scale is not None)
+    strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages[, splits]) in place of config()'s
+    (and mma_split()'s)."""
+    cfg = cfg or config(M, N, K, glu, norm, fp8=scale is not None)
+    bn, bk, warps, stages = cfg[:4]
     sx, sd, sh = strides
     args = (x, delta, h, nw, weight, weight if scale is None else scale, y, M, N, K, sx, sd, sh, weight.stride(0),
             y.stride(0), N, eps)
@@ -325,6 +390,11 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
         kw.update(IDX=idx, GATHER=True)
     grid = (triton.cdiv(N, bn),)
     if M > ELEMENTWISE_ROWS:
+        split = cfg[4] if len(cfg) > 4 else mma_split(N, K, bn, bk)
+        bufs = _split_bufs(x.device, split, N, grid[0]) if split > 1 else None
+        if bufs is not None:
+            kw.update(WS=bufs[0], CTR=bufs[1], SPLIT=split)
+            grid = (grid[0], split)
         _gemv_mma_kernel[grid](*args, BLOCK_M=MMA_ROWS, **kw)
     else:
         _gemv_kernel[grid](*args, TWO_ROWS=M > 1, **kw)

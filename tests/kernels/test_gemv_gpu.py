@@ -364,3 +364,76 @@ def test_mma_gemv_rows_are_independent_of_the_padding():
     a = gemv.gemv(x[:3], w)
     b = gemv.gemv(x, w)
     assert torch.equal(a, b[:3])
+
+
+@run
+def test_mma_split_rule():
+    """mma_split: split K only where the column blocks alone give < 256 programs, each split >= 2 chunks."""
+    from csmserve.kernels import gemv
+
+    assert gemv.mma_split(1024, 8192, 16, 512, most=8) == 4  # depth down: 64 blocks -> 256 programs
+    assert gemv.mma_split(2048, 8192, 16, 512, most=8) == 2  # backbone down: 128 -> 256
+    assert gemv.mma_split(8192, 1024, 32, 256, most=8) == 1  # gate_up: 256 blocks already
+    assert gemv.mma_split(1024, 1024, 16, 512, most=8) == 1  # depth o: a split would hold one chunk
+    assert gemv.mma_split(1024, 8192, 16, 512, most=2) == 2
+    assert gemv.mma_split(1024, 8192, 16, 512, most=1) == 1
+
+
+@run
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("n,k,glu", [(1024, 8192, False), (40, 2048, True)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
+    """The tensor-core kernel split over K (each split's partial sums in a workspace, the column block's last program
+    to arrive adds them in a fixed order): == the reference; the same bits on every call, whichever program arrives
+    last; the arrival counters back at 0 after each call (a counter left behind would make the next call's sum early
+    or never). A sum that took one split twice or dropped one fails the reference check."""
+    from csmserve.kernels import gemv
+    from csmserve.models import llama
+    from csmserve.models.fp8 import weight_only_torch
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    torch.manual_seed(split + n)
+    m = 5
+    if fp8:
+        w, scale = _fp8(2 * n if glu else n, k, seed=n + k + split)
+    else:
+        w, scale = (torch.randn(2 * n if glu else n, k, dtype=dt) * 0.05).to(DEV), None
+    x = torch.randn(m, k, dtype=dt).to(DEV)
+    delta = torch.randn(m, k, dtype=dt).to(DEV)
+    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
+    cfg = (16, 256, 4, 4, split)
+
+    def call(c):
+        if norm:
+            return gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale, cfg=c)[1]
+        return gemv.gemv(x, w, glu, scale, cfg=c)
+
+    outs = [call(cfg) for _ in range(3)]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    for ws, ctr in gemv._SPLIT_BUFS.values():
+        assert int(ctr.abs().sum()) == 0
+    assert any(ws.shape[0] == split and ws.shape[2] == 2 * n for ws, _ in gemv._SPLIT_BUFS.values())
+    y = llama._add_rms_norm(x, delta, nw, 1e-5)[1] if norm else x
+    ref = weight_only_torch(y, w, scale) if fp8 else F.linear(y.float(), w.float())
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    tol = 1e-2 * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(outs[0].float(), ref, atol=tol, rtol=1e-2)
+    torch.testing.assert_close(outs[0].float(), call(cfg[:4] + (1,)).float(), atol=tol, rtol=1e-2)
+    if DEV == "cuda":  # replayed as a graph (the workspace made before the capture): the same bits every replay
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call(cfg)
+            with torch.cuda.graph(g, stream=s):
+                out = call(cfg)
+        torch.cuda.synchronize()
+        for _ in range(5):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, outs[0])
