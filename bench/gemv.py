@@ -139,8 +139,8 @@ def main() -> None:
                                 gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
                     return graph_timed(f, args.reps)
 
-                rule = (*gemv.config(m, n, k, glu)[:4],
-                        gemv.mma_split(n, k, *gemv.config(m, n, k, glu)[:2]))
+                rule = gemv.config(m, n, k, glu)
+                rule = (*rule, gemv.mma_split(n, k, *rule[:2]))
                 for label, use in (("bf16", []), ("fp8", w8s)):
                     if label == "fp8" and not args.fp8:
                         continue

@@ -295,11 +295,8 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     tuned = None if fp8 else TUNED.get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
-    if m > ELEMENTWISE_ROWS:
-        bn, bk = mma_blocks(m, n, k, glu)
-        return bn, bk, MMA_WARPS, MMA_STAGES
     bn, bk = blocks(m, n, k, glu)
-    return bn, bk, NUM_WARPS, None
+    return (bn, bk, MMA_WARPS, MMA_STAGES) if m > ELEMENTWISE_ROWS else (bn, bk, NUM_WARPS, None)
 
 
 def _launch_opts(warps: int, stages: int | None) -> dict:
@@ -452,7 +449,8 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row (1-2 rows), 8,192 in
     # all (the 16-row tile)
     per_row = 4096 // M if M <= ELEMENTWISE_ROWS else 8192 // MMA_ROWS
-    pre = (cfg or config(M, N, K, glu, True, fp8=scale is not None))[1]
+    cfg = cfg or config(M, N, K, glu, True, fp8=scale is not None)
+    pre = cfg[1]
     while pre * 2 <= per_row and K % (pre * 2) == 0:
         pre *= 2
     _launch(x2, d2, h, norm_weight, weight, scale, y, M, N, K, (x2.stride(0), d2.stride(0), h.stride(0)), eps,

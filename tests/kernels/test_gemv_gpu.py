@@ -10,9 +10,15 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _reference(x, w, glu):
-    """x @ w^T in float32 (glu: w is [gate; up], silu(gate) * up)."""
-    ref = F.linear(x.float(), w.float())
+def _reference(x, w, glu, scale=None):
+    """x @ w^T in float32 (glu: w is [gate; up], silu(gate) * up); scale: w is e4m3 with these per-channel scales,
+    the weight-only numbers (models/fp8.py's weight_only_torch)."""
+    if scale is not None:
+        from csmserve.models.fp8 import weight_only_torch
+
+        ref = weight_only_torch(x, w, scale)
+    else:
+        ref = F.linear(x.float(), w.float())
     if glu:
         a, b = ref.chunk(2, -1)
         ref = F.silu(a) * b
@@ -204,7 +210,6 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
     each with its own scales; with the fused residual add + RMSNorm too; against models/fp8.py's weight_only_torch."""
     from csmserve.kernels import gemv
     from csmserve.models import llama
-    from csmserve.models.fp8 import weight_only_torch
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(0)
@@ -221,10 +226,7 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
         assert torch.equal(h, h_ref)
     else:
         y, out = x, gemv.gemv(x, w8, glu, scale)
-    ref = weight_only_torch(y, w8, scale)
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(y, w8, glu, scale)
     assert out.shape == (m, n) and out.dtype == dt
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -314,7 +316,6 @@ def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
     or the up tile read as the gate fails; also N = 40 (a partial column tile)."""
     from csmserve.kernels import gemv
     from csmserve.models import llama
-    from csmserve.models.fp8 import weight_only_torch
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(m + n)
@@ -334,19 +335,13 @@ def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
         assert torch.equal(h, h_ref)
     else:
         y, out = x, gemv.gemv(x, w, glu, scale)
-    ref = weight_only_torch(y, w, scale) if fp8 else F.linear(y.float(), w.float())
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(y, w, glu, scale)
     assert out.shape == (m, n) and out.dtype == dt
     tol = 1e-2 * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=1e-2)
     if norm:  # without the delta too: the norm of x itself
         _, y2 = llama._add_rms_norm(x, None, nw, 1e-5)
-        ref2 = weight_only_torch(y2, w, scale) if fp8 else F.linear(y2.float(), w.float())
-        if glu:
-            a, b = ref2.chunk(2, -1)
-            ref2 = F.silu(a) * b
+        ref2 = _reference(y2, w, glu, scale)
         torch.testing.assert_close(gemv.norm_gemv(x, None, nw, 1e-5, w, glu, scale)[1].float(), ref2, atol=tol,
                                    rtol=1e-2)
 
@@ -391,7 +386,6 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
     or never). A sum that took one split twice or dropped one fails the reference check."""
     from csmserve.kernels import gemv
     from csmserve.models import llama
-    from csmserve.models.fp8 import weight_only_torch
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(split + n)
@@ -417,10 +411,7 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
         assert int(ctr.abs().sum()) == 0
     assert any(ws.shape[0] == split and ws.shape[2] == 2 * n for ws, _ in gemv._SPLIT_BUFS.values())
     y = llama._add_rms_norm(x, delta, nw, 1e-5)[1] if norm else x
-    ref = weight_only_torch(y, w, scale) if fp8 else F.linear(y.float(), w.float())
-    if glu:
-        a, b = ref.chunk(2, -1)
-        ref = F.silu(a) * b
+    ref = _reference(y, w, glu, scale)
     tol = 1e-2 * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(outs[0].float(), ref, atol=tol, rtol=1e-2)
     torch.testing.assert_close(outs[0].float(), call(cfg[:4] + (1,)).float(), atol=tol, rtol=1e-2)
