@@ -511,6 +511,24 @@ if [[ $what == mma ]]; then
     done
   done
 fi
+if [[ $what == qkvattn ]]; then
+  # issue 16: a depth layer's add + RMSNorm + qkv GEMV and its attention in one kernel at 1-2 rows (kernels/qkv_attention.py;
+  # CSMSERVE_DEPTH_QKV_ATTN=0: the two kernels). QKVATTN_PARTS: tests frame engine profile; QKVATTN_VARIANTS: 0 1
+  parts=${QKVATTN_PARTS:-tests frame engine}
+  if [[ $parts == *tests* ]]; then
+    timeout ${QKVATTN_TEST_S:-300} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_qkv_attention_gpu.py \
+      tests/kernels/test_gemv_gpu.py tests/kernels/test_depth_attention_gpu.py tests/engine/test_runner_gpu.py} 2>&1 \
+      | tee "$OUT/qkvattn_tests.txt" | tail -8
+  fi
+  for w in ${QKVATTN_WEIGHTS:-bf16 fp8-all}; do
+    for v in ${QKVATTN_VARIANTS:-0 1}; do
+      ab_frame_engine qkvattn "$parts" $w $v "CSMSERVE_DEPTH_QKV_ATTN=$v" "" ${QKVATTN_BATCHES:-1,2,4,16,64}
+    done
+    if [[ $parts == *profile* ]]; then
+      timeout 200 python bench/graph_profile.py --batches 1,2 --weights $w 2>&1 | tee -a "$OUT/qkvattn_profile.txt" | tail -22
+    fi
+  done
+fi
 if [[ $what == frameio ]]; then
   # issue 16: the frame step's prologue and epilogue in one kernel each (kernels/frame_io.py; CSMSERVE_FRAME_IO=0:
   # the torch ops), the depth decoder's first step (positions 0-1) in one kernel per layer (CSMSERVE_DEPTH_FIRST=0:

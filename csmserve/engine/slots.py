@@ -132,6 +132,19 @@ class DepthKV(KVView):
         return da.depth_attend_o_triton(qkv[:, 0], self.pos[:, 0], cos, sin, k, v, n_q, n_kv, weight, sc,
                                         self.pos_static)[:, None]
 
+    def norm_attend_qkv(self, layer: int, x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float,
+                        weight: Tensor, scale: Tensor | None, cos: Tensor, sin: Tensor, n_q: int, n_kv: int
+                        ) -> tuple[Tensor, Tensor] | None:
+        """KVView.norm_attend_qkv: kernels/qkv_attention.py when fused, S == 1, 1-2 rows."""
+        if not self.fused or x.shape[1] != 1:
+            return None
+        from csmserve.kernels import qkv_attention as qa
+
+        k, v = self.k[layer], self.v[layer]
+        if not qa.applies(x, norm_weight, weight, scale, k, n_q, n_kv):
+            return None
+        return qa.norm_qkv_attend(x, delta, norm_weight, eps, weight, scale, self.pos[:, 0], cos, sin, k, v, n_q, n_kv)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, S = q.shape[:2]
         rows = self.rows[:B]

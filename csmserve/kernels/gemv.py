@@ -18,9 +18,10 @@ dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight 
 scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the rows as one 16-row tile
 through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a
 chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
-Opt-in (CSMSERVE_GEMV_MMA_SPLIT, not yet measured): a GEMM with too few column blocks (the K = 8,192 down
-projections) split over K, the partial sums added by the column block's last program in a fixed order (no second
-kernel, the same bits every run).
+A GEMM with too few column blocks (the K = 8,192 down projections) is split over K (CSMSERVE_GEMV_MMA_SPLIT: at
+most 8 splits; 1: none), the partial sums added by the column block's last program in a fixed order (no second
+kernel, the same bits every run): the frame step at 4 / 16 rows 8.08 / 8.10 -> 6.90 / 7.24 ms (bf16), 8.47 /
+10.06 -> 6.89 / 7.61 (FP8).
 Measured (docs/benchmarks.md, issue 16): per GEMM faster than cuBLAS on most shapes at 4-16 rows; in the frame step
 level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, up to 22% slower (each program
 normalises all 16 rows of every chunk again), hence the add + RMSNorm stays a kernel of its own at 3+ rows.
@@ -113,8 +114,19 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
                  SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
+                 stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL, SCALED, IDX,
+                 GATHER)
+
+
+@triton.jit
+def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF,
+                 eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
+                 SCALED: tl.constexpr, IDX, GATHER: tl.constexpr):
+    """_gemv_kernel's program pid: the 1-2 rows' outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y. Also
+    the first half of kernels/qkv_attention.py's kernel."""
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
-    pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
     rk0 = tl.arange(0, BLOCK_K)
@@ -282,10 +294,10 @@ _MMA_ELEMS = int(os.environ.get("CSMSERVE_GEMV_MMA_ELEMS", "8192"))  # weights p
 MMA_NORM = os.environ.get("CSMSERVE_GEMV_MMA_NORM", "0") == "1"  # 1: the add + RMSNorm fused at 3+ rows too (slower)
 _MMA_PROGRAMS = 256
 MMA_WARPS, MMA_STAGES = 4, 4
-# CSMSERVE_GEMV_MMA_SPLIT: the most splits over K of the tensor-core kernel (1: none, the default until measured on
-# the H200); mma_split() splits a GEMM whose column blocks alone give < _MMA_PROGRAMS programs (the K = 8,192 down
-# projections: 64-128) while each split keeps >= 2 chunks
-MMA_SPLIT = max(1, int(os.environ.get("CSMSERVE_GEMV_MMA_SPLIT", "1")))
+# CSMSERVE_GEMV_MMA_SPLIT: the most splits over K of the tensor-core kernel (8; 1: none); mma_split() splits a GEMM
+# whose column blocks alone give < _MMA_PROGRAMS programs (the K = 8,192 down projections: 64-128) while each split
+# keeps >= 2 chunks
+MMA_SPLIT = max(1, int(os.environ.get("CSMSERVE_GEMV_MMA_SPLIT", "8")))
 
 
 def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
@@ -435,6 +447,16 @@ def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = Fal
             and (MMA_NORM or x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS))
 
 
+def pre_k(m: int, k: int, block_k: int) -> int:
+    """The fused norm's sum-of-squares chunk: a power of two >= BLOCK_K dividing K, up to 4,096 products a row (1-2
+    rows), 8,192 in all (the 16-row tile)."""
+    per_row = 4096 // m if m <= ELEMENTWISE_ROWS else 8192 // MMA_ROWS
+    pre = block_k
+    while pre * 2 <= per_row and k % (pre * 2) == 0:
+        pre *= 2
+    return pre
+
+
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
               glu: bool = False, scale: Tensor | None = None, cfg=None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
@@ -446,13 +468,7 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # the sum-of-squares pass's chunk: a power of two dividing K, up to 4,096 products a row (1-2 rows), 8,192 in
-    # all (the 16-row tile)
-    per_row = 4096 // M if M <= ELEMENTWISE_ROWS else 8192 // MMA_ROWS
     cfg = cfg or config(M, N, K, glu, True, fp8=scale is not None)
-    pre = cfg[1]
-    while pre * 2 <= per_row and K % (pre * 2) == 0:
-        pre *= 2
     _launch(x2, d2, h, norm_weight, weight, scale, y, M, N, K, (x2.stride(0), d2.stride(0), h.stride(0)), eps,
-            glu=glu, norm=True, has_delta=delta is not None, pre_k=pre, cfg=cfg)
+            glu=glu, norm=True, has_delta=delta is not None, pre_k=pre_k(M, K, cfg[1]), cfg=cfg)
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)
