@@ -13,8 +13,9 @@ over the positions before it and the new one. A KV head's columns are its G quer
 (G + 2) hd of them, in (G + 2) hd / BLOCK_N programs (BLOCK_N divides hd). The same GEMV and the same attention on
 the stored qkv as the two kernels: the same bits.
 
-CSMSERVE_DEPTH_QKV_ATTN=0: the two kernels (gemv.norm_gemv, then depth_attention.depth_attend_triton); also with
-CSMSERVE_DEPTH_ATTN_O=1 (the attention fused into the o projection instead).
+Off by default: measured slower (docs/benchmarks.md, issue 16). CSMSERVE_DEPTH_QKV_ATTN=1 turns it on; off, and with
+CSMSERVE_DEPTH_ATTN_O=1 (the attention fused into the o projection instead): the two kernels (gemv.norm_gemv, then
+depth_attention.depth_attend_triton).
 """
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ from torch import Tensor
 from csmserve.kernels import depth_attention, gemv, pdl
 from csmserve.kernels.depth_attention import attend_cached, cached_kv, rope_at
 
-ON = os.environ.get("CSMSERVE_DEPTH_QKV_ATTN", "1") != "0"
+ON = os.environ.get("CSMSERVE_DEPTH_QKV_ATTN", "0") == "1"
+# the GEMV's column block and warps here (0: gemv.config's): wider blocks, fewer programs to count in and to hold
+# the attention's registers
+BLOCK_N = int(os.environ.get("CSMSERVE_QKV_ATTN_BLOCK_N", "0"))
+WARPS = int(os.environ.get("CSMSERVE_QKV_ATTN_WARPS", "0"))
 MAX_HEADS = 64  # KV heads a counter buffer holds
 MAX_POSITIONS = 64  # the depth cache's positions, read in one block
 
@@ -93,8 +98,18 @@ def applies(x: Tensor, norm_weight: Tensor, weight: Tensor, scale: Tensor | None
             and k_cache.shape[1] == n_kv and 2 <= k_cache.shape[2] <= MAX_POSITIONS and k_cache.stride(3) == 1
             and hd % 2 == 0 and gemv.norm_applies(x, norm_weight, weight, False, scale)):
         return False
-    block_n = gemv.config(M, weight.shape[0], K, False, True, fp8=scale is not None)[0]
-    return hd % block_n == 0 and _counters(x.device) is not None
+    block_n, block_k = _config(M, weight.shape[0], K, scale is not None)[:2]
+    return hd % block_n == 0 and K % block_k == 0 and _counters(x.device) is not None
+
+
+def _config(m: int, n: int, k: int, fp8: bool) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, BLOCK_K, warps, stages): gemv.config's, or BLOCK_N / WARPS with the chunk gemv.blocks() would take."""
+    cfg = gemv.config(m, n, k, False, True, fp8=fp8)
+    if BLOCK_N:
+        cfg = (BLOCK_N, min(triton.next_power_of_2(k), max(128, gemv._ELEMS // m // BLOCK_N)), *cfg[2:])
+    if WARPS:
+        cfg = (*cfg[:2], WARPS, cfg[3])
+    return cfg
 
 
 def norm_qkv_attend(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
@@ -112,7 +127,7 @@ def norm_qkv_attend(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: f
     M, N, hd = x2.shape[0], weight.shape[0], cos.shape[-1]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)  # qkv, read back by the heads' last programs
     out = torch.empty(M, n_q * hd, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = gemv.config(M, N, K, False, True, fp8=scale is not None)
+    bn, bk, warps, stages = _config(M, N, K, scale is not None)
     G = n_q // n_kv
     _norm_qkv_attend_kernel[(triton.cdiv(N, bn),)](
         x2, d2, h, norm_weight, weight, weight if scale is None else scale, y, M, N, K, x2.stride(0), d2.stride(0),

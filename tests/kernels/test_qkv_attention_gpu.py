@@ -79,8 +79,13 @@ def test_one_kernel_equals_norm_gemv_then_the_attention(dtype, B, n_q, n_kv, hd,
 @cuda
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_one_kernel_at_the_depth_decoders_shape(B, fp8):
-    """CSM-1B's depth decoder (D 1,024, 8 query and 2 KV heads of 128, 32 positions): a whole frame of steps."""
+@pytest.mark.parametrize("block_n", [0, 16])
+def test_one_kernel_at_the_depth_decoders_shape(monkeypatch, B, fp8, block_n):
+    """CSM-1B's depth decoder (D 1,024, 8 query and 2 KV heads of 128, 32 positions): a whole frame of steps, with
+    gemv.config's column blocks and with CSMSERVE_QKV_ATTN_BLOCK_N=16."""
+    from csmserve.kernels import qkv_attention as qa
+
+    monkeypatch.setattr(qa, "BLOCK_N", block_n)
     ref, kr, vr = _frame(False, torch.bfloat16, B, 8, 2, 128, 32, 1024, fp8, True, 32)
     out, kc, vc = _frame(True, torch.bfloat16, B, 8, 2, 128, 32, 1024, fp8, True, 32)
     for t, ((h, a), (hr, ar)) in enumerate(zip(out, ref)):
@@ -90,8 +95,10 @@ def test_one_kernel_at_the_depth_decoders_shape(B, fp8):
 
 
 @cuda
-def test_applies_only_where_it_should():
+def test_applies_only_where_it_should(monkeypatch):
     from csmserve.kernels import qkv_attention as qa
+
+    monkeypatch.setattr(qa, "ON", True)
 
     x = torch.randn(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
     nw = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
@@ -102,6 +109,8 @@ def test_applies_only_where_it_should():
     assert not qa.applies(x.expand(3, 1, 1024), nw, w, None, kc, 8, 2)  # 3+ rows: the two kernels
     assert not qa.applies(x, nw, w[:1024], None, kc, 8, 2)  # not a [q; k; v] projection of these heads
     assert not qa.applies(x, nw, w, None, torch.zeros(4, 2, 65, 128, device="cuda", dtype=torch.bfloat16), 8, 2)
+    monkeypatch.setattr(qa, "ON", False)  # CSMSERVE_DEPTH_QKV_ATTN unset: off
+    assert not qa.applies(x, nw, w, None, kc, 8, 2)
 
 
 @cuda
