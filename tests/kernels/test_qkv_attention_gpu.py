@@ -30,7 +30,7 @@ def _frame(fused, dtype, B, n_q, n_kv, hd, P, K, fp8, with_delta, steps):
     """`steps` depth steps of one layer (positions 0..steps-1): (h, attention) per step and the caches after."""
     from csmserve.kernels import gemv
     from csmserve.kernels.depth_attention import depth_attend_triton
-    from csmserve.kernels.qkv_attention import _COUNTERS, norm_qkv_attend
+    from csmserve.kernels.qkv_attention import _COUNTERS, _config, norm_qkv_attend
     from csmserve.models.llama import LlamaConfig, rope_tables
 
     cfg = LlamaConfig(dim=n_q * hd, n_layers=1, n_heads=n_q, n_kv_heads=n_kv, intermediate=64, max_seq_len=64)
@@ -50,7 +50,8 @@ def _frame(fused, dtype, B, n_q, n_kv, hd, P, K, fp8, with_delta, steps):
             h, a = norm_qkv_attend(x, delta, nw, 1e-5, w, scale, pos, cos, sin, kc, vc, n_q, n_kv)
             assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())  # every arrival counter back at 0
         else:
-            h, qkv = gemv.norm_gemv(x, delta, nw, 1e-5, w, False, scale)
+            # the fused kernel's GEMV blocks (CSMSERVE_QKV_ATTN_BLOCK_N may set them): the same sums
+            h, qkv = gemv.norm_gemv(x, delta, nw, 1e-5, w, False, scale, cfg=_config(B, N, K, fp8))
             a = depth_attend_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv)
         outs.append((h, a))
     return outs, kc, vc
