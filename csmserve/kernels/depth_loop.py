@@ -48,7 +48,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from csmserve.kernels import pdl
 from csmserve.kernels.depth_attention import attend_one
-from csmserve.kernels.gemv import _accumulate, _rstd, _store
+from csmserve.kernels.gemv import _accumulate, _rstd, _store, l2_prefetch
 from csmserve.kernels.sampler import radix_passes, sample_row
 
 MAX_ROWS = 2
@@ -105,12 +105,6 @@ def _stamp(TIMES, slot, t0, c0):
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch(W, N, K, stride_wn, UP_OFF, pid, P, BLOCK_N: tl.constexpr, GLU: tl.constexpr, LINES: tl.constexpr,
               LINE: tl.constexpr):
     """This program's tiles of W [N, K] (and the up rows UP_OFF further), every 128-byte line, into L2."""
@@ -118,9 +112,9 @@ def _prefetch(W, N, K, stride_wn, UP_OFF, pid, P, BLOCK_N: tl.constexpr, GLU: tl
     for t in range(pid, tl.cdiv(N, BLOCK_N), P):
         rn = tl.minimum(t * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         ptrs = W + rn.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        _l2_prefetch(ptrs)
+        l2_prefetch(ptrs)
         if GLU:
-            _l2_prefetch(ptrs + UP_OFF * stride_wn)
+            l2_prefetch(ptrs + UP_OFF * stride_wn)
 
 
 @triton.jit

@@ -48,6 +48,9 @@ ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (b
 # CSMSERVE_GEMV_MMA_ROWS: the most rows of the tensor-core kernel (16; 2: cuBLAS from 3 rows, as before). Read once
 # at import, before any graph is captured.
 MAX_ROWS = max(ELEMENTWISE_ROWS, min(16, int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
+# CSMSERVE_GEMV_PREFETCH=1: at 1-2 rows a program's later weight chunks are prefetched into L2 before the PDL wait
+# (the first chunk is loaded there anyway); off by default. CUDA only (inline PTX)
+PREFETCH = os.environ.get("CSMSERVE_GEMV_PREFETCH", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
 NUM_WARPS = 4
@@ -113,19 +116,28 @@ def _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
 def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 LINE: tl.constexpr = 64):
     gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
                  stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL, SCALED, IDX,
-                 GATHER)
+                 GATHER, PREFETCH, LINE)
+
+
+@triton.jit
+def l2_prefetch(ptrs):
+    """Each pointer's 128-byte line into L2 (no registers held, nothing waited for). Not under the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
 def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF,
                  eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr, IDX, GATHER: tl.constexpr):
+                 SCALED: tl.constexpr, IDX, GATHER: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
     """_gemv_kernel's program pid: the 1-2 rows' outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y. Also
-    the first half of kernels/qkv_attention.py's kernel."""
+    the first half of kernels/qkv_attention.py's kernel. PREFETCH: the program's other weight chunks into L2 before
+    the PDL wait (LINE: weights per 128-byte line)."""
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
@@ -144,6 +156,13 @@ def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, s
         sg = tl.load(S + rn, mask=mn, other=0.0)
         if GLU:
             su = tl.load(S + UP_OFF + rn, mask=mn, other=0.0)
+    if PREFETCH:  # the later chunks stream into L2 while the kernel before still runs (rows past N: the last one's)
+        p_rows = W + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+        lines = tl.arange(0, BLOCK_K // LINE) * LINE
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            l2_prefetch(p_rows + (k0 + lines)[None, :])
+            if GLU:
+                l2_prefetch(p_rows + UP_OFF * stride_wn + (k0 + lines)[None, :])
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -406,7 +425,7 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
             grid = (grid[0], split)
         _gemv_mma_kernel[grid](*args, BLOCK_M=MMA_ROWS, **kw)
     else:
-        _gemv_kernel[grid](*args, TWO_ROWS=M > 1, **kw)
+        _gemv_kernel[grid](*args, TWO_ROWS=M > 1, PREFETCH=PREFETCH and K > bk, LINE=128 // weight.element_size(), **kw)
 
 
 def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None) -> Tensor:

@@ -71,7 +71,8 @@ def _norm_qkv_attend_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride
                             BLOCK_P: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     gemv.gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
-                      0, eps, True, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, False, PRE_K, PDL, SCALED, None, False)
+                      0, eps, True, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, False, PRE_K, PDL, SCALED, None, False, False,
+                      64)
     # the KV head of this program's columns: [q heads 0..n_q) [k heads 0..n_kv) [v heads 0..n_kv), hd columns each
     n_kv = n_q // G
     c0 = pid * BLOCK_N

@@ -428,3 +428,30 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, outs[0])
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n,k,glu,fp8", [(8192, 1024, True, False), (1024, 8192, False, False), (2048, 8192, False, True),
+                                         (8192, 2048, True, True)])
+def test_l2_prefetch_changes_no_bits(monkeypatch, m, n, k, glu, fp8):
+    """CSMSERVE_GEMV_PREFETCH (a program's later weight chunks into L2 before the PDL wait): the same bits as
+    without, on shapes of several chunks a program."""
+    from csmserve.kernels import gemv
+    from csmserve.models.fp8 import quantize_rows_torch
+
+    torch.manual_seed(0)
+    w = torch.randn(2 * n if glu else n, k, device="cuda") * 0.05
+    scale = None
+    if fp8:
+        w, scale = quantize_rows_torch(w)
+        scale = scale.reshape(-1).contiguous()
+    else:
+        w = w.to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert k > gemv.config(m, n, k, glu, fp8=fp8)[1]  # several chunks a program: there is something to prefetch
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(gemv, "PREFETCH", on)
+        outs.append(gemv.gemv(x, w, glu, scale))
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
