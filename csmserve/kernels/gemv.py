@@ -49,7 +49,8 @@ ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (b
 # at import, before any graph is captured.
 MAX_ROWS = max(ELEMENTWISE_ROWS, min(16, int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
 # CSMSERVE_GEMV_PREFETCH=1: at 1-2 rows a program's later weight chunks are prefetched into L2 before the PDL wait
-# (the first chunk is loaded there anyway); off by default. CUDA only (inline PTX)
+# (the first chunk is loaded there anyway). Off by default: measured 10-11% slower at batch 1 (docs/benchmarks.md,
+# issue 16: the prefetches compete with the kernel before for HBM). CUDA only (inline PTX)
 PREFETCH = os.environ.get("CSMSERVE_GEMV_PREFETCH", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
