@@ -13,7 +13,9 @@ over the positions before it and the new one. A KV head's columns are its G quer
 (G + 2) hd of them, in (G + 2) hd / BLOCK_N programs (BLOCK_N divides hd). The same GEMV and the same attention on
 the stored qkv as the two kernels: the same bits.
 
-Off by default: measured slower (docs/benchmarks.md, issue 16). CSMSERVE_DEPTH_QKV_ATTN=1 turns it on; off, and with
+Off by default: measured slower (docs/benchmarks.md, issue 16: the frame step at batch 1, bf16 4.63 -> 4.75-5.03 ms,
+fp8-all 3.35 -> 3.54-3.83; every program pays its arrival, and one program per head attends for both rows, one
+after the other). CSMSERVE_DEPTH_QKV_ATTN=1 turns it on; off, and with
 CSMSERVE_DEPTH_ATTN_O=1 (the attention fused into the o projection instead): the two kernels (gemv.norm_gemv, then
 depth_attention.depth_attend_triton).
 """
