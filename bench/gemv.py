@@ -103,21 +103,23 @@ def main() -> None:
                 for i in range(args.reps):
                     ref(ws[i % copies])
 
-            def run_gemv():
-                for i in range(args.reps):
-                    gemv.gemv(x, ws[i % copies], glu)
+            def timed(cfg=None, fp8=False):
+                """Our kernel's us per call over the weight copies (fp8: the e4m3 ones); cfg: config()'s if None."""
+                def f():
+                    for i in range(args.reps):
+                        if fp8:
+                            w8, s = w8s[i % len(w8s)]
+                            gemv.gemv(x, w8, glu, s, cfg=cfg)
+                        else:
+                            gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
+                return graph_timed(f, args.reps)
 
-            t_ref, t_g = graph_timed(run_ref, args.reps), graph_timed(run_gemv, args.reps)
+            t_ref, t_g = graph_timed(run_ref, args.reps), timed()
             err = (gemv.gemv(x, ws[0], glu).float() - ref(ws[0]).float()).abs().max().item()
             line = (f"| {name} | {n}x{k} | {m} | {t_ref:.2f} | {t_g:.2f} | {mb / t_ref / 1e3:.0f} | "
                     f"{mb / t_g / 1e3:.0f} | {err:.2e} |")
             if args.fp8:
-                def run_fp8():
-                    for i in range(args.reps):
-                        w8, s = w8s[i % len(w8s)]
-                        gemv.gemv(x, w8, glu, s)
-
-                t8 = graph_timed(run_fp8, args.reps)
+                t8 = timed(fp8=True)
                 w8, s = w8s[0]
                 want = weight_only_torch(x, w8, s)
                 if glu:
@@ -127,25 +129,13 @@ def main() -> None:
                 line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} |"
             print(line, flush=True)
             if args.mma_sweep and m > gemv.ELEMENTWISE_ROWS:
-                def timed(cfg, w8s=w8s):
-                    if w8s:
-                        def f():
-                            for i in range(args.reps):
-                                w8, s = w8s[i % len(w8s)]
-                                gemv.gemv(x, w8, glu, s, cfg=cfg)
-                    else:
-                        def f():
-                            for i in range(args.reps):
-                                gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
-                    return graph_timed(f, args.reps)
-
                 rule = gemv.config(m, n, k, glu)
                 rule = (*rule, gemv.mma_split(n, k, *rule[:2]))
-                for label, use in (("bf16", []), ("fp8", w8s)):
-                    if label == "fp8" and not args.fp8:
+                for label, fp8 in (("bf16", False), ("fp8", True)):
+                    if fp8 and not args.fp8:
                         continue
-                    t_rule = timed(rule, use)
-                    best = sweep(lambda c, use=use: timed(c, use), k)
+                    t_rule = timed(rule, fp8)
+                    best = sweep(lambda c, fp8=fp8: timed(c, fp8), k)
                     if best:
                         print(f"  sweep {name} M={m} {label}: rule {rule} {t_rule:.2f} us, best {best[1]} "
                               f"{best[0]:.2f} us", flush=True)

@@ -5,7 +5,8 @@ backbone's 64): 2-32 MB each, where cuBLAS' GEMV kernels (+ a split-K reduction)
 bandwidth (docs/benchmarks.md, the batch-1 profile). Here a program owns BLOCK_N output columns for
 both rows and walks K in BLOCK_K chunks (fp32 accumulation); BLOCK_N is chosen so that ~512 programs
 cover N (every SM several, so enough loads are in flight), BLOCK_K so that a program's fp32 accumulator tiles
-(one per row, and per gate/up) hold ~8K products (~64 registers a thread at 4 warps). No split-K, so no second kernel and no workspace.
+(one per row, and per gate/up) hold ~8K products (~64 registers a thread at 4 warps). No split-K at 1-2 rows, so
+no second kernel and no workspace.
 
 glu=True: w is [gate; up] [2I, K] and y = silu(x @ gate^T) * (x @ up^T) [M, I]: the MLP's first GEMM
 and its SiLU*up in one kernel (the gate and up tiles of a column block read together).
@@ -335,16 +336,18 @@ def _launch_opts(warps: int, stages: int | None) -> dict:
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
-def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
+def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply. The same for e4m3
-    weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower)."""
+    weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower).
+    block_n: at 1-2 rows, this BLOCK_N and the rule's chunk for it (kernels/qkv_attention.py's override)."""
     if m > ELEMENTWISE_ROWS:
         return mma_blocks(m, n, k, glu)
     if not 1 <= m or k < 128:
         return None
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
-        block_n //= 2
+    if block_n is None:
+        block_n = 16
+        while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
+            block_n //= 2
     tiles = m * (2 if glu else 1)  # fp32 accumulator tiles: ~64 registers a thread in all
     block_k = min(triton.next_power_of_2(k), max(128, _ELEMS // tiles // block_n))
     if k % block_k:

@@ -73,8 +73,8 @@ def _norm_qkv_attend_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride
                             BLOCK_P: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     gemv.gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
-                      0, eps, True, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, False, PRE_K, PDL, SCALED, None, False, False,
-                      64)
+                      0, eps, True, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, False, PRE_K, PDL, SCALED, None, False,
+                      False, 64)
     # the KV head of this program's columns: [q heads 0..n_q) [k heads 0..n_kv) [v heads 0..n_kv), hd columns each
     n_kv = n_q // G
     c0 = pid * BLOCK_N
@@ -96,20 +96,25 @@ def applies(x: Tensor, norm_weight: Tensor, weight: Tensor, scale: Tensor | None
     D], a KV head's columns a whole number of the GEMV's column blocks, the cache [>= B, n_kv, <= 64, hd]."""
     M, K = x.numel() // x.shape[-1], x.shape[-1]
     hd = k_cache.shape[-1]
-    if not (ON and not depth_attention.ATTN_O and 1 <= M <= gemv.ELEMENTWISE_ROWS and n_kv >= 1 and n_q % n_kv == 0 and n_kv <= MAX_HEADS
-            and weight.shape[0] == (n_q + 2 * n_kv) * hd and k_cache.dim() == 4 and k_cache.shape[0] >= M
+    if not (ON and not depth_attention.ATTN_O and 1 <= M <= gemv.ELEMENTWISE_ROWS and n_kv >= 1 and n_q % n_kv == 0
+            and n_kv <= MAX_HEADS and weight.shape[0] == (n_q + 2 * n_kv) * hd and k_cache.dim() == 4
+            and k_cache.shape[0] >= M
             and k_cache.shape[1] == n_kv and 2 <= k_cache.shape[2] <= MAX_POSITIONS and k_cache.stride(3) == 1
             and hd % 2 == 0 and gemv.norm_applies(x, norm_weight, weight, False, scale)):
         return False
-    block_n, block_k = _config(M, weight.shape[0], K, scale is not None)[:2]
-    return hd % block_n == 0 and K % block_k == 0 and _counters(x.device) is not None
+    cfg = _config(M, weight.shape[0], K, scale is not None)
+    return cfg is not None and hd % cfg[0] == 0 and _counters(x.device) is not None
 
 
-def _config(m: int, n: int, k: int, fp8: bool) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, BLOCK_K, warps, stages): gemv.config's, or BLOCK_N / WARPS with the chunk gemv.blocks() would take."""
+def _config(m: int, n: int, k: int, fp8: bool) -> tuple[int, int, int, int | None] | None:
+    """(BLOCK_N, BLOCK_K, warps, stages): gemv.config's, or BLOCK_N / WARPS with gemv.blocks()' chunk for that BLOCK_N
+    (None: no chunk divides K)."""
     cfg = gemv.config(m, n, k, False, True, fp8=fp8)
     if BLOCK_N:
-        cfg = (BLOCK_N, min(triton.next_power_of_2(k), max(128, gemv._ELEMS // m // BLOCK_N)), *cfg[2:])
+        bn_bk = gemv.blocks(m, n, k, block_n=BLOCK_N)
+        if bn_bk is None:
+            return None
+        cfg = (*bn_bk, *cfg[2:])
     if WARPS:
         cfg = (*cfg[:2], WARPS, cfg[3])
     return cfg

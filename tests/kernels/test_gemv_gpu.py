@@ -201,6 +201,23 @@ def _fp8(n_out, k, seed):
     return w8.to(DEV), s.reshape(-1).to(DEV)
 
 
+def _run(x, w, glu, scale, norm):
+    """(the GEMM's input, our output, the norm weight): gemv(x), or norm_gemv(x, delta) with a random delta and norm
+    weight, its h checked bit for bit against llama._add_rms_norm's (whose normed rows are the GEMM's input)."""
+    from csmserve.kernels import gemv
+    from csmserve.models import llama
+
+    m, k = x.shape
+    delta = torch.randn(m, k, dtype=x.dtype).to(DEV)
+    nw = (torch.rand(k) + 0.5).to(x.dtype).to(DEV)
+    if not norm:
+        return x, gemv.gemv(x, w, glu, scale), nw
+    h_ref, y = llama._add_rms_norm(x, delta, nw, 1e-5)
+    h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale)
+    assert torch.equal(h, h_ref)
+    return y, out, nw
+
+
 @run
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n,k,glu", [(1536, 1024, False), (1024, 8192, False), (4096, 1024, True), (40, 256, True)])
@@ -209,7 +226,6 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
     """FP8 weights (kernels/gemv.py with scale): scale[o] * x @ w8[o]^T, the activations as they are, gate and up
     each with its own scales; with the fused residual add + RMSNorm too; against models/fp8.py's weight_only_torch."""
     from csmserve.kernels import gemv
-    from csmserve.models import llama
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(0)
@@ -218,14 +234,7 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
     if DEV == "cuda":
         assert gemv.applies(x, w8, glu, scale) and not gemv.applies(x, w8, glu)
         assert not gemv.applies(x, w8.to(dt), glu, scale)  # scales with bf16 weights: not this kernel
-    delta = torch.randn(m, k, dtype=dt).to(DEV)
-    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
-    if norm:
-        h_ref, y = llama._add_rms_norm(x, delta, nw, 1e-5)
-        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w8, glu, scale)
-        assert torch.equal(h, h_ref)
-    else:
-        y, out = x, gemv.gemv(x, w8, glu, scale)
+    y, out, _ = _run(x, w8, glu, scale, norm)
     ref = _reference(y, w8, glu, scale)
     assert out.shape == (m, n) and out.dtype == dt
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
@@ -327,14 +336,7 @@ def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
     x = big[:, 1]  # strided rows
     if DEV == "cuda":
         assert gemv.applies(x, w, glu, scale)
-    delta = torch.randn(m, k, dtype=dt).to(DEV)
-    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
-    if norm:
-        h_ref, y = llama._add_rms_norm(x, delta, nw, 1e-5)
-        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale)
-        assert torch.equal(h, h_ref)
-    else:
-        y, out = x, gemv.gemv(x, w, glu, scale)
+    y, out, nw = _run(x, w, glu, scale, norm)
     ref = _reference(y, w, glu, scale)
     assert out.shape == (m, n) and out.dtype == dt
     tol = 1e-2 * max(1.0, ref.abs().max().item())
@@ -432,22 +434,18 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
 
 @cuda
 @pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("n,k,glu,fp8", [(8192, 1024, True, False), (1024, 8192, False, False), (2048, 8192, False, True),
-                                         (8192, 2048, True, True)])
+@pytest.mark.parametrize("n,k,glu,fp8", [(8192, 1024, True, False), (1024, 8192, False, False),
+                                         (2048, 8192, False, True), (8192, 2048, True, True)])
 def test_l2_prefetch_changes_no_bits(monkeypatch, m, n, k, glu, fp8):
     """CSMSERVE_GEMV_PREFETCH (a program's later weight chunks into L2 before the PDL wait): the same bits as
     without, on shapes of several chunks a program."""
     from csmserve.kernels import gemv
-    from csmserve.models.fp8 import quantize_rows_torch
 
     torch.manual_seed(0)
-    w = torch.randn(2 * n if glu else n, k, device="cuda") * 0.05
-    scale = None
     if fp8:
-        w, scale = quantize_rows_torch(w)
-        scale = scale.reshape(-1).contiguous()
+        w, scale = _fp8(2 * n if glu else n, k, seed=n + k)
     else:
-        w = w.to(torch.bfloat16)
+        w, scale = torch.randn(2 * n if glu else n, k, device="cuda", dtype=torch.bfloat16) * 0.05, None
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     assert k > gemv.config(m, n, k, glu, fp8=fp8)[1]  # several chunks a program: there is something to prefetch
     outs = []
