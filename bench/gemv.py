@@ -2,12 +2,15 @@
 
 python bench/gemv.py --rows 1,2 [--fp8]
 python bench/gemv.py --rows 4,12,16 --fp8 --mma-sweep   (3-16 rows: the tensor-core kernel's rule and other configs)
+python bench/gemv.py --rows 32,64 --fp8 --mma-rows 64    (the 32- and 64-row tiles, whatever the defaults)
 
 Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
 > 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
 ~2.4 GB of weights pass between two reads of one). Prints us per call and the bandwidth it reaches.
 --fp8: also our GEMV over e4m3 weights with per-channel scales (FP8Linear's, weight-only), its GB/s on
-its own bytes, and its error against the same numbers in torch (models/fp8.py's weight_only_torch).
+its own bytes, its error against the same numbers in torch (models/fp8.py's weight_only_torch), and FP8Linear's
+own GEMM on the same weights (weight_only_mm up to 16 rows, the per-row quantization + _scaled_mm past it: what the
+frame step runs where our kernel does not apply).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from csmserve.kernels import gemv
-from csmserve.models.fp8 import quantize_rows_torch, weight_only_torch
+from csmserve.models.fp8 import FP8Linear, weight_only_torch
 from gpu_profile import graph_timed
 
 # (name, N, K, glu): CSM-1B's backbone (Llama-1B) and depth decoder (100M), the projection, the heads
@@ -31,17 +34,22 @@ SHAPES = [
 ]
 
 
-# the tensor-core kernel's configs at 3-16 rows (--mma-sweep): (BLOCK_N, BLOCK_K, warps, stages, splits over K)
+# the tensor-core kernel's configs (--mma-sweep): (BLOCK_N, BLOCK_K, warps, stages, splits over K); 3-16 rows
 MMA_CONFIGS = [(16, 256, 4, 4, 1), (16, 512, 4, 4, 1), (16, 512, 4, 3, 1), (16, 1024, 4, 3, 1), (32, 256, 4, 4, 1),
                (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 8, 4, 1), (32, 256, 8, 4, 1),
                (16, 256, 4, 6, 1), (32, 128, 4, 6, 1), (16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (16, 256, 4, 4, 4),
                (16, 256, 4, 4, 8), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (16, 1024, 4, 3, 2)]
+# 17-64 rows (the 32- and 64-row tiles: the input tile [tile, BLOCK_K] grows with the rows)
+MMA_CONFIGS_WIDE = [(64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 64, 4, 4, 1), (64, 128, 8, 4, 1), (32, 128, 4, 4, 1),
+                    (32, 256, 4, 3, 1), (16, 256, 4, 4, 1), (128, 64, 4, 4, 1), (128, 64, 8, 4, 1),
+                    (128, 128, 8, 3, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8),
+                    (32, 128, 4, 4, 4), (32, 256, 4, 3, 2), (16, 256, 4, 4, 4), (128, 64, 4, 4, 4)]
 
 
-def sweep(run, k: int) -> tuple[float, tuple] | None:
-    """The fastest of MMA_CONFIGS for run(cfg) (us per call)."""
+def sweep(run, m: int, k: int) -> tuple[float, tuple] | None:
+    """The fastest of MMA_CONFIGS (MMA_CONFIGS_WIDE past 16 rows) for run(cfg) (us per call)."""
     best = None
-    for cfg in MMA_CONFIGS:
+    for cfg in MMA_CONFIGS if m <= 16 else MMA_CONFIGS_WIDE:
         bk, split = cfg[1], cfg[4]
         if k % (bk * split) or k // split < bk:
             continue
@@ -64,32 +72,41 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
     ap.add_argument("--mma-sweep", action="store_true",
-                    help="at 3-16 rows also MMA_CONFIGS: the best one per shape and weights, against the rule")
+                    help="at 3+ rows also MMA_CONFIGS(_WIDE): the best one per shape and weights, against the rule")
+    ap.add_argument("--mma-rows", type=int, default=None,
+                    help="gemv.MAX_ROWS and MAX_ROWS_FP8 (the tensor-core kernel's most rows, up to 64)")
+    ap.add_argument("--shapes", default="", help="only the SHAPES whose name contains one of these (comma list)")
     args = ap.parse_args()
+    if args.mma_rows:
+        gemv.MAX_ROWS = gemv.MAX_ROWS_FP8 = min(args.mma_rows, gemv.TILE_ROWS[-1])
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
     gemv._ELEMS = args.elems or gemv._ELEMS
     gemv.NUM_WARPS = args.warps or gemv.NUM_WARPS
-    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}")
+    print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}, "
+          f"tensor-core rows {gemv.MAX_ROWS} (fp8 {gemv.MAX_ROWS_FP8})")
     dt = torch.bfloat16
-    extra = " fp8 gemv (us) | fp8 GB/s | fp8 max rel err |" if args.fp8 else ""
+    extra = " fp8 gemv (us) | fp8 GB/s | fp8 max rel err | FP8Linear (us) |" if args.fp8 else ""
     print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |"
           + extra)
-    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * args.fp8)
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|---|" * args.fp8)
+    only = [t for t in args.shapes.split(",") if t]
     for name, n, k, glu in SHAPES:
+        if only and not any(t in name for t in only):
+            continue
         rows = 2 * n if glu else n
         mb = rows * k * 2
         copies = max(1, (256 << 20) // mb + 1)
         ws = [torch.randn(rows, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
-        w8s = []
+        lins = []
         if args.fp8:
             copies8 = max(1, (256 << 20) // (mb // 2) + 1)
-            w8s = [quantize_rows_torch(ws[i % copies]) for i in range(copies8)]
-            w8s = [(w8, s.reshape(-1).contiguous()) for w8, s in w8s]
+            lins = [FP8Linear(ws[i % copies]) for i in range(copies8)]
+        w8s = [(lin.weight8, lin.scale.reshape(-1).contiguous()) for lin in lins]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
 
             def ref(w):
-                y = F.linear(x, w)
+                y = F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
                 if glu:
                     a, b = y.chunk(2, -1)
                     y = F.silu(a) * b
@@ -99,9 +116,9 @@ def main() -> None:
                 print(f"| {name} | {n}x{k} | {m} | | n/a | | | |")
                 continue
 
-            def run_ref():
+            def run_ref(fp8=False):
                 for i in range(args.reps):
-                    ref(ws[i % copies])
+                    ref(lins[i % len(lins)] if fp8 else ws[i % copies])
 
             def timed(cfg=None, fp8=False):
                 """Our kernel's us per call over the weight copies (fp8: the e4m3 ones); cfg: config()'s if None."""
@@ -126,16 +143,17 @@ def main() -> None:
                     a, b = want.chunk(2, -1)
                     want = F.silu(a) * b
                 rel = ((gemv.gemv(x, w8, glu, s).float() - want).abs().max() / want.abs().max()).item()
-                line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} |"
+                t_lin = graph_timed(lambda: run_ref(fp8=True), args.reps)
+                line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} | {t_lin:.2f} |"
             print(line, flush=True)
             if args.mma_sweep and m > gemv.ELEMENTWISE_ROWS:
-                rule = gemv.config(m, n, k, glu)
-                rule = (*rule, gemv.mma_split(n, k, *rule[:2]))
                 for label, fp8 in (("bf16", False), ("fp8", True)):
                     if fp8 and not args.fp8:
                         continue
+                    rule = gemv.config(m, n, k, glu, fp8=fp8)
+                    rule = (*rule, gemv.mma_split(n, k, *rule[:2]))
                     t_rule = timed(rule, fp8)
-                    best = sweep(lambda c, fp8=fp8: timed(c, fp8), k)
+                    best = sweep(lambda c, fp8=fp8: timed(c, fp8), m, k)
                     if best:
                         print(f"  sweep {name} M={m} {label}: rule {rule} {t_rule:.2f} us, best {best[1]} "
                               f"{best[0]:.2f} us", flush=True)

@@ -2,6 +2,7 @@
 BLOCK_K, warps, stages), the sampler (warps), the depth attention (warps), per batch size.
 
 python bench/kernel_sweep.py --out tuning.json [--budget-s 300]
+python bench/kernel_sweep.py --out tuning.json --fp8 --only-gemv   (e4m3 weights too; the other tables as they are)
 
 Each candidate is timed as a CUDA graph of `--reps` calls (GEMVs over weight copies of > 256 MB, so every
 call reads HBM, as in the frame step). Prints, per shape, the rule's time (kernels/tuning.py "off") and the
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from csmserve.kernels import depth_attention, gemv, sampler
+from csmserve.kernels import depth_attention, gemv, sampler, tuning
+from csmserve.models.fp8 import quantize_rows_torch
 from gpu_profile import graph_timed
 
 # (name, m, n, k, glu, norm): as the frame step calls them (norm: norm_gemv, the residual add + RMSNorm fused)
@@ -29,14 +31,15 @@ BACKBONE = [("backbone qkv", 3072, 2048, False, True), ("backbone o", 2048, 2048
             ("codebook0 head", 2051, 2048, False, False)]
 
 
-def gemv_candidates(m: int, n: int, k: int, glu: bool) -> list[tuple[int, int, int, int]]:
+def gemv_candidates(m: int, n: int, k: int, glu: bool, fp8: bool = False) -> list[tuple[int, int, int, int]]:
     tiles = m * (2 if glu else 1)
+    most = 32768 if fp8 else 16384  # products per chunk (e4m3: the same bytes in flight at twice the elements)
     out = []
     for bn in (1, 2, 4, 8, 16, 32):
         if not 64 <= math.ceil(n / bn) <= 8192:
             continue
         for bk in (128, 256, 512, 1024, 2048, 4096):
-            if bk > k or k % bk or not 1024 <= bn * bk * tiles <= 16384:
+            if bk > k or k % bk or not 1024 <= bn * bk * tiles <= most:
                 continue
             for w in (4, 8):
                 if bn * bk >= w * 32 * 2:
@@ -44,8 +47,11 @@ def gemv_candidates(m: int, n: int, k: int, glu: bool) -> list[tuple[int, int, i
     return out
 
 
-def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
+def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt, fp8: bool = False) -> list[list]:
+    """fp8: e4m3 weights with per-channel scales (FP8Linear's), their configs in gemv.TUNED_FP8."""
     found = []
+    table = gemv.TUNED_FP8 if fp8 else gemv.TUNED
+    print(f"\n{'e4m3' if fp8 else 'bf16'} weights")
     print("| shape | M | N x K | rule (us) | best (us) | best GB/s | config (BN, BK, warps, stages) | tried | "
           "max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -53,34 +59,38 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
         for name, n, k, glu, norm in shapes:
             t0 = time.perf_counter()
             wrows = 2 * n if glu else n
-            mb = wrows * k * 2
+            mb = wrows * k * (1 if fp8 else 2)
             copies = max(1, (256 << 20) // mb + 1)
             ws = [torch.randn(wrows, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+            scales = [None] * copies
+            if fp8:
+                q = [quantize_rows_torch(w) for w in ws]
+                ws, scales = [w8 for w8, _ in q], [sc.reshape(-1).contiguous() for _, sc in q]
             x = torch.randn(m, k, device="cuda", dtype=dt)
             delta = torch.randn(m, k, device="cuda", dtype=dt)
             nw = torch.rand(k, device="cuda", dtype=dt) + 0.5
             key = (m, n, k, glu, norm)
 
-            def call(w):
+            def call(i):
                 if norm:
-                    return gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)[1]
-                return gemv.gemv(x, w, glu)
+                    return gemv.norm_gemv(x, delta, nw, 1e-5, ws[i], glu, scales[i])[1]
+                return gemv.gemv(x, ws[i], glu, scales[i])
 
             def run():
                 for i in range(reps):
-                    call(ws[i % copies])
+                    call(i % copies)
 
-            gemv.TUNED.pop(key, None)
-            ref = call(ws[0]).float()
+            table.pop(key, None)
+            ref = call(0).float()
             rule = graph_timed(run, reps)
             results = []
-            bn0, bk0 = gemv.blocks(m, n, k, glu)  # nearest the rule's blocks first: the budget may end the list
-            cands = sorted(gemv_candidates(m, n, k, glu), key=lambda c: (
+            bn0, bk0 = gemv.blocks(m, n, k, glu, fp8=fp8)  # nearest the rule's blocks first: the budget may end it
+            cands = sorted(gemv_candidates(m, n, k, glu, fp8), key=lambda c: (
                 abs(math.log2(c[0] / bn0)) + abs(math.log2(c[1] / bk0)), c[2] != gemv.NUM_WARPS))
             for cfg in cands:
                 if time.perf_counter() - t0 > budget_s:
                     break
-                gemv.TUNED[key] = cfg
+                table[key] = cfg
                 try:
                     results.append((graph_timed(run, reps), cfg))
                 except Exception as e:  # a config Triton cannot build (registers, shared memory): skip it
@@ -90,7 +100,7 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
                 for st in (1, 2, 4):
                     if time.perf_counter() - t0 > budget_s * 1.5:
                         break
-                    gemv.TUNED[key] = (bn, bk, w, st)
+                    table[key] = (bn, bk, w, st)
                     try:
                         results.append((graph_timed(run, reps), (bn, bk, w, st)))
                     except Exception as e:
@@ -99,17 +109,17 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt) -> list[list]:
             best_t, best = results[0] if results else (rule, None)
             diff, cfg_s = 0.0, "rule"
             if best is not None:  # the winner of many noisy timings, timed again against the rule
-                gemv.TUNED.pop(key, None)
+                table.pop(key, None)
                 rule = min(rule, graph_timed(run, reps))
-                gemv.TUNED[key] = best
+                table[key] = best
                 best_t = graph_timed(run, reps)
             if best is not None and best_t < rule * 0.98:  # within noise of the rule: keep the rule
-                gemv.TUNED[key] = best
-                diff = (call(ws[0]).float() - ref).abs().max().item()
+                table[key] = best
+                diff = (call(0).float() - ref).abs().max().item()
                 found.append([m, n, k, glu, norm, *best])
                 cfg_s = str(best)
             else:
-                gemv.TUNED.pop(key, None)
+                table.pop(key, None)
             print(f"| {name} | {m} | {n}x{k} | {rule:.2f} | {min(best_t, rule):.2f} | "
                   f"{mb / min(best_t, rule) / 1e3:.0f} | {cfg_s} | {len(results)} | {diff:.1e} |", flush=True)
     return found
@@ -184,27 +194,35 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=48)
     ap.add_argument("--budget-s", type=float, default=14.0, help="seconds per GEMV shape and row count")
     ap.add_argument("--backbone", action="store_true", help="the backbone's GEMVs too (once per frame)")
-    ap.add_argument("--no-gemv", action="store_true", help="the GEMVs' configurations from kernels/tuning.py")
+    ap.add_argument("--no-gemv", action="store_true", help="the bf16 GEMVs' configurations from kernels/tuning.py")
+    ap.add_argument("--fp8", action="store_true", help="also the GEMVs over e4m3 weights (else from tuning.py)")
+    ap.add_argument("--only-gemv", action="store_true", help="the sampler's and attention's from kernels/tuning.py")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     shapes = DEPTH + (BACKBONE if args.backbone else [])
     t0 = time.perf_counter()
     doc = {"gpu": torch.cuda.get_device_name()}
-    doc["sampler"] = sweep_sampler([1, 64, 256, 2048], args.reps)
-    print(f"sampler: {doc['sampler']}")
-    doc["depth_attention"] = sweep_depth_attention([1, 64, 256, 512, 1024, 2048], args.reps)
-    print(f"depth attention: {doc['depth_attention']}\n")
-    if args.no_gemv:
-        doc["gemv"] = [[*key, *cfg] for key, cfg in sorted(gemv.TUNED.items())]
+    if args.only_gemv:
+        doc["sampler"], doc["depth_attention"] = tuning.SAMPLER, tuning.DEPTH_ATTENTION
     else:
-        doc["gemv"] = sweep_gemv(shapes, rows, args.reps, args.budget_s, torch.bfloat16)
+        doc["sampler"] = sweep_sampler([1, 64, 256, 2048], args.reps)
+        print(f"sampler: {doc['sampler']}")
+        doc["depth_attention"] = sweep_depth_attention([1, 64, 256, 512, 1024, 2048], args.reps)
+        print(f"depth attention: {doc['depth_attention']}\n")
+    for name, fp8, skip in (("gemv", False, args.no_gemv), ("gemv_fp8", True, not args.fp8)):
+        table = gemv.TUNED_FP8 if fp8 else gemv.TUNED
+        if skip:
+            doc[name] = [[*key, *cfg] for key, cfg in sorted(table.items())]
+        else:
+            doc[name] = sweep_gemv(shapes, rows, args.reps, args.budget_s, torch.bfloat16, fp8)
     with open(args.out, "w") as f:
         json.dump(doc, f)
     print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s)")
     print(f"H200_SAMPLER = {doc['sampler']}\nH200_DEPTH_ATTENTION = {doc['depth_attention']}")
-    print("H200_GEMV = {" + ", ".join(f"({m}, {n}, {k}, {glu}, {norm}): ({bn}, {bk}, {w}, {st})"
-                                      for m, n, k, glu, norm, bn, bk, w, st in doc["gemv"]) + "}")
+    for name in ("gemv", "gemv_fp8"):
+        print(f"H200_{name.upper()} = {{" + ", ".join(f"({m}, {n}, {k}, {glu}, {norm}): ({bn}, {bk}, {w}, {st})"
+                                                    for m, n, k, glu, norm, bn, bk, w, st in doc[name]) + "}")
 
 
 if __name__ == "__main__":

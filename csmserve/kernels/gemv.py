@@ -1,4 +1,4 @@
-"""Skinny GEMMs (M <= 16 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
+"""Skinny GEMMs (M <= 64 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
 
 At batch 1 a frame is ~560 of these (31 depth steps x (4 layers x 4 + projection + head) + the
 backbone's 64): 2-32 MB each, where cuBLAS' GEMV kernels (+ a split-K reduction) run at ~40% of HBM
@@ -15,10 +15,11 @@ FP8 weights (scale given: models/fp8.py's FP8Linear): w is e4m3 [N, K] with a fl
 (per [gate; up] row for glu), y = scale[n] * sum_k x[k] w[n, k]: weight-only, the activations stay in the model
 dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight for the same products.
 
-3-16 rows (a prompt's short prefill, a few streams' frame step): `_gemv_mma_kernel`, the same fusions (glu, FP8
-scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the rows as one 16-row tile
-through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a
-chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
+3..MAX_ROWS rows (a prompt's short prefill, a few streams' frame step; 16 by default, up to 64): `_gemv_mma_kernel`,
+the same fusions (glu, FP8 scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the
+rows as one 16-, 32- or 64-row tile through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with
+[BLOCK_K, BLOCK_N] weight tiles (~8K weights a chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of
+loads in flight each). Rows past M are masked.
 A GEMM with too few column blocks (the K = 8,192 down projections) is split over K (CSMSERVE_GEMV_MMA_SPLIT: at
 most 8 splits; 1: none), the partial sums added by the column block's last program in a fixed order (no second
 kernel, the same bits every run): the frame step at 4 / 16 rows 8.08 / 8.10 -> 6.90 / 7.24 ms (bf16), 8.47 /
@@ -46,9 +47,12 @@ from csmserve.kernels import pdl, tuning
 
 ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (bench/gemv.py: the elementwise
 # tiles lose to cuBLAS from 4 rows, the 16-row tensor-core tiles do not)
-# CSMSERVE_GEMV_MMA_ROWS: the most rows of the tensor-core kernel (16; 2: cuBLAS from 3 rows, as before). Read once
-# at import, before any graph is captured.
-MAX_ROWS = max(ELEMENTWISE_ROWS, min(16, int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
+# CSMSERVE_GEMV_MMA_ROWS: the most rows of the tensor-core kernel for bf16/fp16 weights (16; up to 64; 2: cuBLAS from
+# 3 rows, as before); CSMSERVE_GEMV_MMA_ROWS_FP8: the same for e4m3 weights (16; past it FP8Linear's own GEMM). Read
+# once at import, before any graph is captured.
+TILE_ROWS = (16, 32, 64)  # the tensor-core kernel's row tiles: the smallest that holds M
+MAX_ROWS = max(ELEMENTWISE_ROWS, min(TILE_ROWS[-1], int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
+MAX_ROWS_FP8 = max(ELEMENTWISE_ROWS, min(TILE_ROWS[-1], int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS_FP8", "16"))))
 # CSMSERVE_GEMV_PREFETCH=1: at 1-2 rows a program's later weight chunks are prefetched into L2 before the PDL wait
 # (the first chunk is loaded there anyway). Off by default: measured 10-11% slower at batch 1 (docs/benchmarks.md,
 # issue 16: the prefetches compete with the kernel before for HBM). CUDA only (inline PTX)
@@ -216,7 +220,7 @@ def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, st
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr,
                      PDL: tl.constexpr, SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
                      WS=None, CTR=None, SPLIT: tl.constexpr = 1):
-    # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
+    # 3-64 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
     # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
     # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
     # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y
@@ -308,9 +312,10 @@ def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED: tl.c
 
 
 # (m, n, k, glu, norm) -> (BLOCK_N, BLOCK_K, num_warps, num_stages): CSM-1B's shapes at 1-2 rows (kernels/tuning.py);
-# any other shape takes blocks()' rule with NUM_WARPS and Triton's default stages (3-16 rows: mma_blocks())
+# any other shape takes blocks()' rule with NUM_WARPS and Triton's default stages (3+ rows: mma_blocks())
 TUNED: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV)
-MMA_ROWS = 16  # the tensor-core kernel's row tile
+TUNED_FP8: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV_FP8)  # e4m3 weights
+X_TILE = 8192  # the most input elements of one tensor-core chunk [BLOCK_M, BLOCK_K] (16 KB bf16, as at 16 rows)
 _MMA_ELEMS = int(os.environ.get("CSMSERVE_GEMV_MMA_ELEMS", "8192"))  # weights per program per chunk, per gate/up tile
 MMA_NORM = os.environ.get("CSMSERVE_GEMV_MMA_NORM", "0") == "1"  # 1: the add + RMSNorm fused at 3+ rows too (slower)
 _MMA_PROGRAMS = 256
@@ -324,11 +329,11 @@ MMA_SPLIT = max(1, int(os.environ.get("CSMSERVE_GEMV_MMA_SPLIT", "8")))
 def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
            ) -> tuple[int, int, int, int | None]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages or None) for an [m, k] @ [n, k]^T; the caller checks `applies`.
-    FP8 weights take the rule (the table was tuned on bf16 weights)."""
-    tuned = None if fp8 else TUNED.get((m, n, k, glu, norm))
+    FP8 weights take their own table (TUNED_FP8), else the rule."""
+    tuned = (TUNED_FP8 if fp8 else TUNED).get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
-    bn, bk = blocks(m, n, k, glu)
+    bn, bk = blocks(m, n, k, glu, fp8=fp8)
     return (bn, bk, MMA_WARPS, MMA_STAGES) if m > ELEMENTWISE_ROWS else (bn, bk, NUM_WARPS, None)
 
 
@@ -336,12 +341,14 @@ def _launch_opts(warps: int, stages: int | None) -> dict:
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
-def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None) -> tuple[int, int] | None:
+def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None, fp8: bool = False
+           ) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply. The same for e4m3
     weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower).
-    block_n: at 1-2 rows, this BLOCK_N and the rule's chunk for it (kernels/qkv_attention.py's override)."""
+    block_n: at 1-2 rows, this BLOCK_N and the rule's chunk for it (kernels/qkv_attention.py's override).
+    fp8: e4m3 weights (up to MAX_ROWS_FP8 rows, not MAX_ROWS)."""
     if m > ELEMENTWISE_ROWS:
-        return mma_blocks(m, n, k, glu)
+        return mma_blocks(m, n, k, glu, fp8)
     if not 1 <= m or k < 128:
         return None
     if block_n is None:
@@ -355,15 +362,23 @@ def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None
     return block_n, block_k
 
 
-def mma_blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of the tensor-core kernel at 3..MAX_ROWS rows, or None: the widest BLOCK_N (16-64) that
-    still gives ~256 programs, BLOCK_K so that a chunk is ~8K weights (per gate/up tile)."""
-    if not ELEMENTWISE_ROWS < m <= MAX_ROWS or k < 128:
+def mma_tile(m: int) -> int:
+    """The tensor-core kernel's row tile for m rows (rows past m masked)."""
+    return next(t for t in TILE_ROWS if m <= t)
+
+
+def mma_blocks(m: int, n: int, k: int, glu: bool = False, fp8: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) of the tensor-core kernel at 3..MAX_ROWS (FP8: MAX_ROWS_FP8) rows, or None. 16-row tile:
+    the widest BLOCK_N (16-64) that still gives ~256 programs; 32-64: BLOCK_N 64 (each program reads all its rows'
+    inputs from L2, M / BLOCK_N times the bytes of its weights) and the split over K for the programs. BLOCK_K so
+    that a chunk is ~8K weights (per gate/up tile) and its input tile at most X_TILE elements."""
+    if not ELEMENTWISE_ROWS < m <= (MAX_ROWS_FP8 if fp8 else MAX_ROWS) or k < 128:
         return None
+    tile = mma_tile(m)
     block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) < _MMA_PROGRAMS:
+    while tile == 16 and block_n > 16 and triton.cdiv(n, block_n) < _MMA_PROGRAMS:
         block_n //= 2
-    block_k = min(triton.next_power_of_2(k), max(64, _MMA_ELEMS // block_n))
+    block_k = min(triton.next_power_of_2(k), max(64, min(_MMA_ELEMS // block_n, X_TILE // tile)))
     if k % block_k:
         return None
     return block_n, block_k
@@ -379,18 +394,18 @@ def mma_split(n: int, k: int, block_n: int, block_k: int, most: int | None = Non
     return split
 
 
-# (device, splits, N, column blocks) -> (WS [splits, MMA_ROWS, 2N] fp32, CTR [blocks] int32 zeros): one pair per
-# shape, shared by its GEMMs (they run one after the other on the stream; a PDL kernel touches them after its wait)
+# (device, splits, N, column blocks, row tile) -> (WS [splits, tile, 2N] fp32, CTR [blocks] int32 zeros): one pair
+# per shape, shared by its GEMMs (they run one after the other on the stream; a PDL kernel touches them after its wait)
 _SPLIT_BUFS: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def _split_bufs(device: torch.device, split: int, n: int, tiles: int) -> tuple[Tensor, Tensor] | None:
-    key = (device, split, n, tiles)
+def _split_bufs(device: torch.device, split: int, n: int, tiles: int, tile: int) -> tuple[Tensor, Tensor] | None:
+    key = (device, split, n, tiles, tile)
     bufs = _SPLIT_BUFS.get(key)
     if bufs is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # never made inside a capture (it would live in the graph's pool): no split this time
-        bufs = _SPLIT_BUFS[key] = (torch.empty(split, MMA_ROWS, 2 * n, dtype=torch.float32, device=device),
+        bufs = _SPLIT_BUFS[key] = (torch.empty(split, tile, 2 * n, dtype=torch.float32, device=device),
                                    torch.zeros(tiles, dtype=torch.int32, device=device))
     return bufs
 
@@ -403,12 +418,12 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
                                    and scale.numel() == weight.shape[0]))
-            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
+            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu, fp8=scale is not None) is not None)
 
 
 def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,
             idx=None, cfg=None) -> None:
-    """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS.
+    """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS (MAX_ROWS_FP8).
     strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages[, splits]) in place of config()'s
     (and mma_split()'s)."""
     cfg = cfg or config(M, N, K, glu, norm, fp8=scale is not None)
@@ -423,11 +438,12 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
     grid = (triton.cdiv(N, bn),)
     if M > ELEMENTWISE_ROWS:
         split = cfg[4] if len(cfg) > 4 else mma_split(N, K, bn, bk)
-        bufs = _split_bufs(x.device, split, N, grid[0]) if split > 1 else None
+        tile = mma_tile(M)
+        bufs = _split_bufs(x.device, split, N, grid[0], tile) if split > 1 else None
         if bufs is not None:
             kw.update(WS=bufs[0], CTR=bufs[1], SPLIT=split)
             grid = (grid[0], split)
-        _gemv_mma_kernel[grid](*args, BLOCK_M=MMA_ROWS, **kw)
+        _gemv_mma_kernel[grid](*args, BLOCK_M=tile, **kw)
     else:
         _gemv_kernel[grid](*args, TWO_ROWS=M > 1, PREFETCH=PREFETCH and K > bk, LINE=128 // weight.element_size(), **kw)
 
@@ -472,8 +488,8 @@ def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = Fal
 
 def pre_k(m: int, k: int, block_k: int) -> int:
     """The fused norm's sum-of-squares chunk: a power of two >= BLOCK_K dividing K, up to 4,096 products a row (1-2
-    rows), 8,192 in all (the 16-row tile)."""
-    per_row = 4096 // m if m <= ELEMENTWISE_ROWS else 8192 // MMA_ROWS
+    rows), 8,192 in all (the tensor-core kernel's row tile)."""
+    per_row = 4096 // m if m <= ELEMENTWISE_ROWS else 8192 // mma_tile(m)
     pre = block_k
     while pre * 2 <= per_row and k % (pre * 2) == 0:
         pre *= 2

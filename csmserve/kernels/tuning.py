@@ -4,8 +4,9 @@ CSMSERVE_KERNEL_TUNING picks them, read once at import:
 - unset: the tables below (the H200's);
 - "off": none (each kernel's own rule: gemv.blocks() with 4 warps; the sampler and depth attention, 4 warps);
 - a path: a JSON file as bench/kernel_sweep.py writes it ({"gemv": [[m, n, k, glu, norm, BLOCK_N, BLOCK_K,
-  warps, stages], ...], "sampler": {"warps": [[rows, w], ...]}, "depth_attention": {"warps": [[rows, w], ...]}}),
-  for another GPU. A warps table gives w from `rows` batch rows up (the entry with the most rows <= the batch).
+  warps, stages], ...], "gemv_fp8": [the same for e4m3 weights], "sampler": {"warps": [[rows, w], ...]},
+  "depth_attention": {"warps": [[rows, w], ...]}}), for another GPU. A warps table gives w from `rows` batch rows
+  up (the entry with the most rows <= the batch).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ H200_GEMV: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {
     (2, 2112, 1024, False, False): (2, 1024, 4, 1),  # depth head, 2 rows: 4.30 -> 3.91
     (2, 1024, 2048, False, False): (1, 1024, 4, 2),  # projection, 2 rows: 3.82 -> 3.59
 }
+# the same keys for e4m3 weights (FP8Linear's, weight-only at 1-2 rows): `bench/kernel_sweep.py --fp8`
+H200_GEMV_FP8: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = {}
 H200_SAMPLER = {"warps": [[1, 8], [2048, 4]]}  # 10.40 us at 1 row (4 warps: 12.80); 94.3 at 2,048 (8: 97.1)
 H200_DEPTH_ATTENTION = {"warps": [[1, 4], [256, 1]]}  # 4.06 us at 1 row; 26.9 at 2,048 rows (4 warps: 45.8)
 OFF_SAMPLER = {"warps": [[1, 4]]}
@@ -37,17 +40,21 @@ def by_rows(table: list[list[int]], rows: int) -> int:
     return value
 
 
-def _load() -> tuple[dict, dict, dict]:
+def _gemv_table(rows: list) -> dict:
+    return {(int(m), int(n), int(k), bool(glu), bool(norm)): (int(bn), int(bk), int(w), int(st))
+            for m, n, k, glu, norm, bn, bk, w, st in rows}
+
+
+def _load() -> tuple[dict, dict, dict, dict]:
     src = os.environ.get("CSMSERVE_KERNEL_TUNING", "")
     if not src:
-        return dict(H200_GEMV), dict(H200_SAMPLER), dict(H200_DEPTH_ATTENTION)
+        return dict(H200_GEMV), dict(H200_GEMV_FP8), dict(H200_SAMPLER), dict(H200_DEPTH_ATTENTION)
     if src == "off":
-        return {}, dict(OFF_SAMPLER), dict(OFF_DEPTH_ATTENTION)
+        return {}, {}, dict(OFF_SAMPLER), dict(OFF_DEPTH_ATTENTION)
     with open(src) as f:
         doc = json.load(f)
-    gemv = {(int(m), int(n), int(k), bool(glu), bool(norm)): (int(bn), int(bk), int(w), int(st))
-            for m, n, k, glu, norm, bn, bk, w, st in doc.get("gemv", [])}
-    return gemv, {**OFF_SAMPLER, **doc.get("sampler", {})}, {**OFF_DEPTH_ATTENTION, **doc.get("depth_attention", {})}
+    return (_gemv_table(doc.get("gemv", [])), _gemv_table(doc.get("gemv_fp8", [])),
+            {**OFF_SAMPLER, **doc.get("sampler", {})}, {**OFF_DEPTH_ATTENTION, **doc.get("depth_attention", {})})
 
 
-GEMV, SAMPLER, DEPTH_ATTENTION = _load()
+GEMV, GEMV_FP8, SAMPLER, DEPTH_ATTENTION = _load()

@@ -52,7 +52,8 @@ def test_gemv_does_not_apply_where_it_should_not():
 
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     assert gemv.applies(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), w)  # the tensor-core kernel
-    assert not gemv.applies(torch.randn(17, 256, device="cuda", dtype=torch.bfloat16), w)  # > MAX_ROWS
+    assert not gemv.applies(torch.randn(gemv.MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16), w)
+    assert gemv.mma_blocks(gemv.TILE_ROWS[-1] + 1, 64, 256) is None  # past the largest tile, whatever MAX_ROWS says
     assert not gemv.applies(torch.randn(2, 256, device="cuda"), w.float())  # float32: cuBLAS
     assert not gemv.applies(torch.randn(2, 256, dtype=torch.bfloat16), w.cpu())
 
@@ -108,33 +109,38 @@ def test_norm_gemv_matches_add_rms_norm_then_linear(m, n, k, glu, with_delta):
 def _tuned():
     from csmserve.kernels import tuning
 
-    return sorted(tuning.GEMV)
+    return [(k, False) for k in sorted(tuning.GEMV)] + [(k, True) for k in sorted(tuning.GEMV_FP8)]
 
 
 @cuda
-@pytest.mark.parametrize("key", _tuned())
-def test_every_tuned_config_matches_linear(key):
-    """Each launch configuration of kernels/tuning.py's table (or CSMSERVE_KERNEL_TUNING's file) on its shape:
-    the same result as F.linear (after the fused norm where the frame step fuses one)."""
+@pytest.mark.parametrize("key,fp8", _tuned())
+def test_every_tuned_config_matches_linear(key, fp8):
+    """Each launch configuration of kernels/tuning.py's tables (or CSMSERVE_KERNEL_TUNING's file) on its shape, bf16
+    and e4m3 weights: the same result as F.linear / weight_only_torch (after the fused norm where the frame step
+    fuses one)."""
     from csmserve.kernels import gemv
     from csmserve.kernels.elementwise import add_rms_norm_triton
 
     m, n, k, glu, norm = key
-    assert gemv.config(*key) == gemv.TUNED[key]
+    assert gemv.config(*key, fp8=fp8) == (gemv.TUNED_FP8 if fp8 else gemv.TUNED)[key]
     torch.manual_seed(0)
     dt = torch.bfloat16
     x = torch.randn(m, k, device="cuda", dtype=dt)
-    w = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dt) * 0.05
+    if fp8:
+        w, scale = _fp8(2 * n if glu else n, k, seed=n + k)
+    else:
+        w, scale = torch.randn(2 * n if glu else n, k, device="cuda", dtype=dt) * 0.05, None
     delta = torch.randn(m, k, device="cuda", dtype=dt)
     nw = (torch.rand(k, device="cuda") + 0.5).to(dt)
     if norm:
         h_ref, y = add_rms_norm_triton(x, delta, nw, 1e-5)
-        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu)
+        h, out = gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale)
         assert torch.equal(h, h_ref)
     else:
-        y, out = x, gemv.gemv(x, w, glu)
-    ref = _reference(y, w, glu)
-    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+        y, out = x, gemv.gemv(x, w, glu, scale)
+    ref = _reference(y, w, glu, scale)
+    tol = 3e-2 * max(1.0, ref.abs().max().item()) if fp8 else 3e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=2e-2)
 
 
 @cuda
@@ -241,10 +247,12 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
 
 
 @cuda
-@pytest.mark.parametrize("batch", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 17, 33, 64, 65])
 def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
-    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1-16 rows (the weight-only kernels)
-    == the same numbers in torch (FP8Linear.weight_only); at 17 rows fuse_gemv leaves FP8Linear's own GEMM."""
+    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1..gemv.MAX_ROWS_FP8 rows (the
+    weight-only kernels) == the same numbers in torch (FP8Linear.weight_only); past it fuse_gemv leaves FP8Linear's
+    own GEMM."""
+    from csmserve.kernels import gemv
     from csmserve.models import llama
     from csmserve.models.csm import llama_100m
     from csmserve.models.fp8 import FP8Linear, GEMMS
@@ -274,7 +282,7 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
             llama.fuse_gemv(False)
     for m in fp8:
         m.weight_only = False
-    if batch <= 16:
+    if batch <= gemv.MAX_ROWS_FP8:
         torch.testing.assert_close(outs["gemv"], outs["torch"], atol=5e-2, rtol=5e-2)
         assert (outs["gemv"] - outs["torch"]).abs().mean() < 1e-2
         assert not torch.equal(outs["gemv"], outs["plain"])  # not the per-row quantized GEMM
@@ -283,25 +291,29 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
 
 
 @run
-@pytest.mark.parametrize("m", [1, 2, 3, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 32, 64])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
+def test_gather_gemv_equals_the_embedding_then_the_gemv(monkeypatch, m, fp8):
     """gather_gemv (the depth step's embedding gathered in the projection's kernel): the same bits as F.embedding
     then gemv, from a codebook's rows of a larger table (a row view, as CSMModel.audio_table gives), the first and
     last rows among them; with FP8 weights too. A wrong row (an index read as another, row 1's offset) fails."""
     from csmserve.kernels import gemv
 
+    most = gemv.MAX_ROWS_FP8 if fp8 else gemv.MAX_ROWS
+    if DEV == "cuda":  # past the tensor-core kernel's rows: cuBLAS after the embedding, as before
+        assert not gemv.gather_applies(torch.zeros(most + 1, dtype=torch.int64, device=DEV),
+                                       torch.zeros(128, 2048, dtype=torch.bfloat16, device=DEV), *_gather_w(fp8))
+    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
+    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(m)
     V, K, N = 64, 2048, 1024
     big = torch.randn(3 * V, K, dtype=dt).to(DEV)
     table = big[V:2 * V]  # codebook 1's rows
-    if fp8:
-        w, scale = _fp8(N, K, seed=7)
-    else:
-        w, scale = (torch.randn(N, K, dtype=dt) * 0.05).to(DEV), None
-    cases = {1: ([0], [V - 1]), 2: ([5, V - 1], [17, 17]), 3: ([V - 1, 0, 9],),
-             16: (torch.randperm(V, generator=torch.Generator().manual_seed(3))[:16].tolist(),)}[m]
+    w, scale = _gather_w(fp8)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(3)).tolist()
+    cases = {1: ([0], [V - 1]), 2: ([5, V - 1], [17, 17]), 3: ([V - 1, 0, 9],), 16: (perm[:16],),
+             32: (perm[:31] + [perm[0]],), 64: (perm,)}[m]
     for idx in cases:
         idx = torch.tensor(idx, dtype=torch.int64).to(DEV)
         if DEV == "cuda":
@@ -309,22 +321,29 @@ def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
         out = gemv.gather_gemv(idx, table, w, scale)
         ref = gemv.gemv(F.embedding(idx, table), w, scale=scale)
         assert out.shape == (m, N) and torch.equal(out, ref), idx
-    if DEV == "cuda":  # past MAX_ROWS: cuBLAS after the embedding, as before
-        assert not gemv.gather_applies(torch.zeros(17, dtype=torch.int64, device=DEV), table, w, scale)
+
+
+def _gather_w(fp8):
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    return _fp8(1024, 2048, seed=7) if fp8 else ((torch.randn(1024, 2048, dtype=dt) * 0.05).to(DEV), None)
 
 
 @run
-@pytest.mark.parametrize("m", [3, 5, 12, 16])
+@pytest.mark.parametrize("m", [3, 5, 12, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n,k,glu", [(1536, 1024, False), (1024, 8192, False), (4096, 1024, True), (40, 256, True)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
-    """3-16 rows (_gemv_mma_kernel: the rows as one 16-row tensor-core tile): against F.linear in float32 (bf16
-    weights) or weight_only_torch (FP8 weights), with the glu, the fused residual add + RMSNorm (h bit for bit), and
-    rows of a strided view. A row read from the wrong place, a mask that let the padding rows in, a scale misapplied
-    or the up tile read as the gate fails; also N = 40 (a partial column tile)."""
+def test_mma_gemv_matches_the_reference(monkeypatch, m, n, k, glu, fp8, norm):
+    """3-64 rows (_gemv_mma_kernel: the rows as one 16-, 32- or 64-row tensor-core tile, the largest row counts on
+    by MAX_ROWS / MAX_ROWS_FP8 = 64 here): against F.linear in float32 (bf16 weights) or weight_only_torch (FP8
+    weights), with the glu, the fused residual add + RMSNorm (h bit for bit), and rows of a strided view. A row read
+    from the wrong place, a mask that let the padding rows in, a scale misapplied or the up tile read as the gate
+    fails; also N = 40 (a partial column tile)."""
     from csmserve.kernels import gemv
     from csmserve.models import llama
+
+    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
+    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(m + n)
@@ -349,18 +368,21 @@ def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8, norm):
 
 
 @run
-def test_mma_gemv_rows_are_independent_of_the_padding():
-    """A row's result at 3-16 rows does not depend on the rows beside it or their count: the 16-row tile's
-    products for row r read only row r (the same bits for row 0 of 3 rows and of 16 rows)."""
+@pytest.mark.parametrize("lo,hi", [(3, 16), (17, 32), (33, 64)])
+def test_mma_gemv_rows_are_independent_of_the_padding(monkeypatch, lo, hi):
+    """A row's result does not depend on the rows beside it or their count within a row tile: the tile's products
+    for row r read only row r (the same bits for row 0 of 3 rows and of 16; of 17 and 32; of 33 and 64)."""
     from csmserve.kernels import gemv
 
+    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(0)
     w = (torch.randn(1024, 2048, dtype=dt) * 0.05).to(DEV)
-    x = torch.randn(16, 2048, dtype=dt).to(DEV)
-    a = gemv.gemv(x[:3], w)
+    x = torch.randn(hi, 2048, dtype=dt).to(DEV)
+    assert gemv.mma_tile(lo) == gemv.mma_tile(hi) == hi
+    a = gemv.gemv(x[:lo], w)
     b = gemv.gemv(x, w)
-    assert torch.equal(a, b[:3])
+    assert torch.equal(a, b[:lo])
 
 
 @run
@@ -377,11 +399,31 @@ def test_mma_split_rule():
 
 
 @run
+def test_mma_blocks_rule(monkeypatch):
+    """mma_blocks: the 16-row tile narrows BLOCK_N (64 -> 16) for programs, 32 / 64 rows keep BLOCK_N 64 with the
+    input tile [tile, BLOCK_K] at most X_TILE elements; none past MAX_ROWS (MAX_ROWS_FP8 for e4m3 weights)."""
+    from csmserve.kernels import gemv
+
+    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
+    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 32)
+    assert gemv.mma_blocks(16, 1024, 8192) == (16, 512)  # depth down: 64 column blocks, then split 4
+    assert gemv.mma_blocks(16, 8192, 2048, glu=True) == (32, 256)  # backbone gate_up: 256 blocks at BLOCK_N 32
+    assert gemv.mma_blocks(32, 1024, 8192) == (64, 128)
+    assert gemv.mma_blocks(64, 1024, 8192) == (64, 128)
+    assert gemv.mma_blocks(64, 1024, 8192, fp8=True) is None and gemv.mma_blocks(32, 1024, 8192, fp8=True)
+    assert gemv.mma_split(1024, 8192, 64, 128, most=8) == 8  # 16 column blocks -> 128 programs
+    for m in (17, 32, 33, 64):
+        bn, bk = gemv.mma_blocks(m, 3072, 2048)
+        assert gemv.mma_tile(m) * bk <= gemv.X_TILE and bn == 64
+
+
+@run
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("n,k,glu", [(1024, 8192, False), (40, 2048, True)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
+@pytest.mark.parametrize("m", [5, 40])
+def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
     """The tensor-core kernel split over K (each split's partial sums in a workspace, the column block's last program
     to arrive adds them in a fixed order): == the reference; the same bits on every call, whichever program arrives
     last; the arrival counters back at 0 after each call (a counter left behind would make the next call's sum early
@@ -389,9 +431,10 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
     from csmserve.kernels import gemv
     from csmserve.models import llama
 
+    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
+    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(split + n)
-    m = 5
     if fp8:
         w, scale = _fp8(2 * n if glu else n, k, seed=n + k + split)
     else:
@@ -411,7 +454,7 @@ def test_mma_gemv_split_over_k(split, n, k, glu, fp8, norm):
         assert torch.equal(o, outs[0])
     for ws, ctr in gemv._SPLIT_BUFS.values():
         assert int(ctr.abs().sum()) == 0
-    assert any(ws.shape[0] == split and ws.shape[2] == 2 * n for ws, _ in gemv._SPLIT_BUFS.values())
+    assert any(ws.shape == (split, gemv.mma_tile(m), 2 * n) for ws, _ in gemv._SPLIT_BUFS.values())
     y = llama._add_rms_norm(x, delta, nw, 1e-5)[1] if norm else x
     ref = _reference(y, w, glu, scale)
     tol = 1e-2 * max(1.0, ref.abs().max().item())
