@@ -225,7 +225,7 @@ def fuse_elementwise() -> None:
 
 
 def fuse_gemv(on: bool = True) -> None:
-    """GEMMs of 1-16 rows (CUDA, bf16/fp16; gemv.MAX_ROWS) by kernels/gemv.py, the MLP's SiLU*up fused into its
+    """GEMMs of 1-16 rows (CUDA, bf16/fp16; gemv.MAX_ROWS, gemv.MAX_ROWS_FP8 for FP8Linear) by kernels/gemv.py, the MLP's SiLU*up fused into its
     first one and (at 1-2 rows) each block's two residual add + RMSNorm into the GEMM after them; off: F.linear
     (cuBLAS). Read when a graph is captured: set it before the runner is built."""
     global matmul_t, linear_impl, glu, norm_then, embed_linear, norm_matmul_t, norm_attend
