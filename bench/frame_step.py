@@ -50,7 +50,7 @@ def main() -> None:
         mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
     runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches, mimi=mimi,
                          spec_depth=args.spec_depth, weights=args.weights, codec_stream=not args.no_codec_stream)
-    print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s; {runner.residency}", flush=True)
     W = model.cfg.frame_width
     tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
     mask[-1] = True

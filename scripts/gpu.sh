@@ -565,3 +565,68 @@ if [[ $what == frameio ]]; then
     done
   done
 fi
+if [[ $what == wide ]]; then
+  # issue 16: the tensor-core kernel's 32- and 64-row tiles (CSMSERVE_GEMV_MMA_ROWS / _ROWS_FP8 up to 64; both 16 by
+  # default) and the e4m3 weights' own launch table at 1-2 rows (bench/kernel_sweep.py --fp8). Two calls of ~8 min:
+  # WIDE_PARTS="gemv frame tests" (per GEMM at 32 / 64 rows against cuBLAS and FP8Linear's own GEMM; the frame step at
+  # 16 / 32 / 64 rows with the tiles off and on; the tests at 64 rows), then WIDE_PARTS=sweep (the e4m3 table ->
+  # $OUT/tuning_fp8.json, every gemv test with it, fp8-all's frame step at 1 / 2 rows and one stream without and with)
+  parts=${WIDE_PARTS:-gemv frame tests}
+  if [[ $parts == *gemv* ]]; then
+    timeout 240 python bench/gemv.py --rows ${WIDE_ROWS:-32,64} --fp8 --mma-rows 64 ${WIDE_GEMV_ARGS:-} 2>&1 \
+      | tee "$OUT/wide_gemv.txt" | tail -25
+  fi
+  if [[ $parts == *frame* ]]; then
+    for wv in "bf16 rows16 CSMSERVE_GEMV_MMA_ROWS=16" "bf16 rows64 CSMSERVE_GEMV_MMA_ROWS=64" \
+              "fp8-all rows16 CSMSERVE_GEMV_MMA_ROWS_FP8=16" "fp8-all rows64 CSMSERVE_GEMV_MMA_ROWS_FP8=64" \
+              "fp8-all both64 CSMSERVE_GEMV_MMA_ROWS=64 CSMSERVE_GEMV_MMA_ROWS_FP8=64"; do
+      read -r w v envs <<< "$wv"
+      ab_frame_engine wide frame $w $v "$envs" "" ${WIDE_BATCHES:-16,32,64}
+    done
+  fi
+  if [[ $parts == *tests* ]]; then
+    CSMSERVE_GEMV_MMA_ROWS=64 CSMSERVE_GEMV_MMA_ROWS_FP8=64 timeout ${WIDE_TEST_S:-200} python -m pytest -q -m gpu \
+      -p no:cacheprovider ${GPU_TESTS:-tests/kernels/test_gemv_gpu.py tests/kernels/test_tuning.py \
+      tests/models/test_fp8_gpu.py tests/engine/test_runner_gpu.py} 2>&1 | tee "$OUT/wide_tests.txt" | tail -8
+  fi
+  if [[ $parts == *sweep* ]]; then
+    timeout 300 python bench/kernel_sweep.py --out "$OUT/tuning_fp8.json" --fp8 --no-gemv --only-gemv \
+      --budget-s ${WIDE_SWEEP_S:-8} ${WIDE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/wide_sweep.txt" | tail -20 || exit 1
+    CSMSERVE_KERNEL_TUNING=$OUT/tuning_fp8.json timeout 120 python -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_gemv_gpu.py -k "tuned or fp8" 2>&1 | tee "$OUT/wide_sweep_tests.txt" | tail -4
+    for t in unset "$OUT/tuning_fp8.json"; do
+      envs=$([[ $t == unset ]] && echo "" || echo "CSMSERVE_KERNEL_TUNING=$t")
+      ab_frame_engine wide_sweep "frame engine" fp8-all "$t" "$envs" "" 1,2
+    done
+  fi
+fi
+if [[ $what == l2 ]]; then
+  # issue 16: the depth weights' first CSMSERVE_L2_RESIDENT_MB kept in L2 across depth steps (engine/residency.py).
+  # L2_PARTS: tests frame engine sweep; L2_VARIANTS: the window sizes (0: off); per L2_WEIGHTS the frame step with
+  # Mimi at L2_BATCHES and one stream; sweep: batch 1 / 2 at more sizes (L2_SWEEP)
+  parts=${L2_PARTS:-tests frame engine}
+  python - <<'PY' 2>&1 | tee "$OUT/l2_device.txt"
+import torch
+from csmserve.engine.residency import _ATTR_MAX_PERSISTING_L2, _ATTR_MAX_WINDOW, device_attribute
+d = torch.device("cuda")
+print(torch.cuda.get_device_name(), "L2", torch.cuda.get_device_properties(d).L2_cache_size / 2**20, "MB;",
+      "max persisting", device_attribute(_ATTR_MAX_PERSISTING_L2, d) / 2**20, "MB; max window",
+      device_attribute(_ATTR_MAX_WINDOW, d) / 2**20, "MB")
+PY
+  if [[ $parts == *tests* ]]; then
+    timeout ${L2_TEST_S:-150} python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_residency_gpu.py} \
+      2>&1 | tee "$OUT/l2_tests.txt" | tail -6
+  fi
+  for w in ${L2_WEIGHTS:-bf16 fp8-all}; do
+    for v in ${L2_VARIANTS:-0 max}; do
+      ab_frame_engine l2 "$parts" $w "L2=$v" "CSMSERVE_L2_RESIDENT_MB=$v" "" ${L2_BATCHES:-1,2,16,64,2048}
+    done
+  done
+  if [[ $parts == *sweep* ]]; then
+    for w in ${L2_WEIGHTS:-bf16 fp8-all}; do
+      for v in ${L2_SWEEP:-0 8 16 24 32 max 0}; do
+        ab_frame_engine l2_sweep frame $w "L2=$v" "CSMSERVE_L2_RESIDENT_MB=$v" "" 1,2
+      done
+    done
+  fi
+fi

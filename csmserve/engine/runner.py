@@ -79,6 +79,7 @@ class ModelRunner:
         # one codec row per slot, plus the scratch row that padding points at
         self.codec: StreamingCodec | None = None if mimi is None else MimiStream(mimi, num_slots + 1, "decode", 1)
         self.cfg = model.cfg
+        self.residency = None
         if cuda:
             model.prepare_heads()
             if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
@@ -88,6 +89,12 @@ class ModelRunner:
                 # GEMMs of <= 8 rows (batch 1-4) by our GEMV kernel, SiLU*up in the MLP's first one;
                 # CSMSERVE_GEMV=0: cuBLAS (docs/benchmarks.md compares them)
                 fuse_gemv(os.environ.get("CSMSERVE_GEMV", "1") != "0")
+            if use_graphs is not False:
+                from csmserve.engine.residency import L2Residency
+
+                # the depth weights' first CSMSERVE_L2_RESIDENT_MB kept in L2 across depth steps (engine/residency.py):
+                # packed before anything (the graphs, the depth loop) takes their addresses
+                self.residency = L2Residency.for_model(model)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         # the frame step's prologue (gathers + embedding) and epilogue (next inputs) as one kernel each
         # (kernels/frame_io.py; CSMSERVE_FRAME_IO=0: the torch ops)
@@ -150,7 +157,7 @@ class ModelRunner:
                            codec_stream=self.codec_stream,
                            first=lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
                                                              from_prefill=True),
-                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS])
+                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS], residency=self.residency)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
