@@ -16,7 +16,9 @@ fewer from HBM; normal accesses (the backbone, Mimi, the KV) keep the rest of L2
   instantiated (FrameGraphs captures with keep_graph), so nothing depends on whether stream capture copies a
   stream's attributes into its nodes.
 
-CSMSERVE_L2_RESIDENT_MB: the window in MB (0: off; "max": the device's max persisting size). The driver calls
+CSMSERVE_L2_RESIDENT_MB: the window in MB (0: off, the default; "max": the device's max persisting size). Measured
+on the H100 (31.25 MB persisting; docs/benchmarks.md): level at 1-16 rows (fp8-all 1-2% slower), +10% at 64 rows and
++39-52% at 2,048 (the L2 set aside is lost to everything else), so it stays off. The driver calls
 (ctypes on libcuda) are made only on CUDA devices that report a persisting size; `for_model` returns None elsewhere.
 """
 from __future__ import annotations

@@ -334,7 +334,21 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     if tuned is not None:
         return tuned
     bn, bk = blocks(m, n, k, glu, fp8=fp8)
-    return (bn, bk, MMA_WARPS, MMA_STAGES) if m > ELEMENTWISE_ROWS else (bn, bk, NUM_WARPS, None)
+    return (bn, bk, MMA_WARPS, mma_stages(mma_tile(m), bn, bk, glu)) if m > ELEMENTWISE_ROWS else \
+        (bn, bk, NUM_WARPS, None)
+
+
+SMEM = 227 * 1024  # Hopper's shared memory per block (opt-in); the 32- and 64-row tiles' stages are fitted to it
+
+
+def mma_stages(tile: int, bn: int, bk: int, glu: bool) -> int:
+    """MMA_STAGES at the 16-row tile (measured); at 32-64 rows fewer where (stages + 1) chunks (the input tile and
+    the weight tiles, counted at 2 bytes an element) pass SMEM: the 64-row tile of a glu GEMM at 4 stages asked for
+    240 KB on the H100 (Triton's OutOfResources; 3 stages fit)."""
+    if tile <= 16:
+        return MMA_STAGES
+    chunk = (tile * bk + bk * bn * (2 if glu else 1)) * 2
+    return max(1, min(MMA_STAGES, SMEM // chunk - 1))
 
 
 def _launch_opts(warps: int, stages: int | None) -> dict:
