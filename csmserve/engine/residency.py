@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from csmserve.models.csm import CSMModel
+from csmserve.models.fp8 import FP8Linear
 
 ALIGN = 256  # each weight's offset in the pack: the GEMV's 16-byte loads and the allocator's own alignment
 DEFAULT_MB = "0"
@@ -77,7 +78,7 @@ def device_attribute(attr: int, device: torch.device) -> int:
 
 
 def weight_name(module: nn.Module) -> str:
-    return "weight8" if hasattr(module, "weight8") else "weight"  # FP8Linear's e4m3 buffer, else nn.Linear's
+    return "weight8" if isinstance(module, FP8Linear) else "weight"  # the e4m3 buffer, else nn.Linear's weight
 
 
 def depth_weights(model: CSMModel) -> list[tuple[nn.Module, str]]:

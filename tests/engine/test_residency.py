@@ -4,30 +4,24 @@ import pytest
 import torch
 
 from csmserve.engine.residency import ALIGN, L2Residency, depth_weights, nbytes, pack, window_bytes
-from csmserve.models.csm import CSMConfig, CSMModel
 from csmserve.models.fp8 import quantize_weights
-from csmserve.models.llama import LlamaConfig
+from tests.engine.test_runner_gpu import tiny_model as _tiny
 
 
 def tiny_model():
-    torch.manual_seed(0)
-    bb = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=96)
-    dd = LlamaConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, intermediate=80, max_seq_len=9)
-    m = CSMModel(CSMConfig(backbone=bb, decoder=dd, text_vocab_size=50, audio_vocab_size=24, num_codebooks=8))
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return m.eval()
+    return _tiny(torch.float32, "cpu")
 
 
 def test_window_order_is_every_o_and_qkv_then_the_projection_then_down_then_gate_up():
     m = tiny_model()
     mods = [mod for mod, _ in depth_weights(m)]
     layers = m.decoder.layers
-    assert mods[:3] == [b.self_attn.o_proj for b in layers]
-    assert mods[3:6] == [b.self_attn.qkv_proj for b in layers]
-    assert mods[6] is m.projection
-    assert mods[7:10] == [b.mlp.down_proj for b in layers]
-    assert mods[10:] == [b.mlp.gate_up_proj for b in layers]
+    L = len(layers)
+    assert mods[:L] == [b.self_attn.o_proj for b in layers]
+    assert mods[L:2 * L] == [b.self_attn.qkv_proj for b in layers]
+    assert mods[2 * L] is m.projection
+    assert mods[2 * L + 1:3 * L + 1] == [b.mlp.down_proj for b in layers]
+    assert mods[3 * L + 1:] == [b.mlp.gate_up_proj for b in layers]
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])

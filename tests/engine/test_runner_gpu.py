@@ -12,14 +12,14 @@ pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def tiny_model(dtype):
+def tiny_model(dtype, device="cuda"):
     torch.manual_seed(0)
     bb = LlamaConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=256)
     dd = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=128, max_seq_len=33)
     m = CSMModel(CSMConfig(backbone=bb, decoder=dd, text_vocab_size=300, audio_vocab_size=64, num_codebooks=8))
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    return m.to("cuda", dtype).eval()
+    return m.to(device, dtype).eval()
 
 
 def run(runner, prompts, seeds, temperature, steps):
