@@ -600,6 +600,30 @@ if [[ $what == wide ]]; then
     done
   fi
 fi
+if [[ $what == dense ]]; then
+  # issue 16: FP8Linear's bf16 copy of its dequantized weight from 17 to CSMSERVE_FP8_DENSE_ROWS rows (models/fp8.py),
+  # and the e4m3 launch table at 1-2 rows (DENSE_TUNING: a bench/kernel_sweep.py --fp8 JSON). DENSE_PARTS: tests
+  # buckets tuning; buckets: the frame step with Mimi per batch, bf16 then fp8-all with the copy (512) and without (0)
+  parts=${DENSE_PARTS:-tests buckets tuning}
+  if [[ $parts == *tests* ]]; then
+    timeout ${DENSE_TEST_S:-120} python -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/models/test_fp8_gpu.py \
+      "tests/engine/test_speculate_gpu.py::test_fp8_frame_graphs_equal_eager" 2>&1 | tee "$OUT/dense_tests.txt" | tail -8
+    timeout 60 python -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line tests/kernels/test_gemv_gpu.py \
+      -k "stages or split_over_k" 2>&1 | tee -a "$OUT/dense_tests.txt" | tail -4
+  fi
+  if [[ $parts == *buckets* ]]; then
+    for wv in "bf16 -" "fp8-all 512" "fp8-all 0"; do
+      read -r w d <<< "$wv"
+      ab_frame_engine dense frame $w "dense=$d" "CSMSERVE_FP8_DENSE_ROWS=${d/-/512}" "" ${DENSE_BATCHES:-1,2,16,24,64,256,512,1024,2048}
+    done
+  fi
+  if [[ $parts == *tuning* && -n ${DENSE_TUNING:-} ]]; then
+    for t in unset "$DENSE_TUNING"; do
+      envs=$([[ $t == unset ]] && echo "" || echo "CSMSERVE_KERNEL_TUNING=$t")
+      ab_frame_engine dense_tuning "frame engine" fp8-all "$t" "$envs" "" 1,2
+    done
+  fi
+fi
 if [[ $what == l2 ]]; then
   # issue 16: the depth weights' first CSMSERVE_L2_RESIDENT_MB kept in L2 across depth steps (engine/residency.py).
   # L2_PARTS: tests frame engine sweep; L2_VARIANTS: the window sizes (0: off); per L2_WEIGHTS the frame step with

@@ -334,20 +334,21 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     if tuned is not None:
         return tuned
     bn, bk = blocks(m, n, k, glu, fp8=fp8)
-    return (bn, bk, MMA_WARPS, mma_stages(mma_tile(m), bn, bk, glu)) if m > ELEMENTWISE_ROWS else \
+    return (bn, bk, MMA_WARPS, mma_stages(mma_tile(m), bn, bk, glu, norm)) if m > ELEMENTWISE_ROWS else \
         (bn, bk, NUM_WARPS, None)
 
 
 SMEM = 227 * 1024  # Hopper's shared memory per block (opt-in); the 32- and 64-row tiles' stages are fitted to it
 
 
-def mma_stages(tile: int, bn: int, bk: int, glu: bool) -> int:
-    """MMA_STAGES at the 16-row tile (measured); at 32-64 rows fewer where (stages + 1) chunks (the input tile and
-    the weight tiles, counted at 2 bytes an element) pass SMEM: the 64-row tile of a glu GEMM at 4 stages asked for
-    240 KB on the H100 (Triton's OutOfResources; 3 stages fit)."""
+def mma_stages(tile: int, bn: int, bk: int, glu: bool, norm: bool = False) -> int:
+    """MMA_STAGES at the 16-row tile (measured); at 32-64 rows fewer where (stages + 1) chunks pass SMEM. A chunk: the
+    rows' input tile (twice with norm: x and delta are both pipelined loads) and the weight tiles, counted at 2 bytes
+    an element (e4m3 too: converted before the dot). The 64-row tile of a glu GEMM at 4 stages asked for 240 KB on
+    the H100 (Triton's OutOfResources; 3 stages fit), = 5 chunks of 48 KB."""
     if tile <= 16:
         return MMA_STAGES
-    chunk = (tile * bk + bk * bn * (2 if glu else 1)) * 2
+    chunk = (tile * bk * (2 if norm else 1) + bk * bn * (2 if glu else 1)) * 2
     return max(1, min(MMA_STAGES, SMEM // chunk - 1))
 
 

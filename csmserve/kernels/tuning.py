@@ -6,7 +6,8 @@ CSMSERVE_KERNEL_TUNING picks them, read once at import:
 - a path: a JSON file as bench/kernel_sweep.py writes it ({"gemv": [[m, n, k, glu, norm, BLOCK_N, BLOCK_K,
   warps, stages], ...], "gemv_fp8": [the same for e4m3 weights], "sampler": {"warps": [[rows, w], ...]},
   "depth_attention": {"warps": [[rows, w], ...]}}), for another GPU. A warps table gives w from `rows` batch rows
-  up (the entry with the most rows <= the batch).
+  up (the entry with the most rows <= the batch). bench/tuning/h100_fp8.json: the H100's e4m3 table at 1-2 rows, with
+  the H200's other tables (fp8-all's frame step at batch 1 3.62 -> 3.56 ms on the H100; docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -23,6 +23,13 @@ kernels/fp8.py's weight_only_mm (e4m3 tiles to bf16 in registers, tl.dot): the p
 `_scaled_mm` cost more there than the GEMM itself (docs/benchmarks.md, issue 16).
 CSMSERVE_FP8_WEIGHT_ONLY_ROWS sets the most rows it runs at (16; 0: w8a8 at every row count).
 
+From there up to CSMSERVE_FP8_DENSE_ROWS rows (512) an FP8Linear on Hopper multiplies a bf16 copy of its dequantized
+weight, bf16(w8 * s_w), through cuBLAS: the same weights as the e4m3 ones to within bf16's rounding of the product (2^-9
+relative, against e4m3's 2^-4), the activations not quantized (the weight-only numbers, as at 1-16 rows), at bf16's
+speed where the w8a8 GEMM's quantization kernel and `_scaled_mm` lose to it (measured on the H100: fp8-all's frame step
+25-28% slower than bf16's at 24-64 rows, 10-13% at 256-512, level at 1,024; docs/benchmarks.md, issue 16). The copy
+costs the bf16 model's bytes again; 0 makes none (w8a8 from WEIGHT_ONLY_ROWS + 1 rows, the e4m3 weights' memory only).
+
 `weight_only = True` makes an FP8Linear compute those numbers in torch at any row count (the reference
 of the kernel, and the error bench's weight-only rows).
 """
@@ -36,6 +43,7 @@ from torch import Tensor, nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
 WEIGHT_ONLY_ROWS = int(os.environ.get("CSMSERVE_FP8_WEIGHT_ONLY_ROWS", "16"))  # weight_only_mm up to this many rows
+DENSE_ROWS = int(os.environ.get("CSMSERVE_FP8_DENSE_ROWS", "512"))  # the bf16 copy past WEIGHT_ONLY_ROWS, to this many
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,6 +77,9 @@ class FP8Linear(nn.Module):
         self.fast = hopper_fp8(weight.device) and weight.dtype == torch.bfloat16 and \
             self.in_features % 16 == 0 and self.out_features % 16 == 0
         self.weight_only = False
+        # [N, K] bf16(w8 * s_w), not in the state dict: made only where forward() would use it (Hopper, bf16)
+        self.register_buffer("dense", self.dequantized().to(weight.dtype) if self.fast and DENSE_ROWS > WEIGHT_ONLY_ROWS
+                             else None, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -81,6 +92,8 @@ class FP8Linear(nn.Module):
             cfg = weight_only_config(len(x2), self.out_features, self.in_features)
             if cfg is not None:
                 return weight_only_mm(x2, self.weight8, self.scale, *cfg).reshape(*shape[:-1], self.out_features)
+        if self.dense is not None and WEIGHT_ONLY_ROWS < len(x2) <= DENSE_ROWS and x2.dtype == self.dense.dtype:
+            return torch.nn.functional.linear(x2, self.dense).reshape(*shape[:-1], self.out_features)
         x8, sx = quantize_rows(x2)
         if self.fast:
             y = torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.scale, out_dtype=torch.bfloat16)

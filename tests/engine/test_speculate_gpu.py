@@ -127,12 +127,17 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 
 
 @hopper
-@pytest.mark.parametrize("weights,spec_depth", [("fp8", None), ("fp8-all", None), ("fp8", 4)])
-def test_fp8_frame_graphs_equal_eager(weights, spec_depth):
+@pytest.mark.parametrize("weights,spec_depth,n", [("fp8", None, 8), ("fp8-all", None, 8), ("fp8", 4, 8),
+                                                   ("fp8-all", None, 24)])
+def test_fp8_frame_graphs_equal_eager(weights, spec_depth, n):
+    """n = 24: the frame step past WEIGHT_ONLY_ROWS, on the dequantized bf16 copies (models/fp8.py DENSE_ROWS)."""
+    from csmserve.models import fp8
     from csmserve.models.fp8 import FP8Linear
 
     model = model_on_gpu(torch.bfloat16)
-    graphed = ModelRunner(model, num_slots=8, max_seq_len=64, use_graphs=True, spec_depth=spec_depth, weights=weights)
-    eager = ModelRunner(model, num_slots=8, max_seq_len=64, use_graphs=False, spec_depth=spec_depth, weights=weights)
-    assert all(m.fast for m in model.modules() if isinstance(m, FP8Linear))
-    np.testing.assert_array_equal(run(graphed, 8, 0.9, 8, 12), run(eager, 8, 0.9, 8, 12))
+    graphed = ModelRunner(model, num_slots=n, max_seq_len=64, use_graphs=True, spec_depth=spec_depth, weights=weights)
+    eager = ModelRunner(model, num_slots=n, max_seq_len=64, use_graphs=False, spec_depth=spec_depth, weights=weights)
+    lins = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert all(m.fast for m in lins)
+    assert all((m.dense is not None) == (fp8.DENSE_ROWS > fp8.WEIGHT_ONLY_ROWS) for m in lins)
+    np.testing.assert_array_equal(run(graphed, n, 0.9, 8, 12), run(eager, n, 0.9, 8, 12))

@@ -418,6 +418,26 @@ def test_mma_blocks_rule(monkeypatch):
 
 
 @run
+def test_mma_stages_fit_shared_memory():
+    """mma_stages: the 16-row tile keeps MMA_STAGES; at 32-64 rows (stages + 1) chunks stay under SMEM, the input
+    tile counted twice with the norm (x and delta both pipelined). The H100's OutOfResources cases: the 64-row glu
+    tile at (64, 128) asked 240 KB at 4 stages; the split test's (16, 256) with the norm at 40 rows."""
+    from csmserve.kernels import gemv
+
+    assert gemv.mma_stages(16, 16, 512, False) == gemv.mma_stages(16, 32, 256, True, True) == gemv.MMA_STAGES
+    assert gemv.mma_stages(64, 64, 128, True) == 3  # 48 KB chunks: 4 fit with the extra one, 5 did not
+    assert gemv.mma_stages(64, 64, 128, False) == 4  # 32 KB: capped at MMA_STAGES
+    for tile in (32, 64):
+        for bn, bk in ((16, 256), (64, 128), (16, 512)):
+            for glu in (False, True):
+                for norm in (False, True):
+                    st = gemv.mma_stages(tile, bn, bk, glu, norm)
+                    chunk = (tile * bk * (2 if norm else 1) + bk * bn * (2 if glu else 1)) * 2
+                    assert 1 <= st <= gemv.MMA_STAGES and (st == 1 or (st + 1) * chunk <= gemv.SMEM)
+    assert gemv.mma_stages(64, 16, 256, False, True) < gemv.mma_stages(64, 16, 256, False, False)
+
+
+@run
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("n,k,glu", [(1024, 8192, False), (40, 2048, True)])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -442,7 +462,7 @@ def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
     x = torch.randn(m, k, dtype=dt).to(DEV)
     delta = torch.randn(m, k, dtype=dt).to(DEV)
     nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
-    cfg = (16, 256, 4, 4, split)
+    cfg = (16, 256, 4, gemv.mma_stages(gemv.mma_tile(m), 16, 256, glu, norm), split)  # stages fitted at 64 rows
 
     def call(c):
         if norm:

@@ -59,6 +59,33 @@ def test_weight_only_keeps_the_activations_and_is_closer():
     assert not torch.equal(y, w8a8)
 
 
+def test_dense_copy_runs_between_weight_only_rows_and_dense_rows(monkeypatch):
+    """The bf16 copy of the dequantized weight (made on Hopper only; set by hand here): used from WEIGHT_ONLY_ROWS + 1
+    to DENSE_ROWS rows (F.linear on it, bit for bit), not below or past them, not for another dtype, never in the state
+    dict; it equals the dequantized weight to within bf16's rounding. On the CPU none is made."""
+    from csmserve.models import fp8
+
+    monkeypatch.setattr(fp8, "WEIGHT_ONLY_ROWS", 4)
+    monkeypatch.setattr(fp8, "DENSE_ROWS", 8)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    f8 = FP8Linear(lin.weight)
+    assert f8.dense is None and "dense" not in f8.state_dict()
+    w8a8 = [f8(torch.randn(m, 64, generator=torch.Generator().manual_seed(m))) for m in (4, 5, 8, 9)]
+    f8.dense = f8.dequantized().to(torch.bfloat16)
+    torch.testing.assert_close(f8.dense.float(), f8.dequantized(), rtol=2 ** -8, atol=0)
+    assert "dense" not in f8.state_dict()
+    for m, before in zip((4, 5, 8, 9), w8a8):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(f8(x), before)  # float32 rows: not the copy's dtype
+        xb = x.to(torch.bfloat16).reshape(1, m, 64)
+        y = f8(xb)
+        if 4 < m <= 8:
+            assert torch.equal(y, F.linear(xb, f8.dense))
+        else:
+            assert not torch.equal(y, F.linear(xb, f8.dense))
+
+
 def test_linear_dispatch_leaves_fp8_to_its_own_gemm_on_the_cpu():
     """models/llama.py's linear() with fuse_gemv on: the GEMV kernel needs CUDA, so an FP8Linear on the CPU runs its
     own (per-row quantized) GEMM, and an nn.Linear F.linear, both bit for bit as with fuse_gemv off."""

@@ -31,10 +31,12 @@ def test_quantize_rows_kernel_matches_torch(K):
 @hopper
 @pytest.mark.parametrize("K,N", [(1024, 1536), (1024, 1024), (1024, 16384), (8192, 1024), (2048, 1024),
                                  (2048, 3072), (2048, 16384)])
-@pytest.mark.parametrize("M", [1, 3, 9, 16, 17, 64, 2048])
+@pytest.mark.parametrize("M", [1, 3, 9, 16, 17, 64, 512, 513, 2048])
 def test_scaled_mm_matches_the_dequantized_fallback(M, K, N):
-    """At 17+ rows the w8a8 GEMM == its float32 fallback; up to 16 rows (WEIGHT_ONLY_ROWS; outside fuse_gemv's
-    1-2) weight_only_mm == weight_only_torch, closer to it than w8a8 is: the activations are not quantized."""
+    """Up to 16 rows (WEIGHT_ONLY_ROWS; outside fuse_gemv's 1-2) weight_only_mm == weight_only_torch, closer to it
+    than w8a8 is: the activations are not quantized. From 17 to 512 rows (DENSE_ROWS) the bf16 copy of the dequantized
+    weight through cuBLAS: F.linear on that copy exactly, and the weight-only numbers to within bf16's rounding. Past
+    512 the w8a8 GEMM == its float32 fallback."""
     from csmserve.models import fp8
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -43,14 +45,19 @@ def test_scaled_mm_matches_the_dequantized_fallback(M, K, N):
     assert lin.fast
     x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
     y = lin(x)
-    weight_only = M <= fp8.WEIGHT_ONLY_ROWS
+    dense = fp8.WEIGHT_ONLY_ROWS < M <= fp8.DENSE_ROWS
+    weight_only = M <= fp8.WEIGHT_ONLY_ROWS or dense
+    if dense:
+        assert lin.dense is not None and lin.dense.dtype == torch.bfloat16
+        assert torch.equal(y, torch.nn.functional.linear(x, lin.dense))
+        assert "dense" not in lin.state_dict()
     if weight_only:
         lin.weight_only = True  # the torch weight-only numbers
     else:
         lin.fast = False
     ref = lin(x)
     if weight_only:  # the w8a8 numbers are further from weight-only's: e4m3's error on the activations
-        lin.weight_only, lin.fast = False, False
+        lin.weight_only, lin.fast, lin.dense = False, False, None
         w8a8 = lin(x)
         assert ((w8a8.float() - ref.float()).norm() / ref.float().norm()).item() > 3 * (
             (y.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -60,3 +67,18 @@ def test_scaled_mm_matches_the_dequantized_fallback(M, K, N):
     exact = torch.nn.functional.linear(x.float(), w.float())
     err = ((y.float() - exact).norm() / exact.norm()).item()
     assert err < 0.06, err  # FP8 against bf16 weights: e4m3's 3 mantissa bits
+
+
+@hopper
+def test_no_dense_copy_at_dense_rows_0(monkeypatch):
+    """CSMSERVE_FP8_DENSE_ROWS=0: no bf16 copy (the e4m3 weights' memory only); 17+ rows take the w8a8 GEMM."""
+    from csmserve.models import fp8
+
+    monkeypatch.setattr(fp8, "DENSE_ROWS", 0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lin = FP8Linear((torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+    assert lin.dense is None
+    x = torch.randn(64, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    x8, sx = fp8.quantize_rows(x)
+    ref = torch._scaled_mm(x8, lin.weight8.t(), scale_a=sx, scale_b=lin.scale, out_dtype=torch.bfloat16)
+    assert torch.equal(lin(x), ref)
