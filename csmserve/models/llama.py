@@ -200,7 +200,7 @@ def _linear(x: Tensor, layer: nn.Module) -> Tensor:
 def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """layer(x) for a bias-free nn.Linear through `matmul_t` (a GEMV kernel at a few rows, once
     `fuse_gemv()`), an FP8Linear through the same kernel at a few rows (weight-only: its e4m3 weights
-    times the activations as they are; FP8Linear's own per-row quantized GEMM at more rows); any other
+    times the activations as they are; FP8Linear's own forward at more rows: models/fp8.py); any other
     layer as it is."""
     return linear_impl(x, layer)
 
