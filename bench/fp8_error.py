@@ -8,8 +8,9 @@ codebook: top-1 agreement (over the 2048 real codes) and KL(p_bf16 || p_fp8) of 
 temperature 1. With `fp8` the backbone is bf16 in both, so codebook 0 agrees exactly. Random weights
 give flat distributions, where a small error flips the argmax more easily than in trained, peaked
 ones; KL is the more telling number. Each FP8 setting is measured twice: with the activations quantized per
-row (FP8Linear's own GEMM: what the frame step runs at 3+ rows) and weight-only (FP8Linear.weight_only: the
-numbers of kernels/gemv.py's FP8 GEMV, what the frame step runs at 1-2 rows). Speed: the graphed frame step
+row (FP8Linear's w8a8 GEMM: what the frame step runs past CSMSERVE_FP8_DENSE_ROWS, 512) and weight-only
+(FP8Linear.weight_only: the numbers of kernels/gemv.py's FP8 GEMV and of the bf16 copy of the dequantized weights,
+what the frame step runs up to 512 rows). Speed: the graphed frame step
 at each batch, as bench/frame_step.py.
 
     python bench/fp8_error.py                      # dummy weights (N(0, 1/fan_in))
@@ -144,13 +145,15 @@ def main() -> None:
         for m in q.modules():
             if isinstance(m, FP8Linear):
                 m.weight_only = weight_only
+                m.dense = None  # w8a8 at every row count past 16 (the bf16 copy's numbers are weight-only ones)
         got = torch.cat([teacher_forced_logits(q, *s) for s in seqs])
         results[(weights, weight_only)] = compare(ref, got)
         del q, got
         torch.cuda.empty_cache()
     names = [f"{w} {'weight-only' if wo else 'w8a8'}" for w, wo in variants]
     print(f"\nteacher forcing on {ref.shape[0]} frames ({args.utterances} utterances sampled by the bf16 model); "
-          "w8a8: activations quantized per row (3+ rows), weight-only: the 1-2 row GEMV's numbers")
+          "w8a8: activations quantized per row (the frame step past CSMSERVE_FP8_DENSE_ROWS), weight-only: the "
+          "frame step's numbers up to there (the GEMV, weight_only_mm, the bf16 copy of the dequantized weights)")
     print("\n| codebook | " + " | ".join(f"{n}: top-1 | {n}: KL (nats)" for n in names) + " |")
     print("|---|" + "---|---|" * len(names))
     for c in range(K):
