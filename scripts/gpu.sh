@@ -462,6 +462,12 @@ ab_frame_engine() {  # TAG PARTS WEIGHTS VARIANT ENVS ARGS BATCHES: one variant'
       | tee -a "$OUT/${tag}_engine.txt" | grep -A3 "one stream\|^device" | head -12
   fi
 }
+ab_tuning_fp8() {  # TAG FILE: fp8-all's frame step at 1 / 2 rows and one stream, without a tuning file, then with FILE
+  local t
+  for t in unset "$2"; do
+    ab_frame_engine "$1" "frame engine" fp8-all "$t" "$([[ $t == unset ]] || echo "CSMSERVE_KERNEL_TUNING=$t")" "" 1,2
+  done
+}
 if [[ $what == edges ]]; then
   # issue 16: the depth step's edges (the embedding gathered in the projection's GEMV and the final norm in the head's:
   # CSMSERVE_GEMV_EDGES; the attention and the o projection in one kernel: CSMSERVE_DEPTH_ATTN_O; the sampler's
@@ -594,10 +600,7 @@ if [[ $what == wide ]]; then
       --budget-s ${WIDE_SWEEP_S:-8} ${WIDE_SWEEP_ARGS:-} 2>&1 | tee "$OUT/wide_sweep.txt" | tail -20 || exit 1
     CSMSERVE_KERNEL_TUNING=$OUT/tuning_fp8.json timeout 120 python -m pytest -q -m gpu -p no:cacheprovider \
       tests/kernels/test_gemv_gpu.py -k "tuned or fp8" 2>&1 | tee "$OUT/wide_sweep_tests.txt" | tail -4
-    for t in unset "$OUT/tuning_fp8.json"; do
-      envs=$([[ $t == unset ]] && echo "" || echo "CSMSERVE_KERNEL_TUNING=$t")
-      ab_frame_engine wide_sweep "frame engine" fp8-all "$t" "$envs" "" 1,2
-    done
+    ab_tuning_fp8 wide_sweep "$OUT/tuning_fp8.json"
   fi
 fi
 if [[ $what == dense ]]; then
@@ -612,16 +615,13 @@ if [[ $what == dense ]]; then
       -k "stages or split_over_k" 2>&1 | tee -a "$OUT/dense_tests.txt" | tail -4
   fi
   if [[ $parts == *buckets* ]]; then
-    for wv in "bf16 -" "fp8-all 512" "fp8-all 0"; do
+    for wv in "bf16 512" "fp8-all 512" "fp8-all 0"; do
       read -r w d <<< "$wv"
-      ab_frame_engine dense frame $w "dense=$d" "CSMSERVE_FP8_DENSE_ROWS=${d/-/512}" "" ${DENSE_BATCHES:-1,2,16,24,64,256,512,1024,2048}
+      ab_frame_engine dense frame $w "dense=$d" "CSMSERVE_FP8_DENSE_ROWS=$d" "" ${DENSE_BATCHES:-1,2,16,24,64,256,512,1024,2048}
     done
   fi
   if [[ $parts == *tuning* && -n ${DENSE_TUNING:-} ]]; then
-    for t in unset "$DENSE_TUNING"; do
-      envs=$([[ $t == unset ]] && echo "" || echo "CSMSERVE_KERNEL_TUNING=$t")
-      ab_frame_engine dense_tuning "frame engine" fp8-all "$t" "$envs" "" 1,2
-    done
+    ab_tuning_fp8 dense_tuning "$DENSE_TUNING"
   fi
 fi
 if [[ $what == l2 ]]; then

@@ -90,10 +90,6 @@ def depth_weights(model: CSMModel) -> list[tuple[nn.Module, str]]:
     return [(m, weight_name(m)) for m in mods]
 
 
-def nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _inside(t: Tensor, flat: Tensor, offset: int) -> bool:
     return t.device == flat.device and t.data_ptr() == flat.data_ptr() + offset and t.is_contiguous()
 
@@ -105,14 +101,14 @@ def pack(entries: list[tuple[nn.Module, str]], device: torch.device, held: Tenso
     offsets, total = [], 0
     for mod, name in entries:
         offsets.append(total)
-        total += -(-nbytes(getattr(mod, name)) // ALIGN) * ALIGN
+        total += -(-getattr(mod, name).nbytes // ALIGN) * ALIGN
     if held is not None and len(held) == total and all(
             _inside(getattr(m, n), held, o) for (m, n), o in zip(entries, offsets)):
         return held
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     for (mod, name), off in zip(entries, offsets):
         t = getattr(mod, name)
-        view = flat[off:off + nbytes(t)].view(t.dtype).view(t.shape)
+        view = flat[off:off + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         if name in mod._parameters:
             mod._parameters[name].data = view  # the Parameter object stays: references to it see the pack

@@ -3,7 +3,7 @@ the modules' own parameters rebound, packed once per model; the window's size ru
 import pytest
 import torch
 
-from csmserve.engine.residency import ALIGN, L2Residency, depth_weights, nbytes, pack, window_bytes
+from csmserve.engine.residency import ALIGN, L2Residency, depth_weights, pack, window_bytes
 from csmserve.models.fp8 import quantize_weights
 from tests.engine.test_runner_gpu import tiny_model as _tiny
 
@@ -44,7 +44,7 @@ def test_pack_keeps_values_and_parameters_and_lays_them_out_in_order(weights):
         assert off % ALIGN == 0 and t.is_contiguous()
         if p is not None:
             assert mod._parameters[n] is p, "the Parameter object stays (model.parameters() sees the pack)"
-        off += -(-nbytes(t) // ALIGN) * ALIGN
+        off += -(-t.nbytes // ALIGN) * ALIGN
     assert off == len(flat)
     torch.testing.assert_close(m.projection(x), ref, rtol=0, atol=0)
     # the same model again: nothing moves (graphs captured on the first pack keep reading valid memory)
