@@ -32,6 +32,9 @@ _HELP = {
     "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
                  "(default: $XDG_DATA_HOME/csmserve/voices.db)",
     "cors_origins": "comma-separated origins allowed by CORS",
+    "default_audio_length_ms": "a request that names no length gets at least this much audio, or its text's "
+                               "length at --audio-ms-per-char if longer; None: 30000 on real weights, 1000 on "
+                               "random ones (dummy / dummy-tiny never end a sentence)",
     "ray_address": "Ray cluster to join ('auto': the running one; default: start a local Ray instance)",
     "num_replicas": "replicas (engines) when not autoscaling",
     "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",
