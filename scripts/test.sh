@@ -17,13 +17,28 @@ cd "$(dirname "$0")/.."
 names=() results=() times=()
 failed=0
 
+MISSING=99  # a set-up stage's status for a piece that cannot be had here: its tests skip, saying why
+
 stage() {  # stage NAME CMD...: runs CMD, records its result and time; a failure does not stop the script
   local name=$1 start=$SECONDS rc=0
   shift
   echo "== $name: $*"
   "$@" || rc=$?
   names+=("$name") times+=("$((SECONDS - start)) s")
-  if [ $rc -eq 0 ]; then results+=("passed"); else results+=("FAILED (exit $rc)"); failed=1; fi
+  if [ $rc -eq 0 ]; then
+    results+=("passed")
+  elif [ $rc -eq $MISSING ]; then
+    results+=("missing")
+  else
+    results+=("FAILED (exit $rc)")
+    failed=1
+  fi
+}
+
+missing() {  # missing WHY: say it; MISSING, or under CI=true (CI runs every test) a failure
+  echo "$1"
+  [ -n "${CI:-}" ] && return 1
+  return $MISSING
 }
 
 python_deps() {
@@ -36,14 +51,12 @@ debian_chromium() {  # Debian's Chromium, driven by Playwright in tests/browser 
     return 0
   fi
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-    echo "chromium is missing and this is not root with apt: tests/browser skip (apt-get install -y chromium)"
-    [ -z "${CI:-}" ]  # CI must run them: a failed stage there
+    missing "chromium is missing and this is not root with apt: tests/browser skip (apt-get install -y chromium)"
     return
   fi
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
          chromium >/dev/null; }; then
-    echo "apt-get could not install chromium: tests/browser skip"
-    [ -z "${CI:-}" ]
+    missing "apt-get could not install chromium: tests/browser skip"
     return
   fi
 }
@@ -51,7 +64,7 @@ debian_chromium() {  # Debian's Chromium, driven by Playwright in tests/browser 
 summary() {
   echo "== stages"
   for i in "${!names[@]}"; do
-    printf '%-26s %-18s %s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
+    printf '%-26s %-18s %6s\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
   done
 }
 

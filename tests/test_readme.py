@@ -73,6 +73,7 @@ def test_every_stage_runs_and_the_summary_names_the_failed_one(tmp_path):
     assert _stages(r.stdout) == {"install (pip)": "passed", "chromium (apt)": "passed",
                                  "suite (2 workers)": "passed", "serial": "FAILED", "ray_serve": "passed"}
     assert re.search(r"^serial +FAILED \(exit 3\) +\d+ s$", r.stdout, re.M), r.stdout
+    assert re.search(r"\nray_serve +passed +\d+ s\n$", r.stdout), r.stdout  # the last line
     assert not [c for c in calls if c.startswith("apt-get")]  # chromium was there
 
 
@@ -90,7 +91,7 @@ def test_chromium_is_installed_with_apt_as_root_or_its_tests_skip(tmp_path):
     else:
         assert not [c for c in calls if c.startswith("apt-get")]
         assert "tests/browser skip" in r.stdout
-    assert r.returncode == 0 and _stages(r.stdout)["chromium (apt)"] == "passed"  # the tests skip, saying why
+    assert r.returncode == 0 and _stages(r.stdout)["chromium (apt)"] == "missing"  # the tests skip, saying why
     r, _ = _test_sh({**env, "CI": "true"}, tmp_path)
     assert r.returncode == 1 and _stages(r.stdout)["chromium (apt)"] == "FAILED"  # CI must run them
 
