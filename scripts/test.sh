@@ -47,7 +47,7 @@ python_deps() {
 }
 
 debian_chromium() {  # Debian's Chromium, driven by Playwright in tests/browser (no browser download)
-  if command -v chromium >/dev/null; then
+  if [ -x "$(command -v chromium)" ]; then  # (command -v alone also names a file that is not executable)
     return 0
   fi
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
