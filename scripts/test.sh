@@ -11,8 +11,9 @@
 #   3. the Ray Serve tests (tests/ray_serve: a local Ray instance of their own).
 # PYTEST_WORKERS=0 runs 1 and 2 in one process, as before. At the end one line per stage (name, result,
 # time); the exit status is non-zero if any stage failed. With arguments: the set-up, then `pytest -q ARGS`.
+# shellcheck disable=SC2317  # the functions below run through `stage`
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 
 names=() results=() times=()
 failed=0
@@ -38,7 +39,7 @@ stage() {  # stage NAME CMD...: runs CMD, records its result and time; a failure
 missing() {  # missing WHY: say it; MISSING, or under CI=true (CI runs every test) a failure
   echo "$1"
   [ -n "${CI:-}" ] && return 1
-  return $MISSING
+  return "$MISSING"
 }
 
 python_deps() {
