@@ -475,12 +475,6 @@ class TextFeed:
         self._open = self._started = self._done = False
 
     @property
-    def random_weights(self) -> bool:
-        """`dummy` / `dummy-tiny`: they never end a sentence (no EOS), so a request that names no length stops
-        at a reader's length for its text (config.reading_ms) in the CLI and the server."""
-        return self.model_name in DUMMY_MODELS
-
-    @property
     def ready(self) -> bool:
         """A segment is complete, or the text ended: the request can be built."""
         return bool(self.texts) or self.ended
