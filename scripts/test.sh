@@ -51,12 +51,16 @@ debian_chromium() {  # Debian's Chromium, driven by Playwright in tests/browser 
   if [ -x "$(command -v chromium)" ]; then  # (command -v alone also names a file that is not executable)
     return 0
   fi
-  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-    missing "chromium is missing and this is not root with apt: tests/browser skip (apt-get install -y chromium)"
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ] && sudo -n true 2>/dev/null; then
+    sudo=(sudo -n)  # not root, but sudo without a password (as CI machines often have)
+  fi
+  if { [ "$(id -u)" -ne 0 ] && [ ${#sudo[@]} -eq 0 ]; } || ! command -v apt-get >/dev/null; then
+    missing "chromium is missing and this is not root (or sudo) with apt: tests/browser skip (apt-get install -y chromium)"
     return
   fi
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-         chromium >/dev/null; }; then
+  if ! { "${sudo[@]}" apt-get update -qq && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+         --no-install-recommends chromium >/dev/null; }; then
     missing "apt-get could not install chromium: tests/browser skip"
     return
   fi
