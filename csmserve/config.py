@@ -8,6 +8,15 @@ from dataclasses import dataclass
 SAMPLE_RATE = 24_000  # Hz: Mimi's audio (and OpenAI's pcm)
 FRAME_MS = 80  # one Mimi frame (12.5 Hz)
 FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000  # 1920
+# a reader's pace (speech is ~15 characters/s): a request that names no length is capped at this per character
+# of its text (ServerConfig.audio_ms_per_char); random weights (dummy, dummy-tiny) never end a sentence
+# themselves, so there it is where they stop
+AUDIO_MS_PER_CHAR = 150
+
+
+def reading_ms(chars: int, ms_per_char: int = AUDIO_MS_PER_CHAR) -> int:
+    """A reader's length for `chars` characters of text, in ms: ms_per_char each, at least 1 s."""
+    return max(1000, ms_per_char * chars)
 
 WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
 
@@ -112,9 +121,11 @@ class ServerConfig:
     # slot for longer than this much audio
     max_audio_length_ms: int = 600_000
     # a request that does not say gets audio_ms_per_char x its characters (speech is ~15 characters/s),
-    # at least default_audio_length_ms, at most max_audio_length_ms
-    default_audio_length_ms: int = 30_000
-    audio_ms_per_char: int = 150
+    # at least default_audio_length_ms, at most max_audio_length_ms. None: 30 s on real weights (they end each
+    # sentence themselves: the cap only stops one that never ends), 1 s on random weights (dummy, dummy-tiny:
+    # they never end one, so the text's reading length is where they stop)
+    default_audio_length_ms: int | None = None
+    audio_ms_per_char: int = AUDIO_MS_PER_CHAR
     # one sentence of a multi-sentence request (or a WebSocket turn) at most, unless the request says
     # max_segment_length_ms: a sentence that never ends cannot eat the whole response's budget
     max_segment_ms: int = 20_000
@@ -165,6 +176,12 @@ class ServerConfig:
     # (what was sent is spoken, `flush_done` says `idle_timeout`), so its engine slot is freed
     ws_turn_idle_s: float = 30.0
 
+    def audio_floor_ms(self, random_weights: bool) -> int:
+        """default_audio_length_ms, or where it is None its default for these weights (see there)."""
+        if self.default_audio_length_ms is not None:
+            return self.default_audio_length_ms
+        return 1000 if random_weights else 30_000
+
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
                      "audio_ms_per_char", "max_context_chars", "max_context_total_chars",
@@ -189,7 +206,8 @@ class ServerConfig:
         for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
+        if self.default_audio_length_ms is not None and \
+                not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
 
 

@@ -31,7 +31,11 @@ _HELP = {
     "model_name": "model id reported by /v1/models (default: --model)",
     "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
                  "(default: $XDG_DATA_HOME/csmserve/voices.db)",
-    "cors_origins": "comma-separated origins allowed by CORS",
+    "cors_origins": "comma-separated origins whose pages may call this server (CORS; * any): a request from "
+                    "another site's page (its Origin) is refused with 403, this server's own page is allowed",
+    "default_audio_length_ms": "a request that names no length gets at least this much audio, or its text's "
+                               "length at --audio-ms-per-char if longer; None: 30000 on real weights, 1000 on "
+                               "random ones (dummy / dummy-tiny never end a sentence)",
     "ray_address": "Ray cluster to join ('auto': the running one; default: start a local Ray instance)",
     "num_replicas": "replicas (engines) when not autoscaling",
     "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",

@@ -52,6 +52,17 @@ def test_speak_writes_codes(tmp_path):
     assert "0.64 s of audio" in r.stderr and r.stdout == ""
 
 
+def test_readme_speak_on_random_weights_stops_at_a_readers_length(tmp_path):
+    """Issue 39: the README's first command. dummy-tiny never ends a sentence (no EOS): with no
+    --max-audio-length-ms its two sentences stop at a reader's length for the text (150 ms a character: each
+    sentence at most the longest's, 25 characters, and all of it 46 characters: 6.88 s), not 20 s each."""
+    out = tmp_path / "hello.wav"
+    r = _run("speak", "Hello from csmserve. Any length of text works.", "-o", str(out), "--model", "dummy-tiny")
+    assert r.returncode == 0, r.stderr
+    assert _wav_seconds(out.read_bytes()) == (46 * 150 // 80) * 1920 / 24_000
+    assert "6.88 s of audio" in r.stderr
+
+
 def test_stdin_to_stdout_is_only_audio():
     r = _run("speak", "-", "-o", "-", *TINY, "--max-audio-length-ms", "240", "--seed", "1",
              stdin=b"Hello from stdin. A second sentence!", text=False)
