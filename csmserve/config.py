@@ -52,10 +52,6 @@ class EngineConfig:
     # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;
     # 0 disables
     prefix_cache_bytes: int | None = None
-    # draft/verify over codebooks inside the depth decoder (engine/speculate.py): k drafts per verify
-    # pass, 2..8; None or 0 = off. Exact (the codes' distribution is unchanged); pays off only when the
-    # heads' drafts are accepted often enough (`csmserve bench` prints the acceptance rate)
-    spec_depth: int | None = None
     # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
     # at 1-2 rows on CUDA weight-only in kernels/gemv.py), fp8-all (the backbone too). models/fp8.py
@@ -84,8 +80,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
-        if self.spec_depth not in (None, 0) and not 2 <= self.spec_depth <= 8:
-            raise ValueError(f"EngineConfig.spec_depth must be 2..8 (or 0 / None: off), got {self.spec_depth}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 

@@ -442,5 +442,5 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
-                         spec_depth=cfg.spec_depth, weights=cfg.weights, codec_stream=cfg.codec_stream)
+                         weights=cfg.weights, codec_stream=cfg.codec_stream)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

@@ -67,15 +67,11 @@ def test_serve_subprocess(tmp_path):
         proc.wait(30)
 
 
-def test_speculation_and_weights_flags(monkeypatch):
-    engine = configs(parse(["--spec-depth", "4", "--weights", "fp8"]))[1]
-    assert engine.spec_depth == 4 and engine.weights == "fp8"
-    monkeypatch.setenv("CSMSERVE_SPEC_DEPTH", "3")
+def test_weights_flag(monkeypatch):
+    assert configs(parse([]))[1].weights == "bf16"
+    assert configs(parse(["--weights", "fp8"]))[1].weights == "fp8"
     monkeypatch.setenv("CSMSERVE_WEIGHTS", "fp8-all")
-    engine = configs(parse([]))[1]
-    assert engine.spec_depth == 3 and engine.weights == "fp8-all"
-    with pytest.raises(ValueError, match="spec_depth must be 2..8"):
-        configs(parse(["--spec-depth", "9"]))
+    assert configs(parse([]))[1].weights == "fp8-all"
     with pytest.raises(ValueError, match="weights must be one of"):
         configs(parse(["--weights", "int4"]))
 
