@@ -136,9 +136,6 @@ class ServerConfig:
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None
-    # how the API workers get connections (server/dispatch.py): balanced, the parent accepts and sends each
-    # to the worker with the fewest open ones; shared, every worker accepts on the one listening socket
-    connection_dispatch: str = "balanced"
     # slow clients (server/timeouts.py): a request's headers must arrive within header_timeout_s (408,
     # closed); its body within body_timeout_s plus 1 s per body_min_rate bytes received (408); an idle
     # keep-alive connection is closed after keep_alive_s; headers past max_header_bytes are a 400
@@ -176,8 +173,6 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
         if self.encode_threads < 0:
             raise ValueError(f"ServerConfig.encode_threads must be >= 0, got {self.encode_threads}")
-        if self.connection_dispatch not in ("balanced", "shared"):
-            raise ValueError(f"ServerConfig.connection_dispatch must be balanced or shared, got {self.connection_dispatch!r}")
         if self.api_workers is not None and self.api_workers < 0:
             raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
         for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):

@@ -139,5 +139,6 @@ def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), PASSES=radix_passes(logits.dtype), num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
+                         BLOCK=triton.next_power_of_2(V), PASSES=radix_passes(logits.dtype),
+                         num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

@@ -13,8 +13,8 @@ scale would make a seeded request's codes depend on its neighbours). Elsewhere (
 models, older GPUs) the same quantized numbers are multiplied in float32: the CPU tests run this code.
 The embeddings, the codebook heads and the norms stay in the model's dtype.
 
-At 1-16 rows on CUDA (gemv.MAX_ROWS; models/llama.py's fuse_gemv: a few streams' frame step, a short prefill) the GEMM is
-kernels/gemv.py's weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
+At 1-16 rows on CUDA (gemv.MAX_ROWS; models/llama.py's fuse_gemv: a few streams' frame step, a short prefill) the
+GEMM is kernels/gemv.py's weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
 
     y[r, o] = s_w[o] sum_i x[r, i] w8[o, i]                              (fp32 accumulation)
 

@@ -53,9 +53,6 @@ _HELP = {
                       "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop (default)",
     "native_codecs": "mp3 and opus through libmp3lame and libopus called directly (the default; less CPU per "
                      "stream); false: through PyAV / libav",
-    "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
-                           "fewest open ones (keep-alive connections stay where they land); shared: every worker "
-                           "accepts on the listening socket",
     "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
                       "receipt to the first chunk written), engine steps and GC pauses there; "
                       "python bench/trace_report.py DIR joins them (default: off)",

@@ -104,8 +104,8 @@ def test_positions_past_the_row_are_never_read_into_the_output():
 
 @run
 def test_depth_kv_fused_equals_unfused():
-    """DepthKV's kernel (fused, CUDA's path) and its torch path (the CPU's) through a whole tiny depth decoder (4 layers,
-    hd 64): the same hidden states."""
+    """DepthKV's kernel (fused, CUDA's path) and its torch path (the CPU's) through a whole tiny depth decoder (4
+    layers, hd 64): the same hidden states."""
     from csmserve.engine.slots import DepthKV
     from csmserve.models import llama
     from csmserve.models.csm import CSMConfig

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         one = one_stream(engine, args.one_stream_frames, max(5, args.probes))
         emit("\n| one stream | frames/s | real-time factor | time to first audio p50 (ms) |\n|---|---|---|---|")
         emit(f"| csmserve | {one['fps']:.1f} | {one['rtf']:.2f}x | {one['ttfa_p50_ms']:.1f} |")
-        emit("\n| streams | aggregate frames/s | per-stream frames/s | frame step (ms) | TTFA p50 (ms) | TTFA p99 (ms) |")
+        emit("\n| streams | aggregate frames/s | per-stream frames/s | frame step (ms) | TTFA p50 (ms) "
+             "| TTFA p99 (ms) |")
         emit("|---|---|---|---|---|---|")
         best = 0
         for n in args.sweep:
