@@ -31,18 +31,6 @@ class EngineConfig:
     # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
     # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
     chunk_frames: int = 2
-    # True: launch frame step N+1 before reading step N's results (the GPU never waits for the host);
-    # False: launch it once step N is done, so a request arriving during step N starts in N+1, one
-    # frame step sooner under load, at the cost of the host's scheduling time between steps
-    overlap_steps: bool = True
-    # with overlap: launch step N+1 as late as it can still start when N ends (engine/pacing.py), so
-    # requests arriving during N join N+1 (measured: ~9 ms less time to first audio at 1-64 streams,
-    # the same frames/s; docs/benchmarks.md)
-    late_launch: bool = True
-    # after a frame step whose every row makes its request's (or segment's) first frame (an idle engine's
-    # new request): launch the next step only once it is done, so that frame's Mimi decode has the GPU to
-    # itself (time to first audio), not beside the next generation; False: overlapped as any other step
-    first_frame_alone: bool = True
     # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
     # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
     # backbone pass: time to first audio); False: the last frame enters through the first frame step

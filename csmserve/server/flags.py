@@ -41,8 +41,6 @@ _HELP = {
     "affinity_load_factor": "a voice / conversation stays on its replica while that one's load is under "
                             "this x the mean (+1)",
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
-    "first_frame_alone": "after a frame step of only first frames (new requests on an idle engine), launch the next "
-                         "one once it is done: that frame's audio decode has the GPU to itself (time to first audio)",
     "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
                                 "runs from its hidden state (one backbone pass less before the first audio)",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "

@@ -146,12 +146,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--no-codec", action="store_true", help="codes only: leave Mimi decode out")
     ap.add_argument("--codec-dtype", default=None, choices=["bfloat16", "float32"],
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
-    ap.add_argument("--early-launch", action="store_true",
-                    help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
-    ap.add_argument("--no-first-frame-alone", action="store_true",
-                    help="EngineConfig(first_frame_alone=False): the step after a first frame overlaps its decode")
     ap.add_argument("--no-first-frame-from-prefill", action="store_true",
                     help="EngineConfig(first_frame_from_prefill=False): an idle engine's first frame through the backbone")
     ap.add_argument("--no-codec-stream", action="store_true",
@@ -212,9 +206,7 @@ def run(args: argparse.Namespace) -> int:
     TEXT_VOCAB[0] = model.cfg.text_vocab_size
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
-                       prefill_token_budget=2048, overlap_steps=not args.no_overlap,
-                       late_launch=not args.early_launch, weights=args.weights,
-                       codec_stream=not args.no_codec_stream, first_frame_alone=not args.no_first_frame_alone,
+                       prefill_token_budget=2048, weights=args.weights, codec_stream=not args.no_codec_stream,
                        first_frame_from_prefill=not args.no_first_frame_from_prefill)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -226,8 +218,7 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     emit(f"device: {name}, torch {torch.__version__}, model {args.model}, dtype {args.dtype}, "
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
-         f"overlap_steps {cfg.overlap_steps}, late_launch {cfg.late_launch}, weights {cfg.weights}, "
-         f"codec_stream {runner.codec_stream is not None}, first_frame_alone {cfg.first_frame_alone}, "
+         f"weights {cfg.weights}, codec_stream {runner.codec_stream is not None}, "
          f"first_frame_from_prefill {cfg.first_frame_from_prefill}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
     try:
