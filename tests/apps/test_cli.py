@@ -193,16 +193,6 @@ def test_bench_tiny_cpu_run_and_gpu_message():
     _one_line_error(r, "dummy-tiny")
 
 
-def test_bench_prints_draft_acceptance_with_spec_depth():
-    r = _run("bench", *TINY, "--sweep", "1", "--frames", "4", "--one-stream-frames", "6", "--probes", "1",
-             "--spec-depth", "3", "--no-codec")
-    assert r.returncode == 0, r.stderr
-    assert "spec_depth 3" in r.stdout and "| draft acceptance | codes per verify pass |" in r.stdout
-    row = next(line for line in r.stdout.splitlines() if line.startswith("| csmserve |"))
-    acceptance, per_pass = row.strip("| ").split(" | ")[-2:]
-    assert acceptance.endswith("%") and 0 <= float(acceptance[:-1]) <= 100 and 1.0 <= float(per_pass) <= 4.0
-
-
 def test_api_prompt_and_generate():
     from csmserve import CSM, SamplingParams, Segment
 
