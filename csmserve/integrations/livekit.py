@@ -49,6 +49,11 @@ from livekit.agents import (  # noqa: E402
 )
 from livekit.agents.voice import io  # noqa: E402
 
+try:  # the SpeechHandle a tts_node runs for: livekit-agents keeps it in a context variable
+    from livekit.agents.voice.agent_activity import _SpeechHandleContextVar as _SPEECH  # noqa: E402
+except ImportError:  # (without it, a finished reply that never reached the speaker is not cut)
+    _SPEECH = None
+
 from csmserve.config import FRAME_MS, SAMPLE_RATE  # noqa: E402
 from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio  # noqa: E402
 
@@ -70,6 +75,7 @@ class _Reply:
     # ^ (request_id | None, frames the server keeps of it) once it finished or was cancelled
     session: bool = False  # its frames went to the session's audio output (ConversationAgent.tts_node)
     captured: float = 0.0  # seconds of it the audio output accepted
+    untagged: float = 0.0  # TTS._untagged when it went to the session: more since, and it may be among them
 
 
 class TTS(tts.TTS):
@@ -90,6 +96,7 @@ class TTS(tts.TTS):
         self.cuts: list[dict] = []  # each truncate sent: {"request_id", "played_ms", "num_frames"}
         self.max_replies = max_replies
         self._replies: OrderedDict[str, _Reply] = OrderedDict()  # by stream key, oldest first
+        self._untagged = 0.0  # seconds of audio without REPLY_KEY the output accepted (a tts_node's own frames)
         self._capturing: bool | None = None  # None: the STT sends no speech events (keep all audio)
         self._preroll: deque[rtc.AudioFrame] = deque()
         self._tasks: set[asyncio.Task] = set()
@@ -146,15 +153,16 @@ class TTS(tts.TTS):
     def attach(self, output: io.AgentOutput) -> PlaybackTap | None:
         """Put a PlaybackTap on the session's audio output (`session.output`), once: the playback reports
         of this TTS's replies come through it. -> the tap (None: the session has no audio output)."""
-        o = output.audio
-        while o is not None:
-            if isinstance(o, PlaybackTap) and o.csm is self:
-                return o
-            o = o.next_in_chain
-        if output.audio is None:
-            return None
-        output.audio = PlaybackTap(self, output.audio)
-        return output.audio
+        tap = self.tap_of(output.audio)
+        if tap is None and output.audio is not None:
+            output.audio = tap = PlaybackTap(self, output.audio)
+        return tap
+
+    def tap_of(self, audio: io.AudioOutput | None) -> PlaybackTap | None:
+        """This TTS's PlaybackTap in an audio output's chain, if it has one."""
+        while audio is not None and not (isinstance(audio, PlaybackTap) and audio.csm is self):
+            audio = audio.next_in_chain
+        return audio
 
     def in_session(self, key: str, speech=None) -> None:
         """Reply `key`'s audio goes to the session's audio output, for `speech` (a SpeechHandle, if known):
@@ -162,7 +170,7 @@ class TTS(tts.TTS):
         reply = self._replies.get(key)
         if reply is None or reply.session:
             return
-        reply.session = True
+        reply.session, reply.untagged = True, self._untagged
         if speech is not None:
             speech.add_done_callback(lambda _: self._speech_done(key))
 
@@ -172,9 +180,16 @@ class TTS(tts.TTS):
             self._replies.popitem(last=False)
         return reply
 
-    def _captured(self, key: str, seconds: float) -> None:
-        if (reply := self._replies.get(key)) is not None:
+    def _captured(self, key: str | None, seconds: float) -> None:
+        if key is None:
+            self._untagged += seconds
+        elif (reply := self._replies.get(key)) is not None:
             reply.captured += seconds
+
+    def _reached(self, reply: _Reply) -> float | None:
+        """Seconds of the session's reply the output accepted; None if unknown (not the session's, or audio
+        without a REPLY_KEY went to the output since: a tts_node that makes its own frames)."""
+        return reply.captured if reply.session and self._untagged == reply.untagged else None
 
     def _played(self, key: str, seconds: float, interrupted: bool) -> None:
         """The output's report on reply `key`: `seconds` of it played."""
@@ -184,7 +199,7 @@ class TTS(tts.TTS):
 
     def _speech_done(self, key: str) -> None:
         reply = self._replies.pop(key, None)  # reported already, or never will be
-        if reply is not None and reply.captured == 0:  # none of it reached the speaker
+        if reply is not None and self._reached(reply) == 0:  # none of it reached the speaker
             self._spawn(self._cut(reply, 0))
 
     async def _cut(self, reply: _Reply, played_ms: int) -> None:
@@ -206,9 +221,10 @@ class TTS(tts.TTS):
 
 class PlaybackTap(io.AudioOutput):
     """Wraps the session's audio output: passes everything through, and sends each playback report to the
-    replies whose frames (REPLY_KEY) the reported segment holds, each with how much of it played. The
-    report is for the oldest segment not yet reported (an output reports each segment it accepted, in
-    order): the tap starts a segment exactly when the output below it does."""
+    replies whose frames (REPLY_KEY) the reported segment holds, each with how much of it played. An
+    output reports once per segment it accepted audio for, in order: a report is about the oldest segment
+    not yet reported. Only accepted frames count: a reply none of whose audio the output took is in no
+    segment, so it can neither take a report nor push one onto the next reply."""
 
     def __init__(self, csm: TTS, next_in_chain: io.AudioOutput) -> None:
         super().__init__(label="csmserve", capabilities=io.AudioOutputCapabilities(pause=True),
@@ -232,8 +248,7 @@ class PlaybackTap(io.AudioOutput):
             runs[-1][2] += frame.duration
         else:
             runs.append([key, runs[-1][1] + runs[-1][2] if runs else 0.0, frame.duration])
-        if key is not None:
-            self.csm._captured(key, frame.duration)
+        self.csm._captured(key, frame.duration)
 
     def flush(self) -> None:
         super().flush()
@@ -318,23 +333,15 @@ class SynthesizeStream(tts.SynthesizeStream):
         """Cancel the turn on the server, keeping what reached the session's speaker (all the agent received
         if the audio is not the session's); the playback report cuts it further."""
         frames = reply.frames
-        if tracked is not None and tracked.session:  # the session stopped forwarding it too: captures are final
-            frames = min(frames, math.ceil(tracked.captured * 1000 / FRAME_MS - 1e-6))
+        if tracked is not None and (reached := self._csm._reached(tracked)) is not None:
+            # the session stopped forwarding it too: what the output accepted is final
+            frames = min(frames, math.ceil(reached * 1000 / FRAME_MS - 1e-6))
         try:
             msg = await self._csm.conversation.interrupt(audio_end_ms=frames * FRAME_MS)
         except (ConversationError, asyncio.TimeoutError):
             return
         if tracked is not None and not tracked.done.done():
             tracked.done.set_result((msg.get("request_id"), msg.get("num_frames", 0)))
-
-
-def _speech_handle():
-    """The SpeechHandle whose tts_node runs now (livekit-agents keeps it in a context variable), or None."""
-    try:
-        from livekit.agents.voice.agent_activity import _SpeechHandleContextVar
-    except ImportError:
-        return None
-    return _SpeechHandleContextVar.get(None)
 
 
 class ConversationAgent(Agent):
@@ -378,10 +385,13 @@ class ConversationAgent(Agent):
             csm.attach(self.session.output)
 
     async def tts_node(self, text: AsyncIterable[str], model_settings) -> AsyncGenerator[rtc.AudioFrame, None]:
-        """The default TTS node; marks each reply as the session's, and resamples to the audio output's rate
-        here (keeping each frame's REPLY_KEY) rather than leave it to the session (new, untagged frames)."""
-        csm, speech = self._csm_tts(), _speech_handle()
-        out = self.session.output.audio
+        """The default TTS node; tells the TTS which replies go to its tapped audio output (and for which
+        speech), and resamples to the output's rate here, keeping each frame's REPLY_KEY (the session's
+        resampler would make new frames without it)."""
+        csm, out = self._csm_tts(), self.session.output.audio
+        speech = _SPEECH.get(None) if _SPEECH is not None else None
+        if csm is not None and csm.tap_of(out) is None:
+            csm = None  # (on_enter did not put the tap on: these replies' playback is not known)
         rate = out.sample_rate if out is not None else None
         resampler: rtc.AudioResampler | None = None
         last: dict = {}

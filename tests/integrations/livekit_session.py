@@ -98,8 +98,9 @@ class Speaker(io.AudioOutput):
     seconds when cleared (the barge-in). While `accepting` is clear, capture_frame waits, as the room's
     output does before the listener has subscribed: nothing reaches the speaker."""
 
-    def __init__(self) -> None:
-        super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False), sample_rate=24_000)
+    def __init__(self, sample_rate: int = 24_000) -> None:
+        super().__init__(label="speaker", capabilities=io.AudioOutputCapabilities(pause=False),
+                         sample_rate=sample_rate)
         self.accepting = asyncio.Event()
         self.accepting.set()
         self.cut: dict[int, float] = {}
@@ -132,19 +133,20 @@ class Speaker(io.AudioOutput):
         return sum(f.duration for f in self.segments[-1]) if self.segments else 0.0
 
     def _report(self, position: float, interrupted: bool) -> None:
+        position = round(position, 6)  # (a sum of frame durations)
         self._open = False
         self.reports.append((position, interrupted))
         asyncio.get_running_loop().call_soon(
             lambda: self.on_playback_finished(playback_position=position, interrupted=interrupted))
 
 
-def session(tts, texts: list[str], replies: list[list[str]]) -> tuple[AgentSession, Mic, Speaker]:
+def session(tts, texts: list[str], replies: list[list[str]], rate: int = 24_000) -> tuple[AgentSession, Mic, Speaker]:
     """An AgentSession around `tts`: turns end on the STT's end of speech at once, a transcript interrupts."""
     s = AgentSession(stt=STT(texts), llm=LLM(replies), tts=tts, vad=None, aec_warmup_duration=None, turn_handling={
         "turn_detection": "stt", "endpointing": {"min_delay": 0.0, "max_delay": 0.5},
         "interruption": {"mode": "vad", "resume_false_interruption": False, "min_duration": 0.0},
         "preemptive_generation": {"enabled": False}})
-    mic, speaker = Mic(), Speaker()
+    mic, speaker = Mic(), Speaker(rate)
     s.input.audio, s.output.audio = mic, speaker
     return s, mic, speaker
 

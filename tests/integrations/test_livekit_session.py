@@ -141,3 +141,59 @@ def test_a_reply_that_never_reached_the_speaker_is_cut_to_nothing_and_shifts_not
         ("Hi.", None), ("One.", FRAMES), ("Tell me.", None), ("Stop.", None), ("Three.", FRAMES), ("More.", None),
         ("Four.", 1), ("Wait.", None), ("Five.", 0)]
     settle(csm)
+
+
+def test_a_speaker_at_another_rate_gets_the_cut_right(server, csm):
+    """A 48 kHz output: the agent resamples each reply itself, and its frames still say whose they are."""
+
+    async def main():
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
+        log = watch(tts.conversation)
+        s, mic, speaker = session(tts, ["Hi.", "Stop.", "Bye."], [["One."], ["Two."]], rate=48_000)
+        speaker.cut = {0: 0.16}
+        await s.start(ConversationAgent(instructions="Be brief."))
+        mic.say(tone(0.3))  # "Hi." -> "One.", cut at 160 ms by "Stop."
+        await until(lambda: len(speaker.segments) == 1 and speaker.pushed >= 0.24)
+        mic.say(tone(0.3))  # "Stop." -> "Two."
+        await until(lambda: len(speaker.reports) == 2)
+        await s.aclose()
+        await tts.aclose()
+        return log, speaker
+
+    log, speaker = asyncio.run(main())
+    assert {f.sample_rate for seg in speaker.segments for f in seg} == {48_000}
+    assert speaker.reports == [(0.16, True), (0.4, False)]
+    one, two = (b.request_id for b in server.built)
+    assert [c for c in cuts(log) if c[0] == "truncate"] == [("truncate", one, 160)]
+    assert heard(server, 1) == [("Hi.", None), ("One.", 2), ("Stop.", None), ("Two.", 0)]
+    settle(csm)
+
+
+def test_without_the_tap_nothing_is_cut(server, csm):
+    """An Agent that leaves out on_enter's hook (no tap on the output): the TTS cannot know what played, so
+    it cuts nothing, rather than take the replies it never saw reach the speaker for unheard."""
+
+    class NoTap(ConversationAgent):
+        async def on_enter(self) -> None:
+            pass
+
+    async def main():
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
+        log = watch(tts.conversation)
+        s, mic, speaker = session(tts, ["Hi.", "Tell me.", "Stop."], [["One."], ["Two."], ["Three."]])
+        speaker.cut = {1: 0.16}
+        await s.start(NoTap(instructions="Be brief."))
+        mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
+        await until(lambda: len(speaker.reports) == 1)
+        mic.say(tone(0.3))  # "Tell me." -> "Two.", cut at 160 ms by "Stop."
+        await until(lambda: len(speaker.segments) == 2 and speaker.pushed >= 0.24)
+        mic.say(tone(0.3))  # "Stop." -> "Three."
+        await until(lambda: len(speaker.reports) == 3)
+        await s.aclose()
+        await tts.aclose()
+        return log
+
+    log = asyncio.run(main())
+    assert [c for c in cuts(log) if c[0] == "truncate"] == []
+    assert heard(server, 2)[:2] == [("Hi.", None), ("One.", FRAMES)]
+    settle(csm)
