@@ -179,7 +179,8 @@ def test_replies_awaiting_a_report_are_bounded(server, csm, max_replies):
             await speak(tts, text)
             tracked.append(len(tts._replies))
         output.clear_buffer()  # the report on the first reply, 80 ms played
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.05)
+        await asyncio.gather(*tts._tasks)  # the cut, if any, is sent and answered
         await tts.aclose()
         return tts, tracked
 

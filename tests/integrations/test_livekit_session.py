@@ -100,15 +100,14 @@ def test_a_reply_that_never_reached_the_speaker_is_cut_to_nothing_and_shifts_not
         mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
         await until(lambda: len(speaker.reports) == 1)
         speaker.accepting.clear()
-        if when == "generating":
-            server.hold_after = 2  # "Two." stops after 2 frames, still generating
+        if when == "generating":  # "Two." stops after 3 frames (chunks of 1 and 2), still generating
+            server.hold_after, server.hold_only = 2, 1
         mic.say(tone(0.3))  # "Tell me." -> "Two.": its audio reaches the TTS ...
         await until(lambda: len(server.built) == 2 and server.built[1].frames >= 2)
         if when == "generated":
             await until(lambda: sum("flush_done" == e.get("got", {}).get("type") for e in log) == 2)
         mic.say(tone(0.3))  # ... "Stop." before the speaker took any: -> "Three.", heard in full
         await until(lambda: len(server.built) == 3)
-        server.hold_after = 0
         speaker.accepting.set()
         await until(lambda: len(speaker.reports) == 2)
         mic.say(tone(0.3))  # "More." -> "Four.", cut at 80 ms by "Wait."
