@@ -45,6 +45,10 @@ _HELP = {
                          "one once it is done: that frame's audio decode has the GPU to itself (time to first audio)",
     "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
                                 "runs from its hidden state (one backbone pass less before the first audio)",
+    "max_chunk_ms": "a stream well ahead of real time gets chunks of up to this much audio (fewer messages and "
+                    "encoder calls); its first chunk stays first_chunk_frames (0: chunk_frames always)",
+    "chunk_grow_lead_ms": "chunks grow only while a stream's audio is this far ahead of real time (its lead); "
+                          "a chunk then holds half the lead beyond it, at most max_chunk_ms",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
