@@ -17,7 +17,9 @@ from csmserve.config import EngineConfig, RayConfig, ServerConfig
 
 ENV_PREFIX = "CSMSERVE_"
 _MODEL_FLAGS = {  # name -> (default, help)
-    "model": ("sesame/csm-1b", "hub id, local directory, or dummy / dummy-tiny (random weights, no download)"),
+    "model": ("sesame/csm-1b", "hub id, local directory, dummy / dummy-tiny (random weights, no download), or "
+                               "paced (no model: a stand-in engine at the H200's measured step times, to measure "
+                               "the server's data path on a CPU)"),
     "device": (None, "cpu or cuda (default: cuda if available)"),
     "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
     "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
