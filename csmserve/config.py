@@ -40,6 +40,13 @@ class EngineConfig:
     # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
     # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
     chunk_frames: int = 2
+    # fewer, larger chunks once a stream is safely ahead of real time (engine/outputs.py Router): while its
+    # lead (audio handed out - wall time since its first chunk) exceeds chunk_grow_lead_ms, a chunk after
+    # the first holds half the excess, at most max_chunk_ms of audio (960 ms: 12 frames); under it, chunk_frames.
+    # Each chunk is one message, write and encoder call on every transport. max_chunk_ms <= chunk_frames x 80:
+    # no growth
+    max_chunk_ms: int = 1000
+    chunk_grow_lead_ms: int = 500
     # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
     # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
     # backbone pass: time to first audio); False: the last frame enters through the first frame step
@@ -71,6 +78,9 @@ class EngineConfig:
                      "first_chunk_frames", "chunk_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_chunk_ms", "chunk_grow_lead_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if not self.reader_wait_s >= 0:

@@ -88,7 +88,7 @@ class Engine:
         self.num_codebooks = runner.cfg.num_codebooks
         self.inbox = inbox or Inbox()
         self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
-        self.router = Router(self.num_codebooks, config.first_chunk_frames, config.chunk_frames, self.abort)
+        self.router = Router.of(config, self.num_codebooks, self.abort)
         self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0, "reader_waits": 0,
                       "reader_wait_s": 0.0}
         self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s

@@ -17,7 +17,9 @@ from csmserve.config import EngineConfig, RayConfig, ServerConfig
 
 ENV_PREFIX = "CSMSERVE_"
 _MODEL_FLAGS = {  # name -> (default, help)
-    "model": ("sesame/csm-1b", "hub id, local directory, or dummy / dummy-tiny (random weights, no download)"),
+    "model": ("sesame/csm-1b", "hub id, local directory, dummy / dummy-tiny (random weights, no download), or "
+                               "paced (no model: a stand-in engine at the H200's measured step times, to measure "
+                               "the server's data path on a CPU)"),
     "device": (None, "cpu or cuda (default: cuda if available)"),
     "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
     "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
@@ -47,6 +49,10 @@ _HELP = {
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
     "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
                                 "runs from its hidden state (one backbone pass less before the first audio)",
+    "max_chunk_ms": "a stream well ahead of real time gets chunks of up to this much audio (fewer messages and "
+                    "encoder calls); its first chunk stays first_chunk_frames (0: chunk_frames always)",
+    "chunk_grow_lead_ms": "chunks grow only while a stream's audio is this far ahead of real time (its lead); "
+                          "a chunk then holds half the lead beyond it, at most max_chunk_ms",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
