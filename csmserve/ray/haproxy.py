@@ -20,8 +20,9 @@ stream of a node passes through. The routing key comes from the request itself, 
 The body is read from HAProxy's buffer (`option http-buffer-request`, `tune.bufsize` =
 RayConfig.ingress_body_bytes): a larger body is routed by the fields in its first that-many bytes.
 `/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py); `/health` is the
-answering replica's own. Each replica is checked with `GET /health` (ServerConfig's 503 `engine_failed`
-takes it out in under a second), a failed connection retries on another.
+answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
+within about 1.5 s); a request whose replica refused it, dropped it or answered 503 before any byte of a
+response goes to another (twice at most).
 
 The process runs in master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the
 master re-executes on SIGUSR2; the new worker takes the listening socket over, the old one serves its open
@@ -166,7 +167,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "    timeout server-fin 5s",
         "    retries 2",
         "    option redispatch 1",
-        "    retry-on conn-failure",
+        # a replica that refused, dropped or answered 503 (its engine gone, its queue full): the next one, the
+        # request being whole in the buffer (an upload larger than it is not retried)
+        "    retry-on conn-failure empty-response 503",
         f"    default-server inter {CHECK_INTER_MS} fastinter {CHECK_FAST_MS} downinter {CHECK_INTER_MS} "
         f"fall {CHECK_FALL} rise 1 observe layer4 error-limit 1 on-error mark-down",
         "    option httpchk",

@@ -76,8 +76,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def ray_extra() -> None:
     require_ray()
+
+
+@pytest.fixture(scope="session")
+def cluster(ray_extra):
     from server_helpers import free_port
 
     from csmserve.ray.app import ensure_importable, ray_environment
