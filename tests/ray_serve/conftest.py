@@ -38,6 +38,10 @@ class Cluster:
         self.port, self.tmp, self.flags = port, tmp, None
         self.url = f"http://127.0.0.1:{port}"
 
+    def current(self) -> dict:
+        """The flags deployed now (the base ones where none are)."""
+        return self.flags or {**BASE_FLAGS, "voices_db": str(self.tmp / "voices.db"), "port": self.port}
+
     def use(self, **flags) -> str:
         from ray import serve
 

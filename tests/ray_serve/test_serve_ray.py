@@ -226,7 +226,7 @@ def test_a_voice_created_on_one_replica_is_used_on_the_other_and_deleted_everywh
 def test_four_replicas_on_one_machine(cluster):
     """Serve scales the deployment to 4 (the voice store stays whatever the last test deployed); the ingress
     routes to all of them: least connections without a key, conversations over the whole ring."""
-    url = cluster.use(**{**cluster.flags, "num_replicas": 4})
+    url = cluster.use(**{**cluster.current(), "num_replicas": 4})
     names = replicas(url)
     assert len(names) == 4
     settle(cluster)
@@ -312,7 +312,7 @@ def _next_requests_succeed_elsewhere(url: str, victim: str) -> None:
 
 
 def test_a_killed_engine_ends_its_replicas_streams_with_an_error_and_ray_replaces_it(cluster):
-    url = cluster.use(**cluster.flags)
+    url = cluster.use(**cluster.current())
     n = cluster.flags["num_replicas"]
     settle(cluster)
     victim, report = sorted(cluster.reports().items())[0]
@@ -328,7 +328,7 @@ def test_a_killed_replica_leaves_no_process_or_file_behind_and_is_replaced(clust
     """The replica's actor killed (SIGKILL: no __del__): its engine and API workers exit with it (each watches
     its parent), its streams end with an error, the next requests go elsewhere, and what it left in /dev/shm
     and tmp is gone once its replacement started (new_rundir sweeps dead pids' files)."""
-    url = cluster.use(**cluster.flags)
+    url = cluster.use(**cluster.current())
     n = cluster.flags["num_replicas"]
     settle(cluster)
     victim, report = sorted(cluster.reports().items())[0]
@@ -343,3 +343,40 @@ def test_a_killed_replica_leaves_no_process_or_file_behind_and_is_replaced(clust
     _wait(lambda: not any(_proc(p) for p in children), 10, "the engine and workers exit with their replica")
     cluster.wait_ready(n, exclude={victim})
     assert not any(f.exists() for f in files)
+
+
+def test_serve_autoscales_on_the_streams_the_replicas_report(cluster):
+    """Requests never pass Serve's handles: the replicas' own count (open generations, here WebSocket turns
+    holding their slot while their text is still coming) drives Serve's autoscaler through the policy.
+    Serve's delays made short for the test; the rest is `application`'s."""
+    from ray import serve
+
+    from csmserve.ray.app import ingress_options, parse_flags, replica_options, spec_from_args
+    from csmserve.ray.directory import Directory
+    from csmserve.ray.ingress import CSMServeIngress, IngressSpec
+    from csmserve.ray.replica import CSMServeReplica
+
+    flags = {k: v for k, v in cluster.current().items() if k != "num_replicas"}
+    spec, cfg = spec_from_args(parse_flags({**flags, "min_replicas": 1, "max_replicas": 2,
+                                            "target_ongoing_requests": 1}))
+    opts = replica_options(spec, cfg)
+    opts["autoscaling_config"].update(metrics_interval_s=0.25, look_back_period_s=1.0, upscale_delay_s=0.0,
+                                      downscale_delay_s=0.0)
+    directory = Directory.bind(cfg.report_interval_s)
+    replicas_ = CSMServeReplica.options(**opts).bind(spec, directory, cfg.report_interval_s, cfg.cpus_per_replica)
+    serve.run(CSMServeIngress.options(**ingress_options(spec, cfg)).bind(IngressSpec.of(spec.server, cfg), directory,
+                                                                         replicas_), name="csmserve", route_prefix=None)
+    cluster.flags = None  # the next cluster.use() deploys again
+    url = cluster.url
+    cluster.wait_ready(1, timeout=120)  # nothing open: down to min_replicas
+    sockets = []
+    try:
+        for i in range(3):  # 3 open turns at a target of 1 each: up to max_replicas
+            ws = connect(ws_url(url, f"scale-{i}"))
+            ws.send(json.dumps({"context_id": f"scale-{i}", "text": "A first sentence. And the", "voice": "alloy",
+                                "max_audio_length_ms": 60_000}))  # no flush: the turn holds its slot, idle
+            sockets.append(ws)
+        cluster.wait_ready(2, timeout=120)
+    finally:
+        for ws in sockets:
+            ws.close()
