@@ -157,6 +157,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "defaults",
         "    mode http",
         f"    maxconn {f.maxconn}",
+        # a client connection keeps its own connection to the replica, so the replica's dispatch gives each client
+        # connection to its least busy API worker, as `csmserve serve` does (shared idle connections would not be)
+        "    http-reuse never",
         "    timeout connect 3s",
         f"    timeout client {LONG_S}s",
         f"    timeout server {LONG_S}s",

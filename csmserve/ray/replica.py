@@ -64,7 +64,7 @@ class CSMServeReplica:
         self.unit = Supervisor(dataclasses.replace(spec, server=server, replica=self.replica), workers)
         self.host = ray.util.get_node_ip_address()
         self.directory, self.report_interval_s = directory, report_interval_s
-        self.metrics, self.active, self.answering = b"", 0, False
+        self.metrics, self.active = b"", 0
         self._task: asyncio.Task | None = None
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.unit.port}", timeout=10)
         try:
@@ -140,17 +140,18 @@ class CSMServeReplica:
     async def _scrape(self) -> None:
         try:
             r = await self.client.get("/metrics")
-            self.answering = r.status_code == 200
-            if self.answering:
+            if r.status_code == 200:
                 self.metrics = r.content
                 self.active = active_streams(self.metrics)
-        except Exception:  # noqa: BLE001 - workers restarting: not answering until they are back
-            self.answering = False
+        except Exception:  # noqa: BLE001 - workers restarting: the last numbers until they are back
+            pass
 
     def report(self) -> dict:
         """This replica as the directory keeps it (and the ingresses route by)."""
         fatal = self.unit.fatal()
-        return {"ready": self.unit.engine_ready and self.answering and fatal is None, "fatal": fatal,
+        # not the last scrape's success: a worker slow to answer /metrics under load is not a reason to take the
+        # replica out of HAProxy (its own health checks judge the workers)
+        return {"ready": self.unit.engine_ready and fatal is None, "fatal": fatal,
                 "host": self.host, "port": self.unit.port, "active": self.active, "pid": os.getpid(),
                 "engine_pid": self.unit.engine.pid, "worker_pids": self.unit.worker_pids,
                 "metrics": self.metrics.decode(errors="replace")}

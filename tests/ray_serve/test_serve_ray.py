@@ -345,6 +345,31 @@ def test_a_killed_replica_leaves_no_process_or_file_behind_and_is_replaced(clust
     assert not any(f.exists() for f in files)
 
 
+def _haproxy(port: int) -> list[psutil.Process]:
+    """The HAProxy processes (master and workers) listening on `port`, by their config."""
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["name"] == "haproxy" and "-f" in cmd:
+            try:
+                if f":{port}\n" in Path(cmd[cmd.index("-f") + 1]).read_text():
+                    out.append(p)
+            except OSError:
+                pass
+    return out
+
+
+def test_a_killed_ingress_takes_its_haproxy_with_it_and_is_replaced(cluster):
+    url = cluster.use(**cluster.current())
+    procs = _haproxy(cluster.port)
+    (actor,) = {psutil.Process(p.ppid()) for p in procs if psutil.Process(p.ppid()).name() != "haproxy"}
+    assert "CSMServeIngress" in " ".join(actor.cmdline())
+    os.kill(actor.pid, signal.SIGKILL)
+    _wait(lambda: not any(_proc(p.pid) for p in procs), 10, "HAProxy exits with its ingress (parent-death signal)")
+    cluster.wait_ready(cluster.flags["num_replicas"])  # Serve started another: HAProxy on the same port again
+    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(2)))
+
+
 def test_serve_autoscales_on_the_streams_the_replicas_report(cluster):
     """Requests never pass Serve's handles: the replicas' own count (open generations, here WebSocket turns
     holding their slot while their text is still coming) drives Serve's autoscaler through the policy.
