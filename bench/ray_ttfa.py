@@ -95,7 +95,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _env(args) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """Both trees with the replica's threads (Ray gives a replica OMP_NUM_THREADS = its CPUs; the engine process
+    inherits it)."""
+    threads = str(max(1, int(args.cpus_per_replica)))
+    return {**os.environ, "OMP_NUM_THREADS": threads,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 @contextmanager

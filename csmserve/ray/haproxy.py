@@ -160,6 +160,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         # a client connection keeps its own connection to the replica, so the replica's dispatch gives each client
         # connection to its least busy API worker, as `csmserve serve` does (shared idle connections would not be)
         "    http-reuse never",
+        # every chunk on the wire as it comes: by default HAProxy holds small sends for a fuller packet (MSG_MORE),
+        # which delayed the first audio byte by ~120 ms here (bench/ray_ttfa.py on the CPU)
+        "    option http-no-delay",
         "    timeout connect 3s",
         f"    timeout client {LONG_S}s",
         f"    timeout server {LONG_S}s",

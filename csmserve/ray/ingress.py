@@ -31,6 +31,7 @@ from csmserve.ray.directory import merge_metrics, readiness
 from csmserve.ray.haproxy import Frontend, HAProxy, Server, binary, render
 
 log = logging.getLogger("csmserve.ray")
+LOW_MAXCONN = 8192  # below it (a low open-file limit) the ingress says so: 2,048 streams take 4,096 sockets
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
@@ -87,8 +88,12 @@ class CSMServeIngress:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise
         self._task = asyncio.get_running_loop().create_task(self._watch())
-        log.info("csmserve ingress: HAProxy (pid %d) on %s:%d, %d replicas", self.proxy.process.pid, spec.host,
-                 spec.port, len(self.servers))
+        log.info("csmserve ingress: HAProxy (pid %d) on %s:%d, %d replicas, %d connections at most",
+                 self.proxy.process.pid, spec.host, spec.port, len(self.servers), self.frontend.maxconn)
+        if self.frontend.maxconn < LOW_MAXCONN:  # each stream is two of HAProxy's sockets, all in one process
+            log.warning("csmserve ingress: HAProxy can hold %d connections only (the open-file limit, ulimit -n, "
+                        "allows %d files): raise the limit of the nodes' Ray", self.frontend.maxconn,
+                        2 * self.frontend.maxconn + 256)
 
     async def _reports(self) -> dict[str, dict]:
         try:

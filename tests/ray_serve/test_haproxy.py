@@ -54,9 +54,20 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         self.server.seen += 1
         try:
-            hold = float(json.loads(body).get("hold_s", 0))
+            req = json.loads(body)
+            hold, stream = float(req.get("hold_s", 0)), bool(req.get("stream"))
         except (ValueError, AttributeError):
-            hold = 0.0
+            hold, stream = 0.0, False
+        if stream:  # a first small chunk (one frame of audio), then the rest after hold_s: a stream's start
+            self.send_response(200)
+            self.send_header("x-csmserve-replica", self.server.name)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for chunk in (b"x" * 3840, b""):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                time.sleep(hold)
+            return
         time.sleep(hold)
         self._send(200, self.server.name.encode())
 
@@ -181,6 +192,19 @@ def test_a_hot_voice_spills_past_the_load_bound(proxy):
         t.join()
     counts = Counter(results)
     assert len(counts) >= 2 and counts[home] < 8 and counts[home] == max(counts.values()), counts
+
+
+def test_a_streams_first_chunk_passes_at_once(proxy):
+    """HAProxy holds small sends for a fuller packet unless told not to (option http-no-delay): a stream's first
+    chunk must reach the client when the replica writes it, not when more follows."""
+    waits = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with httpx.stream("POST", f"{proxy.url}/v1/audio/speech", json={"input": "Hi.", "stream": True, "hold_s": 0.5},
+                          timeout=30) as r:
+            assert len(next(r.iter_raw())) > 0
+            waits.append(time.perf_counter() - t0)
+    assert sorted(waits)[2] < 0.1, waits
 
 
 def test_a_key_past_the_body_limit_goes_to_the_least_loaded(tmp_path, replicas):
