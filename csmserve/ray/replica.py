@@ -66,7 +66,10 @@ class CSMServeReplica:
         self.directory, self.report_interval_s = directory, report_interval_s
         self.metrics, self.active = b"", 0
         self._task: asyncio.Task | None = None
-        self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.unit.port}", timeout=10)
+        # a connection per scrape: one kept open would count on its worker, and the dispatch (fewest open
+        # connections) would keep new clients off that worker
+        self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.unit.port}", timeout=10,
+                                        limits=httpx.Limits(max_keepalive_connections=0))
         try:
             self.unit.start()
             await self._until_ready()
