@@ -15,6 +15,7 @@
 #   serve      load through the real server (SERVE_SCENARIOS, SERVE_ARGS, SERVE_* below; carry .whl or .bundle)
 #   soak       the soak: 1,000 users for 8 minutes, errors, crashes, slots, memory (SOAK_*; carry .whl or .bundle)
 #   ray        Ray Serve against the plain server: TTFA added at 1 user, then load (RAY_*; carry .bundle)
+#   scaleout   issue 40: plain against --ray (1 replica; 2 half-GPU replicas) at 2,048 pcm, 1,024 mp3, 1,024 WS, bursts
 #   ab         before/after: frame step at 1, 64, 2,048 and engine at 1, 2,048 streams, ab_old/ against this tree
 #   lora       LoRA adapters' cost (bench/lora.py, where the tree has it; LORA_ARGS)
 # WEIGHTS="bf16 fp8-all" runs frame, engine, ttfa and profile once per weights (default bf16).
@@ -139,21 +140,17 @@ stop_server() {  # SIGTERM, 90 s, then SIGKILL and `ray stop`: no replica left o
   python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1 || true
 }
 m_ray() {  # Ray Serve (docs/scale-out.md) against the plain server; the bundle unpacked into $RAY_SITE (/tmp/site).
-  # RAY_PARTS: ttfa (what Ray adds to the first chunk at 1 user, bench/ray_ttfa.py, once per RAY_TTFA_TRANSPORTS:
-  # "default" passes no --proxy-transport) and load (SERVE_BENCH_CMD + SERVE_BENCH_ARGS against each RAY_SETUPS:
+  # RAY_PARTS: ttfa (what Ray adds to the first chunk at 1 user, bench/ray_ttfa.py) and load (SERVE_BENCH_CMD + SERVE_BENCH_ARGS against each RAY_SETUPS:
   # plain, or replicas x GPU share; one server at a time on port 8100). One device call is 10 minutes at most.
-  local t flag setup name n share want pid log
+  local setup name n share want pid log
   unpack_bundle
   export PYTHONPATH=$ROOT:${RAY_SITE:-/tmp/site} RAY_USAGE_STATS_ENABLED=0
   python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
     2>&1 | tee "$OUT/ray_env.txt"
-  if [[ ${RAY_PARTS:-ttfa load} == *ttfa* ]]; then
-    for t in ${RAY_TTFA_TRANSPORTS:-default}; do
-      flag=$([[ $t == default ]] || echo "--proxy-transport $t")
-      python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 2048 \
-        --requests ${RAY_TTFA_REQUESTS:-200} --cpus-per-replica 4 $flag ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa_$t.md" \
-        2>&1 | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa_$t.txt"
-    done
+  if [[ ${RAY_PARTS:-ttfa load} == *ttfa* ]]; then  # the plain server and one replica, requests alternating
+    python bench/ray_ttfa.py --model dummy --device cuda --max-slots 64 --max-seq-len 512 \
+      --requests ${RAY_TTFA_REQUESTS:-200} ${RAY_TTFA_ARGS:-} --out "$OUT/ray_ttfa.md" 2>&1 \
+      | grep -v "^(\|INFO\|WARNING" | tee "$OUT/ray_ttfa.txt"
   fi
   [[ ${RAY_PARTS:-ttfa load} == *load* ]] || return 0
   for setup in ${RAY_SETUPS:-plain 1x1 2x0.5}; do
@@ -189,6 +186,23 @@ PY
       > "$OUT/serve_$name.problems.txt" 2>&1
     rm -f "$log"
   done
+}
+m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 replica, then 2 half-GPU replicas, each
+  # under its own time limit (a part cut short still leaves the others); SCALEOUT_ARGS: the clients' pacing
+  local c=${SCALEOUT_ARGS:-"--client-procs 6 --ramp 4 --warmup 1 --duration 8 --drain 12"}
+  local idle="--scenario closed:users=1,audio_ms=2000,ramp=0,warmup=1,duration=6,label=idle_1_pcm_2s"
+  local u=${SCALEOUT_USERS:-2048} setup limit args part
+  local load="--scenario closed:users=$u --scenario closed:users=$((u / 2)),format=mp3 --scenario ws:users=$((u / 2))"
+  local burst="--scenario burst:users=$u,within=3" limits=(${SCALEOUT_LIMITS:-160 210 170})
+  use_bundle; ulimit -n 65536 2>/dev/null || true
+  export RAY_PARTS=load RAY_MODEL_ARGS=${RAY_MODEL_ARGS:-"--model dummy --max-seq-len 512"}
+  for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $load $burst"; do
+    read -r setup limit args <<< "$part"
+    RAY_SETUPS=$setup SERVE_BENCH_ARGS="$c $args --out $OUT/scaleout_$setup" timeout "$limit" bash "$0" ray
+    pkill -f "csmserve serve" 2>/dev/null; sleep 2
+    python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1
+  done
+  grep -E "^== |^\| " "$OUT/ray_bench.txt" > "$OUT/scaleout_summary.txt"; cat "$OUT/scaleout_summary.txt"
 }
 m_ab() {  # before/after in one call (issue 41's check): the old tree in ab_old/, untracked, made with
   # `git archive <commit> --prefix=ab_old/ csmserve bench pyproject.toml | tar -x && git rev-parse --short <commit>
