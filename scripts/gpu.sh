@@ -196,7 +196,8 @@ m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 re
   local burst="--scenario burst:users=$u,within=3" limits=(${SCALEOUT_LIMITS:-160 210 170})
   use_bundle; ulimit -n 65536 2>/dev/null || true
   export RAY_PARTS=load RAY_MODEL_ARGS=${RAY_MODEL_ARGS:-"--model dummy --max-seq-len 512"}
-  for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $load $burst"; do
+  local half=${SCALEOUT_HALF:-"--scenario closed:users=$u $burst"}  # 2 half-GPU replicas: SCALEOUT_HALF's scenarios
+  for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $half"; do
     read -r setup limit args <<< "$part"
     RAY_SETUPS=$setup SERVE_BENCH_ARGS="$c $args --out $OUT/scaleout_$setup" timeout "$limit" bash "$0" ray
     pkill -f "csmserve serve" 2>/dev/null; sleep 2
