@@ -199,6 +199,7 @@ m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 re
   local half=${SCALEOUT_HALF:-"--scenario closed:users=$u $burst"}  # 2 half-GPU replicas: SCALEOUT_HALF's scenarios
   for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $half"; do
     read -r setup limit args <<< "$part"
+    [[ " ${SCALEOUT_SETUPS:-plain 1x1 2x0.5} " == *" $setup "* ]] || continue
     RAY_SETUPS=$setup SERVE_BENCH_ARGS="$c $args --out $OUT/scaleout_$setup" timeout "$limit" bash "$0" ray
     pkill -f "csmserve serve" 2>/dev/null; sleep 2
     python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1
