@@ -1,0 +1,231 @@
+"""Batched LoRA over a batch's rows, each row its own adapter (or none): y += B_a (A_a x) for row adapter a.
+
+The pool (models/lora.py LoraPool) holds `L` adapters: per projection A [L, R, S, K] (S slices: q,k,v / gate,up /
+one) and B [L, R, N] (scales folded in; column n belongs to slice s(n)); RANKS [L] each slot's rank (no row past it is
+read); AD [B] int32 each batch row's slot, -1: none (data: the CUDA graphs hold one buffer). x has M = B * rows_per
+rows, a batch row's positions consecutive. Rows are walked in tiles of BM; a tile takes the adapters of its rows one
+at a time (the smallest index first, its rows masked in), so rows sorted by adapter (the scheduler orders a step's
+rows so) read each adapter's A and B once per tile, not once per row; a tile of rows without adapters does nothing.
+
+    shrink:  xa [M, S, R] = x A_a^T per slice (rounded to the model dtype, as PEFT's lora_A(x) is)
+    expand:  y[:, slice s] += xa[:, s] B_a[:, slice s]   (in place)  | GLU: h = silu(g + dg) * (u + du)
+
+Above the GEMV's rows (kernels/gemv.py, 1-16 rows, where the LoRA is fused into the GEMV itself) the base GEMM is
+cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink and expand in one program per (row
+tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it, xa through
+memory) and `lora_glu` (the MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's
+kernel, the expand costs no pass over the [M, 2I] output).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from csmserve.kernels import pdl
+
+FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column group), past it shrink and expand apart
+_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
+_BIG = 1 << 30
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 operands: exact products, not TF32 (the CPU-parity dtype)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def shrink_rows(x_rows, sel, a_base, stride_ar, rank, K, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr, IEEE: tl.constexpr):
+    """xa [BM, RB] per slice (fp32) = x[sel rows] A^T: x_rows [BM] row pointers, a_base the adapter's A [R, S, K]
+    (slices K apart, rank rows stride_ar apart); rows outside sel and ranks >= rank are zero."""
+    rr = tl.arange(0, RB)
+    xa0 = tl.zeros([BM, RB], dtype=tl.float32)
+    xa1 = tl.zeros([BM, RB], dtype=tl.float32)
+    xa2 = tl.zeros([BM, RB], dtype=tl.float32)
+    a_cols = a_base + rr.to(tl.int64)[None, :] * stride_ar  # [1, RB]
+    ma = (rr < rank)[None, :]
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        x = tl.load(x_rows[:, None] + rk[None, :], mask=sel[:, None] & mk[None, :], other=0.0)  # [BM, BK]
+        m = mk[:, None] & ma
+        xa0 = _dot(x, tl.load(a_cols + rk[:, None], mask=m, other=0.0), xa0, IEEE)  # A^T tile [BK, RB]
+        if S > 1:
+            xa1 = _dot(x, tl.load(a_cols + K + rk[:, None], mask=m, other=0.0), xa1, IEEE)
+        if S > 2:
+            xa2 = _dot(x, tl.load(a_cols + 2 * K + rk[:, None], mask=m, other=0.0), xa2, IEEE)
+    return xa0, xa1, xa2
+
+
+@triton.jit
+def expand_tile(xa, b_base, stride_br, rank, rn, N, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                IEEE: tl.constexpr):
+    """xa [BM, RB] (model dtype) @ B[:, rn] [RB, BN] -> [BM, BN] fp32 (columns rn of the adapter's B [R, N])."""
+    rr = tl.arange(0, RB)
+    b = tl.load(b_base + rr.to(tl.int64)[:, None] * stride_br + rn[None, :],
+                mask=(rr < rank)[:, None] & (rn < N)[None, :], other=0.0)
+    return _dot(xa, b, tl.zeros([BM, BN], dtype=tl.float32), IEEE)
+
+
+@triton.jit
+def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
+                 stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, EXPAND: tl.constexpr, GLU: tl.constexpr,
+                 IEEE: tl.constexpr, PDL: tl.constexpr):
+    # program (row tile, column group g of G): SHRINK and EXPAND: xa computed, then y's column blocks g, g + G, ...
+    # updated; SHRINK only: xa stored to XA [M, S, RB] (model dtype); EXPAND only: xa read from XA.
+    # GLU (EXPAND): GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    G = tl.num_programs(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = pid_m * BM + tl.arange(0, BM)
+    mm = rm < M
+    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)  # [BM] each row's adapter slot
+    if GLU:  # the rows without an adapter take the loop too (a = -1: no delta)
+        todo = mm
+    else:
+        todo = ad >= 0
+    rr = tl.arange(0, RB)
+    x_rows = X + rm.to(tl.int64) * stride_xm
+    g_rows = GU + rm.to(tl.int64) * stride_gm
+    y_rows = Y + rm.to(tl.int64) * stride_ym
+    xa_rows = XA + rm.to(tl.int64) * (S * RB)
+    dt = Y.dtype.element_ty
+    n_blocks = tl.cdiv(N, BN)
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)  # the tile's next adapter (rows sorted: usually one or two)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        has = a >= 0
+        a_l = tl.maximum(a, 0).to(tl.int64)
+        rank = tl.load(RANKS + a_l) * has.to(tl.int32)  # 0 for rows without an adapter: nothing read past it
+        if SHRINK:
+            xa0, xa1, xa2 = shrink_rows(x_rows, sel & (ad >= 0), A + a_l * stride_al, stride_ar, rank, K, S, RB, BM, BK,
+                                        IEEE)
+            xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
+        else:
+            m2 = (sel & (ad >= 0))[:, None]
+            xa0 = tl.load(xa_rows[:, None] + rr[None, :], mask=m2, other=0.0)
+            xa1 = xa0
+            xa2 = xa0
+            if S > 1:
+                xa1 = tl.load(xa_rows[:, None] + RB + rr[None, :], mask=m2, other=0.0)
+            if S > 2:
+                xa2 = tl.load(xa_rows[:, None] + 2 * RB + rr[None, :], mask=m2, other=0.0)
+        if not EXPAND:
+            m2 = sel[:, None] & (rr < RB)[None, :]
+            tl.store(xa_rows[:, None] + rr[None, :], xa0, mask=m2)
+            if S > 1:
+                tl.store(xa_rows[:, None] + RB + rr[None, :], xa1, mask=m2)
+            if S > 2:
+                tl.store(xa_rows[:, None] + 2 * RB + rr[None, :], xa2, mask=m2)
+        else:
+            b_base = B + a_l * stride_bl
+            for nb in range(pid_g, n_blocks, G):
+                n0 = nb * BN
+                rn = n0 + tl.arange(0, BN)
+                m2 = sel[:, None] & (rn < N)[None, :]
+                if GLU:
+                    g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                    u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                    if has:  # the deltas rounded to the model dtype before the add, as the torch path's
+                        g = g + expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(tl.float32)
+                        u = u + expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(
+                            tl.float32)
+                    g = g.to(dt).to(tl.float32)
+                    u = u.to(dt).to(tl.float32)
+                    tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m2)
+                else:
+                    # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
+                    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+                    xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
+                    d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
+                    y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
+                    tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+
+
+def _pow2_divisor(n: int, most: int) -> int:
+    d = 1
+    while d < most and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _blocks(lora, m: int, n: int) -> tuple[int, int, int, int]:
+    """(BM, BK, BN, RB) for m rows of a projection's n output columns (BN divides its slice bounds)."""
+    t = lora.target
+    bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
+    rb = max(16, triton.next_power_of_2(lora.a.shape[1]))
+    bm = 16 if m <= 64 else 32
+    return bm, 64, bn, rb
+
+
+def applies(x: Tensor, lora) -> bool:
+    """x in the pool's dtype, and column blocks of >= 16 that never straddle two slices (CSM's are 128)."""
+    t = lora.target
+    return x.dtype == lora.a.dtype and all(_pow2_divisor(b, 16) == 16 for b in t.bounds if b < t.n)
+
+
+def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,
+            groups: int = 1, gu: Tensor | None = None) -> None:
+    m = y.shape[0]
+    gu = y if gu is None else gu
+    bm, bk, bn, rb = _blocks(lora, m, n)
+    rows = lora.rows
+    t = lora.target
+    a, b = lora.a, lora.b
+    grid = (triton.cdiv(m, bm), groups)
+    _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
+                       gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds, S=len(t.slices),
+                       RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
+                       IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+
+
+def _groups(m: int, n: int, lora, fused: bool) -> int:
+    """Column groups: ~_PROGRAMS programs in all; with the shrink in the program, at most 8 (each recomputes it)."""
+    bm, _, bn, _ = _blocks(lora, m, n)
+    return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else _BIG))
+
+
+def lora_shrink(x: Tensor, lora) -> Tensor:
+    """xa [M, S, RB] (model dtype; rows without an adapter unset) of x [M, K]."""
+    t = lora.target
+    rb = _blocks(lora, x.shape[0], t.n)[3]
+    xa = torch.empty(x.shape[0], len(t.slices), rb, dtype=x.dtype, device=x.device)
+    _launch(x, xa, xa, lora, t.n, shrink=True, expand=False, glu=False)
+    return xa
+
+
+def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
+    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    m, n = x2.shape[0], y2.shape[1]
+    if m <= FUSED_ROWS:
+        _launch(x2, y2, y2, lora, n, shrink=True, expand=True, glu=False, groups=_groups(m, n, lora, True))
+    else:
+        xa = lora_shrink(x2, lora)
+        _launch(xa, y2, xa, lora, n, shrink=False, expand=True, glu=False, groups=_groups(m, n, lora, False))
+    return y
+
+
+def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
+    """silu(gate + dg) * (up + du) [M, I] from the base gate_up [M, 2I] (cuBLAS') and its input x [M, K]: the MLP's
+    SiLU*up with each row's LoRA deltas of gate and up added first (every row written)."""
+    x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
+    m, i = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+    if m <= FUSED_ROWS:
+        _launch(x2, h, h, lora, i, shrink=True, expand=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
+    else:
+        xa = lora_shrink(x2, lora)
+        _launch(xa, h, xa, lora, i, shrink=False, expand=True, glu=True, groups=_groups(m, i, lora, False), gu=gu)
+    return h.reshape(*gate_up.shape[:-1], i)
