@@ -153,6 +153,213 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                     tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
 
 
+# ---------------------------------------------------------------------------------- 1-16 rows: the ticketed kernel
+# At a few rows the shrink is a reduction over K of a few rows: one program per column block (the expand) would each
+# read all of A again, and one program per row reads A [R, K] alone (a latency of microseconds for K = 8,192). So
+# the shrink is cut into pieces (slice s, a K range of PIECE_K), each a program of its own, and the programs that
+# update y's column blocks wait for them. Programs take their role from a ticket (an atomic counter: the first NP
+# tickets are the pieces), so a program that waits only waits for programs that are already running (the ordering
+# CUB's decoupled look-back relies on): no deadlock whatever order the GPU starts them in. The pieces' partial sums
+# [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
+# finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
+# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
+SMALL_ROWS = 16  # the pieces' row tile: 1-16 rows
+PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
+
+
+@triton.jit
+def x_rows_of(X, IDX, rm, mm, stride_xm, GATHER: tl.constexpr):
+    """Row pointers [BM] of x: X's rows, or (GATHER) the rows IDX[m] of the table X (the depth step's embedding)."""
+    if GATHER:
+        return X + tl.load(IDX + rm, mask=mm, other=0).to(tl.int64) * stride_xm
+    return X + rm.to(tl.int64) * stride_xm
+
+
+@triton.jit
+def norm_rstd(x_rows, d_rows, mm, K, eps, dt, HAS_DELTA: tl.constexpr, BK: tl.constexpr):
+    """1 / rms [BM] of each row of h = x + delta (the sum rounded to dt, as `x + delta` rounds it)."""
+    ss = tl.zeros([x_rows.shape[0], BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        m2 = mm[:, None] & (rk < K)[None, :]
+        h = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
+        ss += h.to(tl.float32) * h.to(tl.float32)
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def x_chunk(x_rows, d_rows, NW, rk, m2, rstd, dt, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """The rows' input chunk [BM, BK] in dt: x, or rms_norm(x + delta) * nw rounded as kernels/gemv.py's is."""
+    x = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+    if NORM:
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
+        nw = tl.load(NW + rk).to(tl.float32)
+        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
+def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, M, K, rows_per, stride_xm, stride_dm, stride_al, stride_ar,
+               eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+               NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr):
+    """Shrink piece t = (slice s, K range kp): WS[t] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's range]^T, each
+    row with its adapter (rows without one: zeros). x as the GEMV sees it (NORM: normed x + delta; GATHER: rows of
+    a table)."""
+    s = t // KSPLIT
+    kp = t % KSPLIT
+    rm = tl.arange(0, BM)
+    mm = rm < M
+    rr = tl.arange(0, RB)
+    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
+    x_rows = x_rows_of(X, IDX, rm, mm, stride_xm, GATHER)
+    d_rows = DELTA + rm.to(tl.int64) * stride_dm
+    rstd = tl.full([BM], 1.0, dtype=tl.float32)
+    todo = ad >= 0
+    if NORM:
+        if tl.max(todo.to(tl.int32), axis=0) > 0:
+            rstd = norm_rstd(x_rows, d_rows, mm & todo, K, eps, dt, HAS_DELTA, BK)
+    acc = tl.zeros([BM, RB], dtype=tl.float32)
+    k_per = K // KSPLIT
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        a_l = a.to(tl.int64)
+        rank = tl.load(RANKS + a_l)
+        a_cols = A + a_l * stride_al + rr.to(tl.int64)[None, :] * stride_ar + s * K  # [1, RB]
+        for k0 in range(kp * k_per, (kp + 1) * k_per, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = x_chunk(x_rows, d_rows, NW, rk, sel[:, None] & (rk < K)[None, :], rstd, dt, NORM, HAS_DELTA)
+            w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
+            acc = _dot(x, w.to(dt), acc, IEEE)
+    tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
+
+
+@triton.jit
+def lora_wait(CTR, n):
+    """Until the n shrink pieces have stored their sums (acquire: their stores are visible then)."""
+    done = tl.atomic_add(CTR + 1, 0, sem="acquire")
+    while done < n:
+        done = tl.atomic_add(CTR + 1, 0, sem="acquire")
+
+
+@triton.jit
+def lora_arrive(CTR, total):
+    """This program is done with the counters; the last of `total` resets them for the next launch."""
+    if tl.atomic_add(CTR + 2, 1, sem="acq_rel") == total - 1:
+        tl.atomic_xchg(CTR, 0)
+        tl.atomic_xchg(CTR + 1, 0)
+        tl.atomic_xchg(CTR + 2, 0)
+
+
+@triton.jit
+def lora_xa(WS, s, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr):
+    """Slice s's xa [BM, RB] (fp32): its KSPLIT pieces' sums added in order."""
+    rm = tl.arange(0, BM)
+    rr = tl.arange(0, RB)
+    xa = tl.zeros([BM, RB], dtype=tl.float32)
+    for kp in range(KSPLIT):
+        xa += tl.load(WS + (s * KSPLIT + kp) * (BM * RB) + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")
+    return xa
+
+
+@triton.jit
+def lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
+              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """The delta [BM, BN] (fp32, rounded to dt as PEFT's is) of columns rn = n0 + [0, BN) (one slice), every row
+    with its adapter's B; after lora_wait."""
+    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+    xa = lora_xa(WS, s, KSPLIT, RB, BM).to(dt)
+    rm = tl.arange(0, BM)
+    ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
+    d = tl.zeros([BM, BN], dtype=tl.float32)
+    todo = ad >= 0
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        a_l = a.to(tl.int64)
+        b = expand_tile(tl.where(sel[:, None], xa, 0.0).to(dt), B + a_l * stride_bl, stride_br,
+                        tl.load(RANKS + a_l), rn, N, RB, BM, BN, IEEE)
+        d += b.to(dt).to(tl.float32)
+    return d
+
+
+@triton.jit
+def lora_row(WS, AD, B, RANKS, m, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
+             RB: tl.constexpr, BM: tl.constexpr):
+    """Row m's delta [BN] (fp32, rounded to dt) of columns rn (any BN: no tensor cores): the 1-2-row GEMV's."""
+    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+    rr = tl.arange(0, RB)
+    a = tl.load(AD + m // rows_per)
+    a_l = tl.maximum(a, 0).to(tl.int64)
+    rank = tl.load(RANKS + a_l) * (a >= 0).to(tl.int32)
+    xa = tl.zeros([RB], dtype=tl.float32)
+    for kp in range(KSPLIT):
+        xa += tl.load(WS + (s * KSPLIT + kp) * (BM * RB) + m * RB + rr, cache_modifier=".cg")
+    b = tl.load(B + a_l * stride_bl + rr.to(tl.int64)[:, None] * stride_br + rn[None, :],
+                mask=(rr < rank)[:, None] & (rn < N)[None, :], other=0.0)  # [RB, BN]
+    return tl.sum(xa.to(dt).to(tl.float32)[:, None] * b.to(tl.float32), axis=0).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _lora_small_kernel(X, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_ym, stride_al, stride_ar,
+                       stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks of y += delta (rows without an adapter untouched)
+    t = tl.atomic_add(CTR, 1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    NP = S * KSPLIT
+    dt = Y.dtype.element_ty
+    if t < NP:
+        lora_piece(t, X, X, X, X, AD, A, RANKS, WS, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0, dt,
+                   S, KSPLIT, RB, BM, BK, False, False, False, IEEE)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(CTR + 1, 1, sem="release")
+    else:
+        rm = tl.arange(0, BM)
+        ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
+        live = ad >= 0
+        if tl.max(live.to(tl.int32), axis=0) > 0:
+            n0 = (t - NP) * BN
+            rn = n0 + tl.arange(0, BN)
+            lora_wait(CTR, NP)
+            d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
+                          BM, BN, IEEE)
+            y_ptr = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            m2 = live[:, None] & (rn < N)[None, :]
+            y = tl.load(y_ptr, mask=m2, other=0.0)
+            tl.store(y_ptr, (y.to(tl.float32) + d).to(dt), mask=m2)
+    lora_arrive(CTR, tl.num_programs(0))
+
+
+def pieces(k: int) -> int:
+    """K ranges per slice of the shrink pieces (K // PIECE_K where it divides, else 1)."""
+    return k // PIECE_K if k % PIECE_K == 0 and k > PIECE_K else 1
+
+
+def lora_small_add_(x: Tensor, y: Tensor, lora) -> Tensor:
+    """lora_add_ at 1-16 rows (the ticketed kernel): y [M, N] += the rows' LoRA deltas of x [M, K]."""
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    m, n = y2.shape
+    t = lora.target
+    bm, _, bn, rb = _blocks(lora, m, n)
+    ksplit = pieces(t.k)
+    bk = _pow2_divisor(t.k // ksplit, 64)  # divides each piece's K range
+    ws, ctr = lora.scratch(rb)
+    grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
+    _lora_small_kernel[grid](x2, y2, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
+                             m // lora.rows.shape[0], x2.stride(0), y2.stride(0), lora.a.stride(0), lora.a.stride(1),
+                             lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), KSPLIT=ksplit, RB=rb,
+                             BM=SMALL_ROWS, BK=bk, BN=bn, IEEE=x2.dtype == torch.float32, num_warps=4, **pdl.opts())
+    return y
+
+
 def _pow2_divisor(n: int, most: int) -> int:
     d = 1
     while d < most and n % (d * 2) == 0:

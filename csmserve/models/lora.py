@@ -290,10 +290,23 @@ class LoraLayer:
         w = pool.weights
         self.a = w.as_strided((L, R, S, K), (R * W, W, K, 1), w.storage_offset() + target.a_off)
         self.b = w.as_strided((L, R, N), (R * W, W, 1), w.storage_offset() + target.b_off)
+        self._scratch: tuple[Tensor, Tensor] | None = None
 
     @property
     def rows(self) -> Tensor | None:
         return self.pool.rows
+
+    def scratch(self, rb: int) -> tuple[Tensor, Tensor]:
+        """The ticketed kernels' (kernels/lora.py) shrink partial sums [pieces, 16, rb] float32 and counters [4]
+        int32, this projection's own (its calls run one after another), made once, never inside a capture."""
+        if self._scratch is None or self._scratch[0].shape[2] != rb:
+            from csmserve.kernels.lora import SMALL_ROWS, pieces
+
+            dev = self.a.device
+            n = len(self.target.slices) * pieces(self.target.k)
+            self._scratch = (torch.zeros(n, SMALL_ROWS, rb, dtype=torch.float32, device=dev),
+                             torch.zeros(4, dtype=torch.int32, device=dev))
+        return self._scratch
 
 
 class LoraPool:

@@ -118,3 +118,32 @@ def test_shrink_rounds_like_the_reference(pool):
     got = kl.lora_shrink(x, layer)[:, :, :want.shape[2]]
     live = p.rows >= 0
     _close(got[live], want[live])
+
+
+SMALL = {"ragged": [-1, 0, 0, 2, 2, 2, -1, 4], "mixed": [3, -1, 1, 0, 3, 1, 4, 2, 2, -1, 0, 1, 3, 4, 4, 0],
+         "one": [1], "two": [-1, 4], "none": [-1, -1]}
+
+
+@interpreted
+@pytest.mark.parametrize("rows", list(SMALL))
+@pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.0.mlp.gate_up_proj",
+                                    "backbone.layers.1.mlp.down_proj", "projection"])
+@pytest.mark.parametrize("piece_k", [512, 32])
+def test_ticketed_small_rows(pool, monkeypatch, rows, module, piece_k):
+    """1-16 rows: shrink pieces (split over K: piece_k 32) then the column blocks that wait for them; run twice (the
+    counters reset by the last program) and with two positions per row where the rows allow."""
+    from csmserve.kernels import lora as kl
+
+    model, p = pool
+    layer = model.get_submodule(module).lora
+    monkeypatch.setattr(kl, "PIECE_K", piece_k)
+    layer._scratch = None
+    for per in (1, 2) if len(SMALL[rows]) <= 8 else (1,):
+        p.rows = torch.tensor(SMALL[rows], dtype=torch.int32)
+        m = len(SMALL[rows]) * per
+        x = _x(m, layer.target.k, 6)
+        y0 = _x(m, layer.target.n, 7)
+        want = y0 + delta_torch(x, layer)
+        for _ in range(2):
+            _close(kl.lora_small_add_(x, y0.clone(), layer), want)
+        assert layer._scratch[1].tolist() == [0, 0, 0, 0]
