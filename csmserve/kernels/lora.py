@@ -163,7 +163,8 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
 # [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
 # finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
 # (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
-SMALL_ROWS = 16  # the pieces' row tile: 1-16 rows
+SMALL_ROWS = 16  # the pieces' row tile in the GEMV (1-16 rows); lora_add_ runs the ticketed kernel up to TICKET_ROWS
+TICKET_ROWS = 64
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
 
 
@@ -306,10 +307,12 @@ def lora_row(WS, AD, B, RANKS, m, rows_per, n0, rn, N, N0, N1, stride_bl, stride
 
 
 @triton.jit
-def _lora_small_kernel(X, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_ym, stride_al, stride_ar,
-                       stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr,
-                       BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks of y += delta (rows without an adapter untouched)
+def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_gm, stride_ym,
+                       stride_al, stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr,
+                       RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
+    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks: y += delta (rows without an adapter untouched), or
+    # GLU: Y = silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul)
     t = tl.atomic_add(CTR, 1)
     if PDL:
         gdc_wait()
@@ -325,9 +328,25 @@ def _lora_small_kernel(X, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride
         rm = tl.arange(0, BM)
         ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
         live = ad >= 0
-        if tl.max(live.to(tl.int32), axis=0) > 0:
-            n0 = (t - NP) * BN
-            rn = n0 + tl.arange(0, BN)
+        any_live = tl.max(live.to(tl.int32), axis=0) > 0
+        n0 = (t - NP) * BN
+        rn = n0 + tl.arange(0, BN)
+        if GLU:
+            m2 = (rm < M)[:, None] & (rn < N)[None, :]
+            g_ptr = GU + rm.to(tl.int64)[:, None] * stride_gm + rn[None, :]
+            g = tl.load(g_ptr, mask=m2, other=0.0).to(tl.float32)
+            u = tl.load(g_ptr + N, mask=m2, other=0.0).to(tl.float32)
+            if any_live:
+                lora_wait(CTR, NP)
+                g += lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
+                               KSPLIT, RB, BM, BN, IEEE)
+                u += lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
+                               dt, KSPLIT, RB, BM, BN, IEEE)
+            g = g.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt),
+                     mask=m2)
+        elif any_live:
             lora_wait(CTR, NP)
             d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
                           BM, BN, IEEE)
@@ -343,21 +362,25 @@ def pieces(k: int) -> int:
     return k // PIECE_K if k % PIECE_K == 0 and k > PIECE_K else 1
 
 
-def lora_small_add_(x: Tensor, y: Tensor, lora) -> Tensor:
-    """lora_add_ at 1-16 rows (the ticketed kernel): y [M, N] += the rows' LoRA deltas of x [M, K]."""
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    m, n = y2.shape
+def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
+    m, n = y.shape
     t = lora.target
-    bm, _, bn, rb = _blocks(lora, m, n)
+    _, _, bn, rb = _blocks(lora, m, n)
     ksplit = pieces(t.k)
     bk = _pow2_divisor(t.k // ksplit, 64)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
+    gu = y if gu is None else gu
     grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
-    _lora_small_kernel[grid](x2, y2, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
-                             m // lora.rows.shape[0], x2.stride(0), y2.stride(0), lora.a.stride(0), lora.a.stride(1),
-                             lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), KSPLIT=ksplit, RB=rb,
-                             BM=SMALL_ROWS, BK=bk, BN=bn, IEEE=x2.dtype == torch.float32, num_warps=4, **pdl.opts())
-    return y
+    _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
+                             m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
+                             lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
+                             KSPLIT=ksplit, RB=rb, BM=small_tile(m), BK=bk, BN=bn, GLU=gu is not y,
+                             IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+
+
+def small_tile(m: int) -> int:
+    """The ticketed kernel's row tile: 16 rows (the GEMV's), 32 or 64."""
+    return 16 if m <= 16 else triton.next_power_of_2(m)
 
 
 def _pow2_divisor(n: int, most: int) -> int:
@@ -416,7 +439,9 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     m, n = x2.shape[0], y2.shape[1]
-    if m <= FUSED_ROWS:
+    if m <= TICKET_ROWS:
+        _small(x2, y2, lora, None)
+    elif m <= FUSED_ROWS:
         _launch(x2, y2, y2, lora, n, shrink=True, expand=True, glu=False, groups=_groups(m, n, lora, True))
     else:
         xa = lora_shrink(x2, lora)
@@ -430,7 +455,9 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
     m, i = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
-    if m <= FUSED_ROWS:
+    if m <= TICKET_ROWS:
+        _small(x2, h, lora, gu)
+    elif m <= FUSED_ROWS:
         _launch(x2, h, h, lora, i, shrink=True, expand=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
     else:
         xa = lora_shrink(x2, lora)

@@ -55,6 +55,14 @@ ROWS = {  # each batch row's adapter slot
 }
 
 
+MODES = ["ticketed", "fused", "split"]  # the 1-64-row kernel; row tiles with the shrink per program, or apart
+
+
+def _mode(kl, monkeypatch, mode: str) -> None:
+    monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 0)
+    monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
+
+
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
 
@@ -69,8 +77,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.1.self_attn.qkv_proj",
                                     "backbone.layers.1.mlp.down_proj", "projection"])
 @pytest.mark.parametrize("per", [1, 2])
-@pytest.mark.parametrize("fused", [True, False])
-def test_lora_add(pool, monkeypatch, rows, module, per, fused):
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_add(pool, monkeypatch, rows, module, per, mode):
     from csmserve.kernels import lora as kl
 
     model, p = pool
@@ -80,7 +88,7 @@ def test_lora_add(pool, monkeypatch, rows, module, per, fused):
     x = _x(m, layer.target.k, 1)
     y0 = _x(m, layer.target.n, 2)
     want = y0 + delta_torch(x, layer)
-    monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if fused else 0)
+    _mode(kl, monkeypatch, mode)
     got = kl.lora_add_(x, y0.clone(), layer)
     _close(got, want)
     untouched = torch.tensor(ROWS[rows]).repeat_interleave(per) < 0
@@ -90,8 +98,8 @@ def test_lora_add(pool, monkeypatch, rows, module, per, fused):
 @interpreted
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("module", ["backbone.layers.0.mlp.gate_up_proj", "decoder.layers.0.mlp.gate_up_proj"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_lora_glu(pool, monkeypatch, rows, module, fused):
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_glu(pool, monkeypatch, rows, module, mode):
     from csmserve.kernels import lora as kl
 
     model, p = pool
@@ -101,7 +109,7 @@ def test_lora_glu(pool, monkeypatch, rows, module, fused):
     x = _x(m, layer.target.k, 3)
     gu = _x(m, layer.target.n, 4)
     g, u = (gu + delta_torch(x, layer)).chunk(2, -1)
-    monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if fused else 0)
+    _mode(kl, monkeypatch, mode)
     _close(kl.lora_glu(gu, x, layer), F.silu(g) * u)
 
 
@@ -121,7 +129,7 @@ def test_shrink_rounds_like_the_reference(pool):
 
 
 SMALL = {"ragged": [-1, 0, 0, 2, 2, 2, -1, 4], "mixed": [3, -1, 1, 0, 3, 1, 4, 2, 2, -1, 0, 1, 3, 4, 4, 0],
-         "one": [1], "two": [-1, 4], "none": [-1, -1]}
+         "one": [1], "two": [-1, 4], "none": [-1, -1], "forty": [i % 6 - 1 for i in range(40)]}
 
 
 @interpreted
@@ -129,14 +137,15 @@ SMALL = {"ragged": [-1, 0, 0, 2, 2, 2, -1, 4], "mixed": [3, -1, 1, 0, 3, 1, 4, 2
 @pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.0.mlp.gate_up_proj",
                                     "backbone.layers.1.mlp.down_proj", "projection"])
 @pytest.mark.parametrize("piece_k", [512, 32])
-def test_ticketed_small_rows(pool, monkeypatch, rows, module, piece_k):
-    """1-16 rows: shrink pieces (split over K: piece_k 32) then the column blocks that wait for them; run twice (the
-    counters reset by the last program) and with two positions per row where the rows allow."""
+def test_ticketed_pieces_split_over_k(pool, monkeypatch, rows, module, piece_k):
+    """1-64 rows: shrink pieces (split over K: piece_k 32) then the column blocks that wait for them; run twice (the
+    counters reset by the last program), with two positions per row where the rows allow; gate_up as the GLU."""
     from csmserve.kernels import lora as kl
 
     model, p = pool
     layer = model.get_submodule(module).lora
     monkeypatch.setattr(kl, "PIECE_K", piece_k)
+    _mode(kl, monkeypatch, "ticketed")
     layer._scratch = None
     for per in (1, 2) if len(SMALL[rows]) <= 8 else (1,):
         p.rows = torch.tensor(SMALL[rows], dtype=torch.int32)
@@ -145,5 +154,9 @@ def test_ticketed_small_rows(pool, monkeypatch, rows, module, piece_k):
         y0 = _x(m, layer.target.n, 7)
         want = y0 + delta_torch(x, layer)
         for _ in range(2):
-            _close(kl.lora_small_add_(x, y0.clone(), layer), want)
-        assert layer._scratch[1].tolist() == [0, 0, 0, 0]
+            if "gate_up" in module:
+                g, u = want.chunk(2, -1)
+                _close(kl.lora_glu(y0, x, layer), F.silu(g) * u)
+            else:
+                _close(kl.lora_add_(x, y0.clone(), layer), want)
+            assert layer._scratch[1].tolist() == [0, 0, 0, 0]
