@@ -360,21 +360,26 @@ def row_adapters(rows: Tensor, m: int) -> Tensor:
 
 
 def shrink_torch(x: Tensor, lora: LoraLayer) -> Tensor:
-    """x [M, K] -> xa [M, S, R] in x's dtype (as PEFT's lora_A(x) rounds it), zero on rows without an adapter."""
+    """x [M, K] -> xa [M, S, R] in x's dtype (as PEFT's lora_A(x) rounds it), zero on rows without an adapter.
+    Every slot's shrink, then each row's picked: no host sync, memory M * L * S * R."""
     ad = row_adapters(lora.rows, x.shape[0]).long()
-    a = lora.a[ad.clamp(min=0)]  # [M, R, S, K]
-    xa = torch.einsum("mk,mrsk->msr", x.float(), a.float())
+    xa = torch.einsum("mk,lrsk->mlsr", x.float(), lora.a.float())  # [M, L, S, R]
+    xa = xa[torch.arange(x.shape[0], device=x.device), ad.clamp(min=0)]  # [M, S, R]
     return (xa * (ad >= 0)[:, None, None]).to(x.dtype)
 
 
 def expand_torch(xa: Tensor, lora: LoraLayer) -> Tensor:
-    """xa [M, S, R] -> the LoRA delta [M, N] in xa's dtype (B scaled already); slice s's columns use xa[:, s]."""
-    ad = row_adapters(lora.rows, xa.shape[0]).long()
-    b = lora.b[ad.clamp(min=0)]  # [M, R, N]
-    s_of_col = torch.repeat_interleave(torch.arange(len(lora.target.slices), device=xa.device),
-                                       torch.tensor(lora.target.slices, device=xa.device))  # [N]
-    xa_cols = xa.float()[:, s_of_col, :]  # [M, N, R]
-    return torch.einsum("mnr,mrn->mn", xa_cols, b.float()).to(xa.dtype)
+    """xa [M, S, R] -> the LoRA delta [M, N] in xa's dtype (B scaled already); slice s's columns use xa[:, s].
+    One product per slot and slice, each row's own kept."""
+    ad = row_adapters(lora.rows, xa.shape[0])
+    out = torch.zeros(xa.shape[0], lora.target.n, dtype=torch.float32, device=xa.device)
+    col = 0
+    for s, width in enumerate(lora.target.slices):
+        for slot in range(lora.b.shape[0]):
+            mine = xa[:, s].float() * (ad == slot)[:, None]  # [M, R]
+            out[:, col:col + width] += mine @ lora.b[slot, :, col:col + width].float()
+        col += width
+    return out.to(xa.dtype)
 
 
 def delta_torch(x: Tensor, lora: LoraLayer) -> Tensor:
