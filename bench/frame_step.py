@@ -29,8 +29,6 @@ def main() -> None:
     ap.add_argument("--fuse", action="store_true",
                     help="the fused Triton elementwise kernels (ModelRunner uses them on CUDA anyway)")
     ap.add_argument("--codec", action="store_true", help="include the Mimi streaming decode (bf16)")
-    ap.add_argument("--spec-depth", type=int, default=None, help="EngineConfig.spec_depth (acceptance: the "
-                    "weights' own; random weights' heads rarely agree: bench/spec_depth.py sets it instead)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"], help="EngineConfig.weights")
     ap.add_argument("--no-codec-stream", action="store_true",
                     help="EngineConfig(codec_stream=False): Mimi's decode in the frame step's graph, after the generation")
@@ -49,8 +47,8 @@ def main() -> None:
 
         mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
     runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches, mimi=mimi,
-                         spec_depth=args.spec_depth, weights=args.weights, codec_stream=not args.no_codec_stream)
-    print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s; {runner.residency}", flush=True)
+                         weights=args.weights, codec_stream=not args.no_codec_stream)
+    print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
     W = model.cfg.frame_width
     tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
     mask[-1] = True

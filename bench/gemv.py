@@ -2,7 +2,6 @@
 
 python bench/gemv.py --rows 1,2 [--fp8]
 python bench/gemv.py --rows 4,12,16 --fp8 --mma-sweep   (3-16 rows: the tensor-core kernel's rule and other configs)
-python bench/gemv.py --rows 32,64 --fp8 --mma-rows 64    (the 32- and 64-row tiles, whatever the defaults)
 
 Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
 > 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
@@ -39,17 +38,12 @@ MMA_CONFIGS = [(16, 256, 4, 4, 1), (16, 512, 4, 4, 1), (16, 512, 4, 3, 1), (16, 
                (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 8, 4, 1), (32, 256, 8, 4, 1),
                (16, 256, 4, 6, 1), (32, 128, 4, 6, 1), (16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (16, 256, 4, 4, 4),
                (16, 256, 4, 4, 8), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (16, 1024, 4, 3, 2)]
-# 17-64 rows (the 32- and 64-row tiles: the input tile [tile, BLOCK_K] grows with the rows)
-MMA_CONFIGS_WIDE = [(64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 64, 4, 4, 1), (64, 128, 8, 4, 1), (32, 128, 4, 4, 1),
-                    (32, 256, 4, 3, 1), (16, 256, 4, 4, 1), (128, 64, 4, 4, 1), (128, 64, 8, 4, 1),
-                    (128, 128, 8, 3, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8),
-                    (32, 128, 4, 4, 4), (32, 256, 4, 3, 2), (16, 256, 4, 4, 4), (128, 64, 4, 4, 4)]
 
 
 def sweep(run, m: int, k: int) -> tuple[float, tuple] | None:
-    """The fastest of MMA_CONFIGS (MMA_CONFIGS_WIDE past 16 rows) for run(cfg) (us per call)."""
+    """The fastest of MMA_CONFIGS for run(cfg) (us per call)."""
     best = None
-    for cfg in MMA_CONFIGS if m <= 16 else MMA_CONFIGS_WIDE:
+    for cfg in MMA_CONFIGS:
         bk, split = cfg[1], cfg[4]
         if k % (bk * split) or k // split < bk:
             continue
@@ -72,18 +66,14 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
     ap.add_argument("--mma-sweep", action="store_true",
-                    help="at 3+ rows also MMA_CONFIGS(_WIDE): the best one per shape and weights, against the rule")
-    ap.add_argument("--mma-rows", type=int, default=None,
-                    help="gemv.MAX_ROWS and MAX_ROWS_FP8 (the tensor-core kernel's most rows, up to 64)")
+                    help="at 3+ rows also MMA_CONFIGS: the best one per shape and weights, against the rule")
     ap.add_argument("--shapes", default="", help="only the SHAPES whose name contains one of these (comma list)")
     args = ap.parse_args()
-    if args.mma_rows:
-        gemv.MAX_ROWS = gemv.MAX_ROWS_FP8 = min(args.mma_rows, gemv.TILE_ROWS[-1])
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
     gemv._ELEMS = args.elems or gemv._ELEMS
     gemv.NUM_WARPS = args.warps or gemv.NUM_WARPS
     print(f"programs {gemv._PROGRAMS}, elems {gemv._ELEMS}, warps {gemv.NUM_WARPS}, "
-          f"tensor-core rows {gemv.MAX_ROWS} (fp8 {gemv.MAX_ROWS_FP8})")
+          f"tensor-core rows {gemv.MAX_ROWS}")
     dt = torch.bfloat16
     extra = " fp8 gemv (us) | fp8 GB/s | fp8 max rel err | FP8Linear (us) |" if args.fp8 else ""
     print("| shape | N x K | M | cuBLAS (us) | gemv (us) | cuBLAS GB/s | gemv GB/s | max abs err (gemv vs cuBLAS) |"

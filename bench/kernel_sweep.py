@@ -84,7 +84,7 @@ def sweep_gemv(shapes, rows, reps: int, budget_s: float, dt, fp8: bool = False) 
             ref = call(0).float()
             rule = graph_timed(run, reps)
             results = []
-            bn0, bk0 = gemv.blocks(m, n, k, glu, fp8=fp8)  # nearest the rule's blocks first: the budget may end it
+            bn0, bk0 = gemv.blocks(m, n, k, glu)  # nearest the rule's blocks first: the budget may end it
             cands = sorted(gemv_candidates(m, n, k, glu, fp8), key=lambda c: (
                 abs(math.log2(c[0] / bn0)) + abs(math.log2(c[1] / bk0)), c[2] != gemv.NUM_WARPS))
             for cfg in cands:

@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--layout", default=None, help="cl or nct (default: the engine's, CSMSERVE_MIMI_LAYOUT)")
+    ap.add_argument("--layout", default="cl", help="cl (the engine's) or nct (the conv layout)")
     args = ap.parse_args()
     mimi = load_mimi("dummy", dtype=getattr(torch, args.dtype), device="cuda")
     st = MimiStream(mimi, args.batch + 1, "decode", 1, layout=args.layout)

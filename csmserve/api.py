@@ -34,7 +34,7 @@ from csmserve.config import EngineConfig
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.sampling import SamplingParams
 from csmserve.models.codec import load_codec
-from csmserve.models.loader import load_csm
+from csmserve.models.loader import DUMMY_MODELS, load_csm
 from csmserve.engine.adapters import UnknownAdapterError
 from csmserve.prompt.segments import SentenceSplitter
 from csmserve.prompt.tokenizer import (FRAME_MS, PromptPart, PromptSegment, assemble, load_tokenizer, prompt_part,
@@ -167,6 +167,12 @@ class CSM:
     def engine(self):
         _ = self.client
         return self._engine
+
+    @property
+    def random_weights(self) -> bool:
+        """`dummy` / `dummy-tiny`: they never end a sentence (no EOS), so a request that names no length stops
+        at a reader's length for its text (config.reading_ms) in the CLI and the server."""
+        return self.model_name in DUMMY_MODELS
 
     @property
     def ready(self) -> bool:

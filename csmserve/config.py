@@ -8,6 +8,15 @@ from dataclasses import dataclass
 SAMPLE_RATE = 24_000  # Hz: Mimi's audio (and OpenAI's pcm)
 FRAME_MS = 80  # one Mimi frame (12.5 Hz)
 FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000  # 1920
+# a reader's pace (speech is ~15 characters/s): a request that names no length is capped at this per character
+# of its text (ServerConfig.audio_ms_per_char); random weights (dummy, dummy-tiny) never end a sentence
+# themselves, so there it is where they stop
+AUDIO_MS_PER_CHAR = 150
+
+
+def reading_ms(chars: int, ms_per_char: int = AUDIO_MS_PER_CHAR) -> int:
+    """A reader's length for `chars` characters of text, in ms: ms_per_char each, at least 1 s."""
+    return max(1000, ms_per_char * chars)
 
 WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
 
@@ -31,18 +40,6 @@ class EngineConfig:
     # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
     # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
     chunk_frames: int = 2
-    # True: launch frame step N+1 before reading step N's results (the GPU never waits for the host);
-    # False: launch it once step N is done, so a request arriving during step N starts in N+1, one
-    # frame step sooner under load, at the cost of the host's scheduling time between steps
-    overlap_steps: bool = True
-    # with overlap: launch step N+1 as late as it can still start when N ends (engine/pacing.py), so
-    # requests arriving during N join N+1 (measured: ~9 ms less time to first audio at 1-64 streams,
-    # the same frames/s; docs/benchmarks.md)
-    late_launch: bool = True
-    # after a frame step whose every row makes its request's (or segment's) first frame (an idle engine's
-    # new request): launch the next step only once it is done, so that frame's Mimi decode has the GPU to
-    # itself (time to first audio), not beside the next generation; False: overlapped as any other step
-    first_frame_alone: bool = True
     # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
     # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
     # backbone pass: time to first audio); False: the last frame enters through the first frame step
@@ -52,10 +49,6 @@ class EngineConfig:
     # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;
     # 0 disables
     prefix_cache_bytes: int | None = None
-    # draft/verify over codebooks inside the depth decoder (engine/speculate.py): k drafts per verify
-    # pass, 2..8; None or 0 = off. Exact (the codes' distribution is unchanged); pays off only when the
-    # heads' drafts are accepted often enough (`csmserve bench` prints the acceptance rate)
-    spec_depth: int | None = None
     # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
     # at 1-2 rows on CUDA weight-only in kernels/gemv.py), fp8-all (the backbone too). models/fp8.py
@@ -84,8 +77,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
-        if self.spec_depth not in (None, 0) and not 2 <= self.spec_depth <= 8:
-            raise ValueError(f"EngineConfig.spec_depth must be 2..8 (or 0 / None: off), got {self.spec_depth}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
@@ -112,9 +103,11 @@ class ServerConfig:
     # slot for longer than this much audio
     max_audio_length_ms: int = 600_000
     # a request that does not say gets audio_ms_per_char x its characters (speech is ~15 characters/s),
-    # at least default_audio_length_ms, at most max_audio_length_ms
-    default_audio_length_ms: int = 30_000
-    audio_ms_per_char: int = 150
+    # at least default_audio_length_ms, at most max_audio_length_ms. None: 30 s on real weights (they end each
+    # sentence themselves: the cap only stops one that never ends), 1 s on random weights (dummy, dummy-tiny:
+    # they never end one, so the text's reading length is where they stop)
+    default_audio_length_ms: int | None = None
+    audio_ms_per_char: int = AUDIO_MS_PER_CHAR
     # one sentence of a multi-sentence request (or a WebSocket turn) at most, unless the request says
     # max_segment_length_ms: a sentence that never ends cannot eat the whole response's budget
     max_segment_ms: int = 20_000
@@ -142,9 +135,6 @@ class ServerConfig:
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
     api_workers: int | None = None
-    # how the API workers get connections (server/dispatch.py): balanced, the parent accepts and sends each
-    # to the worker with the fewest open ones; shared, every worker accepts on the one listening socket
-    connection_dispatch: str = "balanced"
     # slow clients (server/timeouts.py): a request's headers must arrive within header_timeout_s (408,
     # closed); its body within body_timeout_s plus 1 s per body_min_rate bytes received (408); an idle
     # keep-alive connection is closed after keep_alive_s; headers past max_header_bytes are a 400
@@ -165,6 +155,12 @@ class ServerConfig:
     # (what was sent is spoken, `flush_done` says `idle_timeout`), so its engine slot is freed
     ws_turn_idle_s: float = 30.0
 
+    def audio_floor_ms(self, random_weights: bool) -> int:
+        """default_audio_length_ms, or where it is None its default for these weights (see there)."""
+        if self.default_audio_length_ms is not None:
+            return self.default_audio_length_ms
+        return 1000 if random_weights else 30_000
+
     def __post_init__(self) -> None:
         for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
                      "audio_ms_per_char", "max_context_chars", "max_context_total_chars",
@@ -182,14 +178,13 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
         if self.encode_threads < 0:
             raise ValueError(f"ServerConfig.encode_threads must be >= 0, got {self.encode_threads}")
-        if self.connection_dispatch not in ("balanced", "shared"):
-            raise ValueError(f"ServerConfig.connection_dispatch must be balanced or shared, got {self.connection_dispatch!r}")
         if self.api_workers is not None and self.api_workers < 0:
             raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
         for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
+        if self.default_audio_length_ms is not None and \
+                not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
 
 

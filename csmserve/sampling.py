@@ -2,7 +2,7 @@
 
 `SamplingParams` is checked here once (every layer builds it, none re-checks it); the noise hash's
 mixing constants and the greedy threshold are the contract between the torch sampler
-(models/sampler.py) and the Triton kernels (kernels/sampler.py, kernels/speculate.py).
+(models/sampler.py) and the Triton kernel (kernels/sampler.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from csmserve.config import FRAME_MS
 
 MIX1, MIX2 = 0x7FEB352D, 0x5BD1E995  # < 2^31: products of 32-bit values stay inside int64
-DRAW_MIX = 0x1B873593  # folds a draw index > 0 into the hash (speculation's noise streams)
 # the Gumbel noise spans < 21 (u in [2^-25, 1 - 2^-25]): below this temperature only logits within
 # 21 * 1e-5 of the largest could be drawn instead of it, and a logit / 1e-5 overflows only past 3e33
 GREEDY_BELOW = 1e-5

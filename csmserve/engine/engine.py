@@ -103,11 +103,11 @@ class Engine:
                       "reader_wait_s": 0.0}
         self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s
         self._prev: tuple[int, StepOutput] | None = None  # the launched step whose results are not read yet
-        self._prev_first = False  # _prev makes only first frames (Batch.first_frames, EngineConfig.first_frame_alone)
+        self._prev_first = False  # _prev makes only first frames (Batch.first_frames)
         self._events: dict[int, list[Event]] = {}  # client -> events for its next EngineStep
         self._live: dict[int, set[str]] = {}  # client -> its unfinished request ids
         self.fatal: str | None = None  # set once the device is lost: the engine only refuses from then on
-        self.pacer = LaunchPacer()  # EngineConfig.late_launch
+        self.pacer = LaunchPacer()  # when to launch the next step while one runs (engine/pacing.py)
         # EngineConfig.trace_requests: stamps of the requests not yet at their first frame step, by id
         self.tracer = trace.start(config.trace_requests, "engine") if config.trace_requests else None
         self._traced: dict[str, dict] = {}
@@ -235,11 +235,12 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         t_in = time.perf_counter()
-        if self._prev is not None and (not self.config.overlap_steps or self._prev_first):
-            # admit what arrived during the step in flight into the next one; after a step of first frames only
-            # (EngineConfig.first_frame_alone), its Mimi decode runs with the GPU to itself
+        # step N+1 is launched before step N's results are read (the GPU never waits for the host), as late as it
+        # can still start when N ends, so what arrives during N joins N+1 (engine/pacing.py); after a step of first
+        # frames only (an idle engine's new requests) once that step is done, so its Mimi decode has the GPU to itself
+        if self._prev is not None and self._prev_first:
             self._prev[1].wait()
-        elif self.config.late_launch and self._prev is not None:
+        elif self._prev is not None:
             at = self.pacer.launch_at()
             delay = 0.0 if at is None else at - time.perf_counter()
             if delay > 2e-4:
@@ -300,7 +301,7 @@ class Engine:
         else:  # the host's own time this iteration (not sleeping, not waiting for the device)
             self.stats["host_s"] += time.perf_counter() - t_in - t_idle
         self._prev = (batch.step, out) if out is not None else None
-        self._prev_first = out is not None and batch.first_frames and self.config.first_frame_alone
+        self._prev_first = out is not None and batch.first_frames
 
     def _await_readers(self) -> None:
         """Before a step overwrites an output-ring buffer: wait (up to reader_wait_s) for the workers
@@ -528,5 +529,5 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
-                         spec_depth=cfg.spec_depth, weights=cfg.weights, codec_stream=cfg.codec_stream)
+                         weights=cfg.weights, codec_stream=cfg.codec_stream)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

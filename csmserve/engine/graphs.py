@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from csmserve.engine.output_ring import OutputRing, StepOutput
-
-if TYPE_CHECKING:
-    from csmserve.engine.residency import L2Residency
 
 
 class FrameGraphs:
@@ -38,11 +34,9 @@ class FrameGraphs:
     def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
                  device: torch.device, codec: Callable[[Tensor, Tensor], Tensor] | None = None,
                  codec_stream: torch.cuda.Stream | None = None, first: Callable[[Tensor], tuple] | None = None,
-                 first_buckets: list[int] | None = None, residency: "L2Residency | None" = None) -> None:
+                 first_buckets: list[int] | None = None) -> None:
         # first: a second step function (the runner's first frame from the prefill's h0), captured at first_buckets
-        # (a prefix of buckets) on the same stream and pool as `step`, sharing the inputs and the decode graphs.
-        # residency: the L2 window every kernel node of the generation's graphs gets (engine/residency.py)
-        self.residency = residency
+        # (a prefix of buckets) on the same stream and pool as `step`, sharing the inputs and the decode graphs
         self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
         self.first = first
         self.first_buckets = [b for b in (first_buckets or []) if b in buckets] if first is not None else []
@@ -80,32 +74,22 @@ class FrameGraphs:
                 ids = self.slot_ids[:b]
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
                     self.step(ids)
-                g = self._graph()
+                g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     self.outputs[b] = self.step(ids)
                 pool = g.pool() if pool is None else pool
-                self.graphs[b] = self._instantiate(g)
+                self.graphs[b] = g
                 if b in self.first_buckets:
                     for _ in range(2):
                         self.first(ids)
-                    g = self._graph()
+                    g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, stream=stream):
                         self.first_outputs[b] = self.first(ids)
-                    self.first_graphs[b] = self._instantiate(g)
+                    self.first_graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         if self.codec is not None:
             self._capture_codec()
         torch.cuda.synchronize()
-
-    def _graph(self) -> torch.cuda.CUDAGraph:
-        # with a residency the cudaGraph_t is kept past the capture: its kernel nodes take the window first
-        return torch.cuda.CUDAGraph(keep_graph=True) if self.residency is not None else torch.cuda.CUDAGraph()
-
-    def _instantiate(self, g: torch.cuda.CUDAGraph) -> torch.cuda.CUDAGraph:
-        if self.residency is not None:
-            self.residency.apply(g.raw_cuda_graph())
-            g.instantiate()
-        return g
 
     def _capture_codec(self) -> None:
         """The decode graphs, captured on the codec stream: cuBLAS gives each capturing stream its own workspace,

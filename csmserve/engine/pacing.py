@@ -1,4 +1,4 @@
-"""When to launch frame step N+1 while step N runs (EngineConfig.late_launch).
+"""When to launch frame step N+1 while step N runs (the engine's loop, engine/engine.py).
 
 Launched early (right after step N), N+1 only holds requests that arrived before step N started;
 launched just before N ends, it also takes those that arrived during N: one frame step less time to

@@ -12,8 +12,6 @@ count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 """
 from __future__ import annotations
 
-import os
-
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -28,7 +26,6 @@ from csmserve.engine.output_ring import OutputRing, StepOutput
 from csmserve.engine.request import Admission, PrefillChunk, PrefixStore
 from csmserve.models.sampler import sample
 from csmserve.engine.slots import DepthKV, SlotKV, SlotState
-from csmserve.engine.speculate import RowParams, Speculator
 from csmserve.engine.staging import Staging
 
 if TYPE_CHECKING:
@@ -70,8 +67,7 @@ class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
                  max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
-                 max_prefill_chunk: int | None = None, spec_depth: int | None = None, weights: str = "bf16",
-                 codec_stream: bool = True) -> None:
+                 max_prefill_chunk: int | None = None, weights: str = "bf16", codec_stream: bool = True) -> None:
         quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
@@ -79,45 +75,25 @@ class ModelRunner:
         # one codec row per slot, plus the scratch row that padding points at
         self.codec: StreamingCodec | None = None if mimi is None else MimiStream(mimi, num_slots + 1, "decode", 1)
         self.cfg = model.cfg
-        self.residency = None
         if cuda:
             model.prepare_heads()
             if fuse:  # fused norm / RoPE / SwiGLU kernels: about a third fewer kernels per frame
                 from csmserve.models.llama import fuse_elementwise, fuse_gemv
 
                 fuse_elementwise()
-                # GEMMs of <= 8 rows (batch 1-4) by our GEMV kernel, SiLU*up in the MLP's first one;
-                # CSMSERVE_GEMV=0: cuBLAS (docs/benchmarks.md compares them)
-                fuse_gemv(os.environ.get("CSMSERVE_GEMV", "1") != "0")
-            if use_graphs is not False:
-                from csmserve.engine.residency import L2Residency
-
-                # the depth weights' first CSMSERVE_L2_RESIDENT_MB kept in L2 across depth steps (engine/residency.py):
-                # packed before anything (the graphs, the depth loop) takes their addresses
-                self.residency = L2Residency.for_model(model)
+                fuse_gemv()  # GEMMs of 1-16 rows by kernels/gemv.py, with the norms, SiLU*up and gathers around them
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         # the frame step's prologue (gathers + embedding) and epilogue (next inputs) as one kernel each
-        # (kernels/frame_io.py; CSMSERVE_FRAME_IO=0: the torch ops)
-        self.frame_io = cuda and fuse and os.environ.get("CSMSERVE_FRAME_IO", "1") != "0"
+        # (kernels/frame_io.py; the torch ops elsewhere)
+        self.frame_io = cuda and fuse
         self.scratch = num_slots
         self.kv = SlotKV(self.cfg, num_slots, max_seq_len, self.dtype, self.device)
         # the prefix cache's tensors: key -> (k, v) [L, Hkv, n, hd]; the index is the scheduler's PrefixCache
         self.prefix_kv: dict[bytes, tuple[Tensor, Tensor]] = {}
         self.state = SlotState(self.cfg, num_slots, self.device)
         self.buckets = buckets or bucket_sizes(num_slots)
-        # draft/verify over codebooks (EngineConfig.spec_depth; it brings its own, longer depth KV)
-        self.spec = Speculator(model, spec_depth, self.buckets[-1]) if spec_depth else None
         self.depth_pos = torch.arange(self.cfg.num_codebooks, device=self.device)  # [K], never written
-        self.depth_kv = self.spec.kv if self.spec else DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device,
-                                                               static_pos=self.depth_pos)
-        # codebooks 2..K-1 at 1-2 rows in one persistent kernel (kernels/depth_loop.py; CSMSERVE_DEPTH_LOOP=1, off by
-        # default until measured on the GPU). Not with speculation's own depth loop nor FP8 weights (it reads
-        # nn.Linear weights)
-        self.depth_loop = None
-        if cuda and fuse and self.spec is None and weights == "bf16" and os.environ.get("CSMSERVE_DEPTH_LOOP") == "1":
-            from csmserve.kernels.depth_loop import DepthLoop
-
-            self.depth_loop = DepthLoop(model, self.depth_kv.k, self.depth_kv.v)
+        self.depth_kv = DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device, static_pos=self.depth_pos)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
         W = self.cfg.frame_width
@@ -133,9 +109,9 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = None
         graphs = use_graphs if use_graphs is not None else cuda
         # Mimi's decode on a stream of its own beside the next frame's generation (EngineConfig.codec_stream;
-        # engine/graphs.py): its rows are reset there too, from their own staging buffer. High priority (CUDA's -1;
-        # CSMSERVE_CODEC_PRIORITY=0: the default's): a frame's decode waits for no queued block of the next generation
-        self.codec_stream = (torch.cuda.Stream(priority=int(os.environ.get("CSMSERVE_CODEC_PRIORITY", "-1")))
+        # engine/graphs.py): its rows are reset there too, from their own staging buffer. High priority (CUDA's -1):
+        # a frame's decode waits for no queued block of the next generation
+        self.codec_stream = (torch.cuda.Stream(priority=-1)
                              if graphs and codec_stream and self.codec is not None else None)
         self.codec_resets = Staging(num_slots + 1, 1, self.device) if self.codec_stream is not None else None
         if graphs:
@@ -157,7 +133,7 @@ class ModelRunner:
                            codec_stream=self.codec_stream,
                            first=lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
                                                              from_prefill=True),
-                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS], residency=self.residency)
+                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS])
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
@@ -279,14 +255,7 @@ class ModelRunner:
         def sampler(logits: Tensor, codebook: int) -> Tensor:
             return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
-        if self.spec is not None:
-            live = slot_ids != self.scratch
-            codes = self.spec.decode_frame(h, sampler, RowParams(temp, top_k, top_p, seed, frame), live)
-        elif self.depth_loop is not None and len(slot_ids) <= self.depth_loop.max_rows:
-            first = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos, upto=2)  # [B, 2]
-            codes = self.depth_loop(first, temp, top_k, top_p, seed, frame)  # [B, K]
-        else:
-            codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
+        codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         if self.frame_io:
             from csmserve.kernels.frame_io import epilogue_triton
 

@@ -5,8 +5,6 @@ padded graph replay never touches a live stream. Everything is allocated once.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -69,38 +67,33 @@ class SlotKV(KVView):
 
 class DepthKV(KVView):
     """The depth decoder's one-frame cache k, v [L, B, Hkv, K, hd], rewritten every frame (batch-local:
-    nothing crosses a frame boundary, so no slot indexing). One-query steps use the decode kernel."""
+    nothing crosses a frame boundary, so no slot indexing). On CUDA (head_dim >= 16) a one-query step is
+    kernels/depth_attention.py's one kernel (RoPE + K/V store + attention), and so is the frame's first step
+    (positions 0 and 1, static); elsewhere torch (SDPA)."""
 
     def __init__(self, cfg: CSMConfig, batch: int, dtype: torch.dtype, device: torch.device,
-                 positions: int | None = None, static_pos: Tensor | None = None) -> None:
+                 static_pos: Tensor | None = None) -> None:
         d = cfg.decoder
         # static_pos: the depth steps' positions, written by no kernel of a frame: a step whose pos is a view of it
         # reads it before the fused kernel's PDL wait (kernels/depth_attention.py, pos_static)
         self.static_pos = static_pos
         self.pos_static = False
-        # positions: K, or more for speculation's verify passes (engine/speculate.py: K + k + 1)
-        shape = (d.n_layers, batch, d.n_kv_heads, positions or cfg.num_codebooks, d.head_dim)
+        shape = (d.n_layers, batch, d.n_kv_heads, cfg.num_codebooks, d.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rows = torch.arange(batch, device=device)
-        self.use_triton = device.type == "cuda" and d.head_dim >= 16  # the kernel's tl.dot needs hd >= 16
-        # kernels/depth_attention.py: RoPE + K/V store + attention in one launch (CSMSERVE_DEPTH_FUSED=0: three)
-        self.fused = self.use_triton and os.environ.get("CSMSERVE_DEPTH_FUSED", "1") != "0"
-        self.first = self.fused and os.environ.get("CSMSERVE_DEPTH_FIRST", "1") != "0"  # depth_attend_first_triton
+        self.fused = device.type == "cuda" and d.head_dim >= 16  # the kernels' tl.dot needs hd >= 16
         self.first_static = False
-        self.pos = self.lengths = self.mask = None
+        self.pos = self.mask = None
 
     def begin(self, pos: Tensor) -> None:
         self.pos = pos  # [B, S]
         self.pos_static = self.static_pos is not None and (pos._base if pos._base is not None else pos) is self.static_pos
         # the frame's first step, positions 0 and 1 (a view of static_pos[:2]): kernels/depth_attention.py's
         # depth_attend_first_triton, no mask
-        self.first_static = (self.first and self.pos_static and pos.shape[1] == 2 and pos.storage_offset() == 0
+        self.first_static = (self.fused and self.pos_static and pos.shape[1] == 2 and pos.storage_offset() == 0
                              and pos.stride(1) == self.static_pos.stride(0))
-        if pos.shape[1] == 1 and self.use_triton:
-            if not self.fused:  # the fused kernel reads pos itself: two launches less per depth step
-                self.lengths = (pos[:, 0] + 1).to(torch.int32)
-        elif not self.first_static:
+        if not (self.first_static or (self.fused and pos.shape[1] == 1)):
             keys = torch.arange(self.k.shape[3], device=pos.device)
             self.mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, K]
 
@@ -118,40 +111,11 @@ class DepthKV(KVView):
                                   self.pos_static)
         return out[:, None]
 
-    def attend_qkv_o(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, weight: Tensor,
-                     scale: Tensor | None) -> Tensor | None:
-        """KVView.attend_qkv_o: kernels/depth_attention.py's attention + o projection when fused, S == 1, 1-2 rows."""
-        if not self.fused or qkv.shape[1] != 1:
-            return None
-        from csmserve.kernels import depth_attention as da
-
-        k, v = self.k[layer], self.v[layer]
-        if not da.attend_o_applies(qkv[:, 0], k, n_q, n_kv, weight, scale):
-            return None
-        sc = None if scale is None else scale.reshape(-1)
-        return da.depth_attend_o_triton(qkv[:, 0], self.pos[:, 0], cos, sin, k, v, n_q, n_kv, weight, sc,
-                                        self.pos_static)[:, None]
-
-    def norm_attend_qkv(self, layer: int, x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float,
-                        weight: Tensor, scale: Tensor | None, cos: Tensor, sin: Tensor, n_q: int, n_kv: int
-                        ) -> tuple[Tensor, Tensor] | None:
-        """KVView.norm_attend_qkv: kernels/qkv_attention.py when fused, S == 1, 1-2 rows."""
-        if not self.fused or x.shape[1] != 1:
-            return None
-        from csmserve.kernels import qkv_attention as qa
-
-        k, v = self.k[layer], self.v[layer]
-        if not qa.applies(x, norm_weight, weight, scale, k, n_q, n_kv):
-            return None
-        return qa.norm_qkv_attend(x, delta, norm_weight, eps, weight, scale, self.pos[:, 0], cos, sin, k, v, n_q, n_kv)
-
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # the torch path: the CPU, head_dim < 16, or two positions that are not the frame's static first two
         B, S = q.shape[:2]
         rows = self.rows[:B]
         kc, vc = self.k[layer], self.v[layer]
-        if S == 1 and self.use_triton:
-            store_kv_triton(kc, vc, rows, self.pos[:, 0], k[:, 0], v[:, 0])
-            return decode_attention_triton(q[:, 0], kc, vc, rows, self.lengths, splits=1)[:, None]
         kc[rows[:, None], :, self.pos] = k
         vc[rows[:, None], :, self.pos] = v
         out = torch.nn.functional.scaled_dot_product_attention(

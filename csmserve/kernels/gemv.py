@@ -1,4 +1,4 @@
-"""Skinny GEMMs (M <= 64 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
+"""Skinny GEMMs (M <= 16 rows): y [M, N] = x [M, K] @ w [N, K]^T, each weight read once for all M rows.
 
 At batch 1 a frame is ~560 of these (31 depth steps x (4 layers x 4 + projection + head) + the
 backbone's 64): 2-32 MB each, where cuBLAS' GEMV kernels (+ a split-K reduction) run at ~40% of HBM
@@ -15,27 +15,23 @@ FP8 weights (scale given: models/fp8.py's FP8Linear): w is e4m3 [N, K] with a fl
 (per [gate; up] row for glu), y = scale[n] * sum_k x[k] w[n, k]: weight-only, the activations stay in the model
 dtype (no quantization kernel before the GEMM), half the bytes of a bf16 weight for the same products.
 
-3..MAX_ROWS rows (a prompt's short prefill, a few streams' frame step; 16 by default, up to 64): `_gemv_mma_kernel`,
-the same fusions (glu, FP8 scales, the gather, PDL; the norm too, but only with CSMSERVE_GEMV_MMA_NORM=1) with the
-rows as one 16-, 32- or 64-row tile through tl.dot: a program owns BLOCK_N >= 16 columns and walks K with
-[BLOCK_K, BLOCK_N] weight tiles (~8K weights a chunk, so the few programs of an N = 1,024 GEMM still keep ~64 KB of
-loads in flight each). Rows past M are masked.
-A GEMM with too few column blocks (the K = 8,192 down projections) is split over K (CSMSERVE_GEMV_MMA_SPLIT: at
-most 8 splits; 1: none), the partial sums added by the column block's last program in a fixed order (no second
-kernel, the same bits every run): the frame step at 4 / 16 rows 8.08 / 8.10 -> 6.90 / 7.24 ms (bf16), 8.47 /
-10.06 -> 6.89 / 7.61 (FP8).
+3..MAX_ROWS (16) rows (a prompt's short prefill, a few streams' frame step): `_gemv_mma_kernel`, the same fusions
+(glu, FP8 scales, the gather, PDL; not the norm) with the rows as one 16-row tile through tl.dot: a program owns
+BLOCK_N >= 16 columns and walks K with [BLOCK_K, BLOCK_N] weight tiles (~8K weights a chunk, so the few programs of
+an N = 1,024 GEMM still keep ~64 KB of loads in flight each). Rows past M are masked.
+A GEMM with too few column blocks (the K = 8,192 down projections) is split over K (at most MMA_SPLIT = 8 splits),
+the partial sums added by the column block's last program in a fixed order (no second kernel, the same bits every
+run): the frame step at 4 / 16 rows 8.08 / 8.10 -> 6.90 / 7.24 ms (bf16), 8.47 / 10.06 -> 6.89 / 7.61 (FP8).
 Measured (docs/benchmarks.md, issue 16): per GEMM faster than cuBLAS on most shapes at 4-16 rows; in the frame step
-level with cuBLAS for bf16 and 6-18% faster for FP8 weights; with the norm fused, up to 22% slower (each program
-normalises all 16 rows of every chunk again), hence the add + RMSNorm stays a kernel of its own at 3+ rows.
+level with cuBLAS for bf16 and 6-18% faster for FP8 weights. The add + RMSNorm stays a kernel of its own at 3+ rows
+(fused, each program normalised all 16 rows of every chunk again: up to 22% slower; docs/tried-and-dropped.md).
 
-norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it: h = x + delta,
+norm_gemv: the residual add + RMSNorm before a block's qkv / gate_up GEMM fused into it (1-2 rows): h = x + delta,
 y = gemv(rms_norm(h) * norm_weight), with the rounding of kernels/elementwise.py's add_rms_norm (h and
 the normed row in the model dtype). Every program reads the row (K <= 8192: from L2) once for its sum of
 squares and again per chunk; program 0 writes h, the residual stream. Two launches less per layer.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -47,16 +43,10 @@ from csmserve.kernels import pdl, tuning
 
 ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (bench/gemv.py: the elementwise
 # tiles lose to cuBLAS from 4 rows, the 16-row tensor-core tiles do not)
-# CSMSERVE_GEMV_MMA_ROWS: the most rows of the tensor-core kernel for bf16/fp16 weights (16; up to 64; 2: cuBLAS from
-# 3 rows, as before); CSMSERVE_GEMV_MMA_ROWS_FP8: the same for e4m3 weights (16; past it FP8Linear's own GEMM). Read
-# once at import, before any graph is captured.
-TILE_ROWS = (16, 32, 64)  # the tensor-core kernel's row tiles: the smallest that holds M
-MAX_ROWS = max(ELEMENTWISE_ROWS, min(TILE_ROWS[-1], int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS", "16"))))
-MAX_ROWS_FP8 = max(ELEMENTWISE_ROWS, min(TILE_ROWS[-1], int(os.environ.get("CSMSERVE_GEMV_MMA_ROWS_FP8", "16"))))
-# CSMSERVE_GEMV_PREFETCH=1: at 1-2 rows a program's later weight chunks are prefetched into L2 before the PDL wait
-# (the first chunk is loaded there anyway). Off by default: measured 10-11% slower at batch 1 (docs/benchmarks.md,
-# issue 16: the prefetches compete with the kernel before for HBM). CUDA only (inline PTX)
-PREFETCH = os.environ.get("CSMSERVE_GEMV_PREFETCH", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+# the tensor-core kernel's row tile and its most rows, bf16/fp16 and e4m3 weights alike (past it cuBLAS, or FP8Linear's
+# own GEMM; 32- and 64-row tiles lost to both: docs/tried-and-dropped.md)
+MMA_TILE = 16
+MAX_ROWS = MMA_TILE
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
 NUM_WARPS = 4
@@ -122,28 +112,9 @@ def _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
 def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 LINE: tl.constexpr = 64):
-    gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
-                 stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL, SCALED, IDX,
-                 GATHER, PREFETCH, LINE)
-
-
-@triton.jit
-def l2_prefetch(ptrs):
-    """Each pointer's 128-byte line into L2 (no registers held, nothing waited for). Not under the interpreter."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF,
-                 eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr, IDX, GATHER: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
-    """_gemv_kernel's program pid: the 1-2 rows' outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y. Also
-    the first half of kernels/qkv_attention.py's kernel. PREFETCH: the program's other weight chunks into L2 before
-    the PDL wait (LINE: weights per 128-byte line)."""
+                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    """1-2 rows: program pid's outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y."""
+    pid = tl.program_id(0)
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
@@ -162,13 +133,6 @@ def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, s
         sg = tl.load(S + rn, mask=mn, other=0.0)
         if GLU:
             su = tl.load(S + UP_OFF + rn, mask=mn, other=0.0)
-    if PREFETCH:  # the later chunks stream into L2 while the kernel before still runs (rows past N: the last one's)
-        p_rows = W + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            l2_prefetch(p_rows + (k0 + lines)[None, :])
-            if GLU:
-                l2_prefetch(p_rows + UP_OFF * stride_wn + (k0 + lines)[None, :])
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -202,25 +166,11 @@ def gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, s
 
 
 @triton.jit
-def _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """The rows' input chunk [BM, BK] in the model dtype: x, or rms_norm(x + delta) * nw rounded as _chunk does."""
-    m2 = mm[:, None]
-    x = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
-    if NORM:
-        if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
-        nw = tl.load(NW + rk).to(tl.float32)
-        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-    return x.to(dt)
-
-
-@triton.jit
-def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
-                     UP_OFF, eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr,
-                     PDL: tl.constexpr, SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
+def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
+                     SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
                      WS=None, CTR=None, SPLIT: tl.constexpr = 1):
-    # 3-64 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
+    # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
     # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
     # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
     # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y
@@ -247,31 +197,16 @@ def _gemv_mma_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, st
         x_rows = X + tl.load(IDX + rm, mask=mm, other=0).to(tl.int64) * stride_xm
     else:
         x_rows = X + rm.to(tl.int64) * stride_xm
-    d_rows = DELTA + rm.to(tl.int64) * stride_dm
-    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if NORM:  # 1 / rms of each row of h = x + delta; program 0 writes h, the residual stream
-        ss = tl.zeros([BLOCK_M, PRE_K], dtype=tl.float32)
-        h_rows = H + rm.to(tl.int64) * stride_hm
-        for k0 in range(0, K, PRE_K):
-            rk = k0 + tl.arange(0, PRE_K)
-            m2 = mm[:, None] & (rk < K)[None, :]
-            h = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
-            if HAS_DELTA:
-                h = (h.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)
-                     ).to(dt)
-                tl.store(h_rows[:, None] + rk[None, :], h, mask=m2 & (pid == 0) & (pid_k == 0))
-            ss += h.to(tl.float32) * h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    x = _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk0, rstd, dt, NORM, HAS_DELTA)
+    x = tl.load(x_rows[:, None] + rk0[None, :], mask=mm[:, None], other=0.0).to(dt)  # [BM, BK]
     acc = tl.dot(x, w.to(dt), acc)
     if GLU:
         acc_u = tl.dot(x, u.to(dt), acc_u)
     for k0 in range(BLOCK_K, k_per, BLOCK_K):  # K % BLOCK_K == 0 (mma_blocks() checks)
         rk = k0 + rk0
         w = tl.load(w_cols + rk[:, None], mask=mn[None, :], other=0.0)
-        x = _mma_rows(X, DELTA, NW, x_rows, d_rows, mm, rk, rstd, dt, NORM, HAS_DELTA)
+        x = tl.load(x_rows[:, None] + rk[None, :], mask=mm[:, None], other=0.0).to(dt)
         acc = tl.dot(x, w.to(dt), acc)
         if GLU:
             u = tl.load(w_cols + UP_OFF * stride_wn + rk[:, None], mask=mn[None, :], other=0.0)
@@ -315,15 +250,12 @@ def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED: tl.c
 # any other shape takes blocks()' rule with NUM_WARPS and Triton's default stages (3+ rows: mma_blocks())
 TUNED: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV)
 TUNED_FP8: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int]] = dict(tuning.GEMV_FP8)  # e4m3 weights
-X_TILE = 8192  # the most input elements of one tensor-core chunk [BLOCK_M, BLOCK_K] (16 KB bf16, as at 16 rows)
-_MMA_ELEMS = int(os.environ.get("CSMSERVE_GEMV_MMA_ELEMS", "8192"))  # weights per program per chunk, per gate/up tile
-MMA_NORM = os.environ.get("CSMSERVE_GEMV_MMA_NORM", "0") == "1"  # 1: the add + RMSNorm fused at 3+ rows too (slower)
+_MMA_ELEMS = 8192  # weights per program per chunk, per gate/up tile (4,096: slower at 16 rows)
 _MMA_PROGRAMS = 256
 MMA_WARPS, MMA_STAGES = 4, 4
-# CSMSERVE_GEMV_MMA_SPLIT: the most splits over K of the tensor-core kernel (8; 1: none); mma_split() splits a GEMM
-# whose column blocks alone give < _MMA_PROGRAMS programs (the K = 8,192 down projections: 64-128) while each split
-# keeps >= 2 chunks
-MMA_SPLIT = max(1, int(os.environ.get("CSMSERVE_GEMV_MMA_SPLIT", "8")))
+# the most splits over K of the tensor-core kernel: mma_split() splits a GEMM whose column blocks alone give
+# < _MMA_PROGRAMS programs (the K = 8,192 down projections: 64-128) while each split keeps >= 2 chunks
+MMA_SPLIT = 8
 
 
 def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: bool = False
@@ -333,43 +265,24 @@ def config(m: int, n: int, k: int, glu: bool = False, norm: bool = False, fp8: b
     tuned = (TUNED_FP8 if fp8 else TUNED).get((m, n, k, glu, norm))
     if tuned is not None:
         return tuned
-    bn, bk = blocks(m, n, k, glu, fp8=fp8)
-    return (bn, bk, MMA_WARPS, mma_stages(mma_tile(m), bn, bk, glu, norm)) if m > ELEMENTWISE_ROWS else \
-        (bn, bk, NUM_WARPS, None)
-
-
-SMEM = 227 * 1024  # Hopper's shared memory per block (opt-in); the 32- and 64-row tiles' stages are fitted to it
-
-
-def mma_stages(tile: int, bn: int, bk: int, glu: bool, norm: bool = False) -> int:
-    """MMA_STAGES at the 16-row tile (measured); at 32-64 rows fewer where (stages + 1) chunks pass SMEM. A chunk: the
-    rows' input tile (twice with norm: x and delta are both pipelined loads) and the weight tiles, counted at 2 bytes
-    an element (e4m3 too: converted before the dot). The 64-row tile of a glu GEMM at 4 stages asked for 240 KB on
-    the H100 (Triton's OutOfResources; 3 stages fit), = 5 chunks of 48 KB."""
-    if tile <= 16:
-        return MMA_STAGES
-    chunk = (tile * bk * (2 if norm else 1) + bk * bn * (2 if glu else 1)) * 2
-    return max(1, min(MMA_STAGES, SMEM // chunk - 1))
+    bn, bk = blocks(m, n, k, glu)
+    return (bn, bk, MMA_WARPS, MMA_STAGES) if m > ELEMENTWISE_ROWS else (bn, bk, NUM_WARPS, None)
 
 
 def _launch_opts(warps: int, stages: int | None) -> dict:
     return {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
 
 
-def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None, fp8: bool = False
-           ) -> tuple[int, int] | None:
+def blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for an [m, k] @ [n, k]^T, or None where this kernel does not apply. The same for e4m3
-    weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower).
-    block_n: at 1-2 rows, this BLOCK_N and the rule's chunk for it (kernels/qkv_attention.py's override).
-    fp8: e4m3 weights (up to MAX_ROWS_FP8 rows, not MAX_ROWS)."""
+    weights: the fp32 accumulator tiles, not the weight bytes, set the chunk (16K for e4m3 measured slower)."""
     if m > ELEMENTWISE_ROWS:
-        return mma_blocks(m, n, k, glu, fp8)
+        return mma_blocks(m, n, k, glu)
     if not 1 <= m or k < 128:
         return None
-    if block_n is None:
-        block_n = 16
-        while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
-            block_n //= 2
+    block_n = 16
+    while block_n > 1 and triton.cdiv(n, block_n) < _PROGRAMS:
+        block_n //= 2
     tiles = m * (2 if glu else 1)  # fp32 accumulator tiles: ~64 registers a thread in all
     block_k = min(triton.next_power_of_2(k), max(128, _ELEMS // tiles // block_n))
     if k % block_k:
@@ -377,23 +290,16 @@ def blocks(m: int, n: int, k: int, glu: bool = False, block_n: int | None = None
     return block_n, block_k
 
 
-def mma_tile(m: int) -> int:
-    """The tensor-core kernel's row tile for m rows (rows past m masked)."""
-    return next(t for t in TILE_ROWS if m <= t)
-
-
-def mma_blocks(m: int, n: int, k: int, glu: bool = False, fp8: bool = False) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of the tensor-core kernel at 3..MAX_ROWS (FP8: MAX_ROWS_FP8) rows, or None. 16-row tile:
-    the widest BLOCK_N (16-64) that still gives ~256 programs; 32-64: BLOCK_N 64 (each program reads all its rows'
-    inputs from L2, M / BLOCK_N times the bytes of its weights) and the split over K for the programs. BLOCK_K so
-    that a chunk is ~8K weights (per gate/up tile) and its input tile at most X_TILE elements."""
-    if not ELEMENTWISE_ROWS < m <= (MAX_ROWS_FP8 if fp8 else MAX_ROWS) or k < 128:
+def mma_blocks(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) of the tensor-core kernel at 3..MAX_ROWS rows, or None: the widest
+    BLOCK_N (16-64) that still gives ~256 programs, BLOCK_K so that a chunk is ~8K weights (per gate/up tile) and its
+    input tile [16, BLOCK_K] at most 8K elements."""
+    if not ELEMENTWISE_ROWS < m <= MAX_ROWS or k < 128:
         return None
-    tile = mma_tile(m)
     block_n = 64
-    while tile == 16 and block_n > 16 and triton.cdiv(n, block_n) < _MMA_PROGRAMS:
+    while block_n > 16 and triton.cdiv(n, block_n) < _MMA_PROGRAMS:
         block_n //= 2
-    block_k = min(triton.next_power_of_2(k), max(64, min(_MMA_ELEMS // block_n, X_TILE // tile)))
+    block_k = min(triton.next_power_of_2(k), max(64, min(_MMA_ELEMS // block_n, 8192 // MMA_TILE)))
     if k % block_k:
         return None
     return block_n, block_k
@@ -409,18 +315,18 @@ def mma_split(n: int, k: int, block_n: int, block_k: int, most: int | None = Non
     return split
 
 
-# (device, splits, N, column blocks, row tile) -> (WS [splits, tile, 2N] fp32, CTR [blocks] int32 zeros): one pair
-# per shape, shared by its GEMMs (they run one after the other on the stream; a PDL kernel touches them after its wait)
+# (device, splits, N, column blocks) -> (WS [splits, MMA_TILE, 2N] fp32, CTR [blocks] int32 zeros): one pair per
+# shape, shared by its GEMMs (they run one after the other on the stream; a PDL kernel touches them after its wait)
 _SPLIT_BUFS: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def _split_bufs(device: torch.device, split: int, n: int, tiles: int, tile: int) -> tuple[Tensor, Tensor] | None:
-    key = (device, split, n, tiles, tile)
+def _split_bufs(device: torch.device, split: int, n: int, tiles: int) -> tuple[Tensor, Tensor] | None:
+    key = (device, split, n, tiles)
     bufs = _SPLIT_BUFS.get(key)
     if bufs is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # never made inside a capture (it would live in the graph's pool): no split this time
-        bufs = _SPLIT_BUFS[key] = (torch.empty(split, tile, 2 * n, dtype=torch.float32, device=device),
+        bufs = _SPLIT_BUFS[key] = (torch.empty(split, MMA_TILE, 2 * n, dtype=torch.float32, device=device),
                                    torch.zeros(tiles, dtype=torch.int32, device=device))
     return bufs
 
@@ -433,34 +339,32 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
                                    and scale.numel() == weight.shape[0]))
-            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu, fp8=scale is not None) is not None)
+            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
 
 
 def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,
             idx=None, cfg=None) -> None:
-    """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS (MAX_ROWS_FP8).
-    strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages[, splits]) in place of config()'s
-    (and mma_split()'s)."""
+    """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS (no norm
+    there). strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages[, splits]) in place of
+    config()'s (and mma_split()'s)."""
     cfg = cfg or config(M, N, K, glu, norm, fp8=scale is not None)
     bn, bk, warps, stages = cfg[:4]
     sx, sd, sh = strides
-    args = (x, delta, h, nw, weight, weight if scale is None else scale, y, M, N, K, sx, sd, sh, weight.stride(0),
-            y.stride(0), N, eps)
-    kw = dict(NORM=norm, HAS_DELTA=has_delta, BLOCK_N=bn, BLOCK_K=bk, GLU=glu,
-              PRE_K=pre_k if pre_k else bk, SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
+    s = weight if scale is None else scale
+    kw = dict(BLOCK_N=bn, BLOCK_K=bk, GLU=glu, SCALED=scale is not None, **_launch_opts(warps, stages), **pdl.opts())
     if idx is not None:
         kw.update(IDX=idx, GATHER=True)
     grid = (triton.cdiv(N, bn),)
     if M > ELEMENTWISE_ROWS:
         split = cfg[4] if len(cfg) > 4 else mma_split(N, K, bn, bk)
-        tile = mma_tile(M)
-        bufs = _split_bufs(x.device, split, N, grid[0], tile) if split > 1 else None
+        bufs = _split_bufs(x.device, split, N, grid[0]) if split > 1 else None
         if bufs is not None:
             kw.update(WS=bufs[0], CTR=bufs[1], SPLIT=split)
             grid = (grid[0], split)
-        _gemv_mma_kernel[grid](*args, BLOCK_M=tile, **kw)
+        _gemv_mma_kernel[grid](x, weight, s, y, M, N, K, sx, weight.stride(0), y.stride(0), N, BLOCK_M=MMA_TILE, **kw)
     else:
-        _gemv_kernel[grid](*args, TWO_ROWS=M > 1, PREFETCH=PREFETCH and K > bk, LINE=128 // weight.element_size(), **kw)
+        _gemv_kernel[grid](x, delta, h, nw, weight, s, y, M, N, K, sx, sd, sh, weight.stride(0), y.stride(0), N, eps,
+                           NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
 
 
 def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None) -> Tensor:
@@ -498,13 +402,13 @@ def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,
                  scale: Tensor | None = None) -> bool:
     return (applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-            and (MMA_NORM or x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS))
+            and x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS)
 
 
 def pre_k(m: int, k: int, block_k: int) -> int:
-    """The fused norm's sum-of-squares chunk: a power of two >= BLOCK_K dividing K, up to 4,096 products a row (1-2
-    rows), 8,192 in all (the tensor-core kernel's row tile)."""
-    per_row = 4096 // m if m <= ELEMENTWISE_ROWS else 8192 // mma_tile(m)
+    """The fused norm's sum-of-squares chunk (1-2 rows): a power of two >= BLOCK_K dividing K, up to 4,096 products a
+    row."""
+    per_row = 4096 // m
     pre = block_k
     while pre * 2 <= per_row and k % (pre * 2) == 0:
         pre *= 2
@@ -514,12 +418,14 @@ def pre_k(m: int, k: int, block_k: int) -> int:
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
               glu: bool = False, scale: Tensor | None = None, cfg=None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
-    after it in one kernel. x/delta [..., K]; the caller checks `norm_applies`."""
+    after it in one kernel at 1-2 rows. x/delta [..., K]; the caller checks `norm_applies`."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     d2 = x2 if delta is None else delta.reshape(-1, K).contiguous()
     h = x2 if delta is None else torch.empty_like(x2)
     M = x2.shape[0]
+    if M > ELEMENTWISE_ROWS:
+        raise ValueError(f"norm_gemv runs at 1-{ELEMENTWISE_ROWS} rows, got {M}")
     N = weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or config(M, N, K, glu, True, fp8=scale is not None)

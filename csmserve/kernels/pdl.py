@@ -6,7 +6,7 @@ it reads what does not depend on it (the GEMV's first chunk of weights) and then
 returns once the kernel before has completed and its writes are visible); after its own wait it lets the next
 kernel launch (`gdc_launch_dependents`). Every kernel here waits before any read of an activation and before
 any write, so the order of every read and write is the stream's; a torch kernel between two of them is
-launched plainly and serialises as before. CSMSERVE_PDL=0 turns it off.
+launched plainly and serialises as before. Off under Triton's interpreter and before sm90.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 
 @functools.cache
 def enabled() -> bool:
-    return (os.environ.get("CSMSERVE_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
+    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
 
 
 def opts() -> dict:

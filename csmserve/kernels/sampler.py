@@ -12,8 +12,6 @@ the top-p mass NaN, which keeps only the largest keys; the token is always < V.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -27,14 +25,10 @@ MIX1: tl.constexpr = tl.constexpr(ref.MIX1)
 MIX2: tl.constexpr = tl.constexpr(ref.MIX2)
 GREEDY_BELOW: tl.constexpr = tl.constexpr(ref.GREEDY_BELOW)
 WARPS = tuning.SAMPLER["warps"]  # [[rows_from, num_warps], ...] (kernels/tuning.py)
-FULL_PASSES = os.environ.get("CSMSERVE_SAMPLER_FULL_PASSES") == "1"  # four passes whatever the dtype (to compare)
-EARLY = os.environ.get("CSMSERVE_SAMPLER_EARLY", "1") != "0"  # parameters and noise before the PDL wait (0: after)
 
 
 def radix_passes(dtype: torch.dtype) -> int:
     """The radix select's 8-bit passes for logits of `dtype`: those that can tell two of its values apart."""
-    if FULL_PASSES:
-        return 4
     return {torch.bfloat16: 2, torch.float16: 3}.get(dtype, 4)
 
 
@@ -54,14 +48,6 @@ def _key(x):
 
 
 @triton.jit
-def sample_row(ROW, temp, top_k, top_p, seed, frame, V, codebook, BLOCK: tl.constexpr, PASSES: tl.constexpr):
-    """One row's token (int64 scalar, < V) from its logits ROW [V] and sampling parameters (scalars): the
-    whole sampler, also called by kernels/depth_loop.py inside its persistent kernel. PASSES: radix_passes
-    of ROW's dtype."""
-    return sample_gumbel(ROW, temp, top_k, top_p, gumbel(seed, frame, V, codebook, BLOCK), V, BLOCK, PASSES)
-
-
-@triton.jit
 def gumbel(seed, frame, V, codebook, BLOCK: tl.constexpr):
     """The row's Gumbel noise [BLOCK] fp32, -log(-log(u)) of counter-based uniforms bit-identical to
     models.sampler.hash_uniform: it reads no logit, so the kernel computes it before its PDL wait."""
@@ -76,7 +62,8 @@ def gumbel(seed, frame, V, codebook, BLOCK: tl.constexpr):
 
 @triton.jit
 def sample_gumbel(ROW, temp, top_k, top_p, g, V, BLOCK: tl.constexpr, PASSES: tl.constexpr):
-    """sample_row with the row's noise g (gumbel) given."""
+    """One row's token (int64 scalar, < V) from its logits ROW [V], sampling parameters (scalars) and noise g
+    (gumbel). PASSES: radix_passes of ROW's dtype."""
     i = tl.arange(0, BLOCK)
     valid = i < V
     raw = tl.load(ROW + i, mask=valid, other=float("-inf")).to(tl.float32)
@@ -134,26 +121,24 @@ def sample_gumbel(ROW, temp, top_k, top_p, g, V, BLOCK: tl.constexpr, PASSES: tl
 
 @triton.jit
 def _sample_kernel(LOGITS, TEMP, TOPK, TOPP, SEED, FRAME, OUT, stride, V, codebook, BLOCK: tl.constexpr,
-                   PASSES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                   PASSES: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
-    if EARLY:  # the parameters and the noise before the wait: no kernel of the frame step writes the parameters
-        temp, top_k, top_p = tl.load(TEMP + b), tl.load(TOPK + b), tl.load(TOPP + b)
-        g = gumbel(tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK)
+    # the parameters and the noise before the wait: no kernel of the frame step writes the parameters
+    temp, top_k, top_p = tl.load(TEMP + b), tl.load(TOPK + b), tl.load(TOPP + b)
+    g = gumbel(tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK)
     if PDL:  # kernels/pdl.py
         gdc_wait()
         gdc_launch_dependents()
-    if not EARLY:
-        temp, top_k, top_p = tl.load(TEMP + b), tl.load(TOPK + b), tl.load(TOPP + b)
-        g = gumbel(tl.load(SEED + b), tl.load(FRAME + b), V, codebook, BLOCK)
     tl.store(OUT + b, sample_gumbel(LOGITS + b * stride, temp, top_k, top_p, g, V, BLOCK, PASSES))
 
 
 def sample_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,
-                  codebook: int, params_early: bool = EARLY) -> Tensor:
-    """params_early: the parameters are read before the PDL wait, so the kernel launched just before this one
-    must not write them (in the frame step they are gathered at its start, many kernels before)."""
+                  codebook: int) -> Tensor:
+    """The parameters are read before the PDL wait, so the kernel launched just before this one must not write them
+    (in the frame step they are gathered at its start, many kernels before)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     _sample_kernel[(B,)](logits, temperature, top_k, top_p, seed, frame, out, logits.stride(0), V, codebook,
-                         BLOCK=triton.next_power_of_2(V), PASSES=radix_passes(logits.dtype), EARLY=params_early, num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
+                         BLOCK=triton.next_power_of_2(V), PASSES=radix_passes(logits.dtype),
+                         num_warps=tuning.by_rows(WARPS, B), **pdl.opts())
     return out

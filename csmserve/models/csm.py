@@ -111,18 +111,6 @@ class CSMModel(nn.Module):
         n = self.decoder.norm
         return self.codebook_logits(codebook, llama.add_rms_norm(x, delta, n.weight, n.eps)[1])
 
-    def codebook_logits_at(self, codebooks: Tensor, h_dec: Tensor, rows: Tensor | None = None) -> Tensor:
-        """Each output row its own codebook head: codebooks [N] in 1..K-1, h_dec [M, Dd], rows [N] (the
-        h_dec row of each output; None = arange(N)) -> logits [N, V] float32. One GEMV per row: the
-        heads' weights are read once per row (speculation's drafts and verify positions)."""
-        V = self.cfg.audio_vocab_size
-        if self.head_t is not None and h_dec.is_cuda:
-            from csmserve.kernels.heads import gathered_head_logits
-
-            return gathered_head_logits(h_dec, self.head_t, codebooks - 1, rows, V)
-        x = h_dec if rows is None else h_dec[rows]
-        return torch.bmm(x[:, None], self.audio_head[codebooks - 1])[:, 0].float()  # [N, 1, Dd] @ [N, Dd, V]
-
     @torch.no_grad()
     def prepare_heads(self, multiple: int = 64) -> None:
         """Transposed codebook heads with the vocab padded to `multiple`: 2051 columns make GEMMs fall
@@ -133,19 +121,18 @@ class CSMModel(nn.Module):
         pad = -V % multiple
         self.head_t = F.pad(self.audio_head.transpose(1, 2), (0, 0, 0, pad)).contiguous()
 
-    def decode_frame(self, h: Tensor, sample: Sampler, kv: KVView, pos: Tensor, upto: int | None = None) -> Tensor:
+    def decode_frame(self, h: Tensor, sample: Sampler, kv: KVView, pos: Tensor) -> Tensor:
         """One frame's K codes from the backbone's last hidden state h [B, Db].
 
-        `kv` is a depth-decoder view of >= K positions, fresh for this frame; `pos` is arange(K) [K]
-        on h's device. Returns codes [B, K] int64 (upto: the first `upto` codebooks only, [B, upto], the
-        depth KV holding their steps: kernels/depth_loop.py goes on from there).
+        `kv` is a depth-decoder view of K positions, fresh for this frame; `pos` is arange(K) [K]
+        on h's device. Returns codes [B, K] int64.
         """
         B = h.shape[0]
         c = sample(llama.linear(h, self.codebook0_head), 0)
         codes = [c]
         x = torch.stack([h, self.embed_audio(0, c)], dim=1)  # [B, 2, Db]
         p = pos[:2].expand(B, 2)
-        n = upto or self.cfg.num_codebooks
+        n = self.cfg.num_codebooks
         y = llama.linear(x, self.projection)  # [B, 2, Dd]
         for i in range(1, n):
             out, delta = self.decoder(y, p, kv, normed=False)  # [B, S, Dd] each: the final norm is in the head's GEMV

@@ -13,15 +13,14 @@ scale would make a seeded request's codes depend on its neighbours). Elsewhere (
 models, older GPUs) the same quantized numbers are multiplied in float32: the CPU tests run this code.
 The embeddings, the codebook heads and the norms stay in the model's dtype.
 
-At 1-16 rows on CUDA (gemv.MAX_ROWS_FP8; models/llama.py's fuse_gemv: a few streams' frame step, a short prefill) the GEMM is
-kernels/gemv.py's weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
+At 1-16 rows on CUDA (gemv.MAX_ROWS; models/llama.py's fuse_gemv: a few streams' frame step, a short prefill) the
+GEMM is kernels/gemv.py's weight-only one instead: the e4m3 weights times the activations as they are, no quantization kernel:
 
     y[r, o] = s_w[o] sum_i x[r, i] w8[o, i]                              (fp32 accumulation)
 
 Up to 16 rows on Hopper outside fuse_gemv the same weight-only numbers come from
 kernels/fp8.py's weight_only_mm (e4m3 tiles to bf16 in registers, tl.dot): the per-row quantization kernel and
 `_scaled_mm` cost more there than the GEMM itself (docs/benchmarks.md, issue 16).
-CSMSERVE_FP8_WEIGHT_ONLY_ROWS sets the most rows it runs at (16; 0: w8a8 at every row count).
 
 From there up to CSMSERVE_FP8_DENSE_ROWS rows (512) an FP8Linear on Hopper multiplies a bf16 copy of its dequantized
 weight, bf16(w8 * s_w), through cuBLAS: the same weights as the e4m3 ones to within bf16's rounding of the product (2^-9
@@ -42,8 +41,10 @@ from torch import Tensor, nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
-WEIGHT_ONLY_ROWS = int(os.environ.get("CSMSERVE_FP8_WEIGHT_ONLY_ROWS", "16"))  # weight_only_mm up to this many rows
-DENSE_ROWS = int(os.environ.get("CSMSERVE_FP8_DENSE_ROWS", "512"))  # the bf16 copy past WEIGHT_ONLY_ROWS, to this many
+WEIGHT_ONLY_ROWS = 16  # weight_only_mm up to this many rows
+# the bf16 copy past WEIGHT_ONLY_ROWS, to this many rows (CSMSERVE_FP8_DENSE_ROWS; 0: no copy, the e4m3 weights' memory
+# only, w8a8 past WEIGHT_ONLY_ROWS: ~2.2 GB less for fp8-all, 25% slower at 64 rows)
+DENSE_ROWS = int(os.environ.get("CSMSERVE_FP8_DENSE_ROWS", "512"))
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

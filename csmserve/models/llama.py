@@ -8,7 +8,6 @@ the engine supplies its own views over slot-indexed buffers.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -159,19 +158,6 @@ def _norm_then_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.
     return _norm_then(x, delta, norm, layer, gated)
 
 
-def _norm_attend(x: Tensor, delta: Tensor | None, norm: "RMSNorm", attn: "Attention", cos: Tensor, sin: Tensor,
-                 kv: "KVView", layer: int) -> tuple[Tensor, Tensor] | None:
-    return None
-
-
-def _norm_attend_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", attn: "Attention", cos: Tensor, sin: Tensor,
-                      kv: "KVView", layer: int) -> tuple[Tensor, Tensor] | None:
-    ws = _gemv_weight(x, attn.qkv_proj)
-    if ws is None:
-        return None
-    return kv.norm_attend_qkv(layer, x, delta, norm.weight, norm.eps, *ws, cos, sin, attn.n_heads, attn.n_kv)
-
-
 def _embed_linear(idx: Tensor, table: Tensor, layer: nn.Module) -> Tensor:
     return linear(F.embedding(idx, table), layer)
 
@@ -209,11 +195,10 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
 # one kernel each: residual add + norm, RoPE of q and k from the qkv projection, SiLU * up), and the
 # GEMMs at a few rows (x @ w^T; the MLP's [gate; up] GEMM + SiLU*up; norm_then: a block's residual
 # add + RMSNorm and the GEMM after it, (h, y) = (x + delta, layer(norm(h))), gated: glu; embed_linear:
-# layer(table[idx]), the gather in the GEMM; norm_matmul_t: norm(x + delta) @ weight^T; norm_attend: a block's add +
-# norm, qkv GEMM and attention in one kernel where the KV view has one, else None), by `fuse_gemv()`.
+# layer(table[idx]), the gather in the GEMM; norm_matmul_t: norm(x + delta) @ weight^T), by `fuse_gemv()`.
 add_rms_norm, rope_qk, silu_mul = _add_rms_norm, _rope_qk, _silu_mul
 matmul_t, linear_impl, glu, norm_then = _matmul_t, _linear, _glu, _norm_then
-embed_linear, norm_matmul_t, norm_attend = _embed_linear, _norm_matmul_t, _norm_attend
+embed_linear, norm_matmul_t = _embed_linear, _norm_matmul_t
 
 
 def fuse_elementwise() -> None:
@@ -225,17 +210,14 @@ def fuse_elementwise() -> None:
 
 
 def fuse_gemv(on: bool = True) -> None:
-    """GEMMs of 1-16 rows (CUDA, bf16/fp16; gemv.MAX_ROWS, gemv.MAX_ROWS_FP8 for FP8Linear) by kernels/gemv.py, the MLP's SiLU*up fused into its
-    first one and (at 1-2 rows) each block's two residual add + RMSNorm into the GEMM after them; off: F.linear
-    (cuBLAS). Read when a graph is captured: set it before the runner is built."""
-    global matmul_t, linear_impl, glu, norm_then, embed_linear, norm_matmul_t, norm_attend
+    """GEMMs of 1-16 rows (CUDA, bf16/fp16 or FP8Linear's e4m3; gemv.MAX_ROWS) by kernels/gemv.py, the MLP's SiLU*up
+    fused into its first one, and at 1-2 rows each block's two residual add + RMSNorm into the GEMM after them, the
+    depth step's embedding gather into the projection's GEMM and its final norm into the head's; off: F.linear
+    (cuBLAS: the tests' reference). Read when a graph is captured: set it before the runner is built."""
+    global matmul_t, linear_impl, glu, norm_then, embed_linear, norm_matmul_t
     matmul_t, linear_impl, glu, norm_then = ((_matmul_t_gemv, _linear_gemv, _glu_gemv, _norm_then_gemv) if on
                                              else (_matmul_t, _linear, _glu, _norm_then))
-    norm_attend = _norm_attend_gemv if on else _norm_attend
-    # CSMSERVE_GEMV_EDGES=0: the depth step's embedding and final norm as kernels of their own (to compare)
-    edges = on and os.environ.get("CSMSERVE_GEMV_EDGES", "1") != "0"
-    embed_linear, norm_matmul_t = ((_embed_linear_gemv, _norm_matmul_t_gemv) if edges
-                                   else (_embed_linear, _norm_matmul_t))
+    embed_linear, norm_matmul_t = ((_embed_linear_gemv, _norm_matmul_t_gemv) if on else (_embed_linear, _norm_matmul_t))
 
 
 class KVView(Protocol):
@@ -252,20 +234,6 @@ class KVView(Protocol):
     def attend_qkv(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -> Tensor | None:
         """RoPE, store and attention from the projection qkv [B, S, (n_q + 2 n_kv) hd] in one kernel ->
         [B, S, n_q hd], where the view has one (DepthKV); None: the caller ropes q and k and calls attend()."""
-        return None
-
-    def attend_qkv_o(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int, weight: Tensor,
-                     scale: Tensor | None) -> Tensor | None:
-        """attend_qkv and the o projection after it (weight [D, n_q hd]; FP8: e4m3 with per-channel scale) in one
-        kernel -> [B, S, D], where the view has one (DepthKV at 1-2 rows); None: attend_qkv, then linear."""
-        return None
-
-    def norm_attend_qkv(self, layer: int, x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float,
-                        weight: Tensor, scale: Tensor | None, cos: Tensor, sin: Tensor, n_q: int, n_kv: int
-                        ) -> tuple[Tensor, Tensor] | None:
-        """The block's add + RMSNorm, its qkv projection (weight [(n_q + 2 n_kv) hd, D]; FP8: e4m3 with per-channel
-        scale) and attend_qkv in one kernel: x/delta [B, S, D] -> (h = x + delta, [B, S, n_q hd]), where the view has
-        one (DepthKV at 1-2 rows); None: norm_then, then the attention."""
         return None
 
 
@@ -326,11 +294,6 @@ class Attention(nn.Module):
     def forward(self, qkv: Tensor, pos: Tensor, cos_t: Tensor, sin_t: Tensor, kv: KVView, layer: int) -> Tensor:
         # qkv [B, S, (Hq + 2 Hkv) hd]: qkv_proj of the normed input (Block: norm_then)
         B, S, _ = qkv.shape
-        ws = _gemv_weight(qkv, self.o_proj) if linear_impl is _linear_gemv else None  # fuse_gemv: our kernels
-        if ws is not None:
-            out = kv.attend_qkv_o(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv, *ws)
-            if out is not None:
-                return out
         out = kv.attend_qkv(layer, qkv, cos_t, sin_t, self.n_heads, self.n_kv)
         if out is not None:
             return linear(out, self.o_proj)
@@ -362,13 +325,8 @@ class Block(nn.Module):
         """The residual stream arrives as x + delta (the previous block's MLP output, not yet added: the
         add is fused into this block's first norm). Returns (residual, this block's MLP output)."""
         attn, mlp = self.self_attn, self.mlp
-        fused = norm_attend(x, delta, self.input_layernorm, attn, cos_t, sin_t, kv, layer)
-        if fused is not None:  # the add + norm, qkv and attention in one kernel
-            x, a = fused
-            a = linear(a, attn.o_proj)
-        else:
-            x, qkv = norm_then(x, delta, self.input_layernorm, attn.qkv_proj, False)
-            a = attn(qkv, pos, cos_t, sin_t, kv, layer)
+        x, qkv = norm_then(x, delta, self.input_layernorm, attn.qkv_proj, False)
+        a = attn(qkv, pos, cos_t, sin_t, kv, layer)
         x, h = norm_then(x, a, self.post_attention_layernorm, mlp.gate_up_proj, True)  # h = silu(gate) * up
         return x, linear(h, mlp.down_proj)
 

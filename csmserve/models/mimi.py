@@ -14,8 +14,6 @@ in the rotate-half RoPE layout (HF's; moshi's interleaved q/k rows are permuted 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor, nn
 
@@ -24,8 +22,6 @@ from csmserve.models.mimi_decoder import ChannelsLastDecoder
 from csmserve.models.mimi_layers import (CausalConv, CausalConvTr, RowView, SplitRVQ, Stateful, Transformer,
                                          run_layers, seanet_decoder, seanet_encoder, window_attention_available)
 
-# the streaming decode's SEANet layout: "cl" (channels-last GEMMs, mimi_decoder.py) or "nct" (the conv layout)
-DECODE_LAYOUT = os.environ.get("CSMSERVE_MIMI_LAYOUT", "cl")
 
 
 # --------------------------------------------------------------------------- the codec
@@ -90,16 +86,15 @@ class MimiStream:
     max_frames: the most frames one step may carry (sizes the transformer ring slack).
     kernel: transformer attention reads the KV rings in place (Triton) instead of gathering the
     step's rows; None = when the state lives on CUDA and triton imports. Same results either way.
-    layout: the decode's SEANet in "cl" (channels-last GEMMs, `ChannelsLastDecoder`) or "nct" (the conv
-    layout); None = DECODE_LAYOUT (CSMSERVE_MIMI_LAYOUT). Same math; the state differs.
+    layout: the decode's SEANet in "cl" (channels-last GEMMs, `ChannelsLastDecoder`: the engine's) or "nct" (the
+    conv layout: the reference the tests and benches compare it with). Same math; the state differs.
     """
 
     def __init__(self, mimi: Mimi, max_rows: int, part: str = "decode", max_frames: int = 4,
                  device: torch.device | str | None = None, moshi_window: bool = False, kernel: bool | None = None,
-                 layout: str | None = None):
+                 layout: str = "cl"):
         if part not in ("decode", "encode"):
             raise ValueError(f"part must be 'decode' or 'encode', not {part!r}")
-        layout = layout or DECODE_LAYOUT
         if layout not in ("cl", "nct"):
             raise ValueError(f"layout must be 'cl' or 'nct', not {layout!r}")
         self.mimi, self.part, self.max_frames, self.moshi_window = mimi, part, max_frames, moshi_window

@@ -5,7 +5,6 @@ whole-utterance mode). Assembled by `csmserve.models.mimi.Mimi`.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,12 +59,6 @@ class Stateful(nn.Module):
 
 
 # --------------------------------------------------------------------------- convolutions
-
-# transposed convs over at most this many input steps run as a GEMM + overlap-add (CSMSERVE_MIMI_GEMM_MAX_T).
-# Off by default: measured on the H200 (docs/benchmarks.md) the Mimi step at batch 2048 took 29.9 ms with
-# it against 25.4 ms with cuDNN's kernels
-GEMM_TRANSPOSED_MAX_T = int(os.environ.get("CSMSERVE_MIMI_GEMM_MAX_T", "0"))
-
 
 class CausalConv(Stateful):
     """Causal Conv1d: left context (k-1)*d+1-s from zeros, the first sample (replicate), or state."""
@@ -132,18 +125,6 @@ class CausalConvTr(Stateful):
             for i in range(m):
                 y[:, :, i:i + T] += full[:, :, :, i]
             y = y.view(B, C, (T + m - 1) * s)
-            return y if self.bias is None else y + self.bias[:, None]
-        if self.groups == 1 and k % s == 0 and x.shape[-1] <= GEMM_TRANSPOSED_MAX_T:
-            # streaming (tens to hundreds of steps per call): one batched GEMM over the contiguous input and
-            # an overlap-add; cuDNN's transposed-conv kernels took ~11 ms of a 25 ms decode step at batch
-            # 2048 on the H200 (one of them 9 ms)
-            B, T, m, cout = x.shape[0], x.shape[-1], k // s, self.weight.shape[1]
-            w = self.weight.permute(1, 2, 0).reshape(cout * k, C)  # [Cout * k, Cin] (a small copy)
-            full = torch.matmul(w, x).view(B, cout, m, s, T).permute(0, 1, 4, 2, 3)  # [B, Cout, T, m, s]
-            y = full.new_zeros(B, cout, T + m - 1, s)
-            for i in range(m):
-                y[:, :, i:i + T] += full[:, :, :, i]
-            y = y.view(B, cout, (T + m - 1) * s)
             return y if self.bias is None else y + self.bias[:, None]
         return F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from csmserve.sampling import DRAW_MIX, GREEDY_BELOW, MIX1, MIX2  # noqa: F401 (re-exported: the reference's names)
+from csmserve.sampling import GREEDY_BELOW, MIX1, MIX2  # noqa: F401 (re-exported: the reference's names)
 
 _M32 = 0xFFFFFFFF
 
@@ -30,25 +30,11 @@ def _mix32(x: Tensor) -> Tensor:
 
 def hash_uniform(seed: Tensor, frame: Tensor, codebook: int, vocab: int) -> Tensor:
     """Uniform noise in (0, 1), float32 [B, vocab], a pure function of (seed, frame, codebook, token)."""
-    return hash_uniform_at(seed, frame, torch.full_like(seed, codebook)[:, None], vocab)[:, 0]
-
-
-def hash_uniform_at(seed: Tensor, frame: Tensor, codebook: Tensor, vocab: int, draw: int | Tensor = 0) -> Tensor:
-    """Noise of each row's own codebooks: seed/frame [B], codebook [B, n] -> float32 [B, n, vocab] in (0, 1).
-
-    `draw` (an int, or [B, n]) names independent streams of the same (seed, frame, codebook, token):
-    0 is the sampler's (bit-identical to the noise before draws existed); speculation takes its
-    drafts, accept tests and residual resamples from draws 1, 2 and 3 (engine/speculate.py).
-    """
     tok = torch.arange(vocab, device=seed.device, dtype=torch.int64)  # [V]
-    h = _mix32((tok + codebook[..., None] * vocab) & _M32)  # [B, n, V]
-    if not isinstance(draw, int) or draw != 0:  # draw 0 skips this round: the sampler's noise is unchanged
-        d = torch.as_tensor(draw, device=seed.device)
-        d = d[..., None] if d.dim() else d
-        h = torch.where(d == 0, h, _mix32(h ^ ((d * DRAW_MIX) & _M32)))
-    h = _mix32(h ^ (frame[:, None, None] & _M32))
-    h = _mix32(h ^ (seed[:, None, None] & _M32))
-    h = _mix32(h ^ ((seed[:, None, None] >> 32) & _M32))
+    h = _mix32((tok + codebook * vocab) & _M32)[None, :]  # [1, V]
+    h = _mix32(h ^ (frame[:, None] & _M32))  # [B, V]
+    h = _mix32(h ^ (seed[:, None] & _M32))
+    h = _mix32(h ^ ((seed[:, None] >> 32) & _M32))
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
@@ -70,13 +56,6 @@ def scaled_and_cut(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     # the top token always (its mass before is 0; NaN probs, from x = +inf, keep only the largest)
     cut = s.gather(1, keep.sum(-1, keepdim=True).clamp(min=1) - 1)  # [B, 1] smallest kept value
     return x, cut
-
-
-def sampling_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """What `sample` draws from at temperature >= GREEDY_BELOW, as logits: x [B, V] float32, -inf outside
-    the kept tokens."""
-    x, cut = scaled_and_cut(logits, temperature, top_k, top_p)
-    return x.masked_fill(x < cut, float("-inf"))
 
 
 def sample_torch(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, frame: Tensor,

@@ -24,6 +24,7 @@ from csmserve.config import ServerConfig
 from csmserve.voices import VoiceBackend, open_voice_store
 from csmserve.server import errors, models, openapi, speech, voices, ws
 from csmserve.server.errors import APIError, check_bearer
+from csmserve.server.origin import OriginMiddleware
 from csmserve.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     for module in (speech, voices, models, ws):
         app.include_router(module.router)
     _add_page(app)
+    app.add_middleware(OriginMiddleware, allowed=config.cors_origins)  # inside the guard: its 403s are counted
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_error=state.metrics.error, body_timeout_s=config.body_timeout_s,
                        body_min_rate=config.body_min_rate, worker=worker)

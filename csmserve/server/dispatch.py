@@ -3,13 +3,13 @@
     parent:  Dispatcher(sock, n).start()      accept -> least-loaded ready worker -> its fd over a Unix socket
     worker:  DispatchedServer(config, link)   uvicorn with no listener of its own: serves the sockets it is sent
 
-Why (ServerConfig.connection_dispatch, `balanced`): with one listening socket shared by every worker the
+Why: with one listening socket shared by every worker (the way before; docs/tried-and-dropped.md) the
 kernel gives a new connection to whichever worker reaches accept() first, and a keep-alive connection then
 stays there for its whole life. Under a closed loop of 1,024 mp3 users (docs/benchmarks.md) that left the
 busiest worker at 0.99 of a core, saturated, and the least busy at 0.64, so the first chunks of the busiest
 one's streams waited. Here the parent counts each worker's open connections (what it sent minus what the
 worker reports closed: uvicorn's own connection set, so a WebSocket upgrade still counts) and sends each new
-one to the lowest. `shared`: the old way (every worker accepts on the shared socket).
+one to the lowest.
 
 The worker's count lives in a shared array (`Counters`, one row per worker: received, open, ready),
 written by the worker every REPORT_S and read by the parent's dispatch thread; a worker restarted in its

@@ -13,14 +13,14 @@ from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("csmserve.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 422: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 
 
 # the code of an error raised without one (never null in a response): by status
-_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
           408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
           429: "too_many_requests", 500: "internal_error", 503: "server_error"}
 

@@ -31,7 +31,11 @@ _HELP = {
     "model_name": "model id reported by /v1/models (default: --model)",
     "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
                  "(default: $XDG_DATA_HOME/csmserve/voices.db)",
-    "cors_origins": "comma-separated origins allowed by CORS",
+    "cors_origins": "comma-separated origins whose pages may call this server (CORS; * any): a request from "
+                    "another site's page (its Origin) is refused with 403, this server's own page is allowed",
+    "default_audio_length_ms": "a request that names no length gets at least this much audio, or its text's "
+                               "length at --audio-ms-per-char if longer; None: 30000 on real weights, 1000 on "
+                               "random ones (dummy / dummy-tiny never end a sentence)",
     "ray_address": "Ray cluster to join ('auto': the running one; default: start a local Ray instance)",
     "num_replicas": "replicas (engines) when not autoscaling",
     "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",
@@ -41,8 +45,6 @@ _HELP = {
     "affinity_load_factor": "a voice / conversation stays on its replica while that one's load is under "
                             "this x the mean (+1)",
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
-    "first_frame_alone": "after a frame step of only first frames (new requests on an idle engine), launch the next "
-                         "one once it is done: that frame's audio decode has the GPU to itself (time to first audio)",
     "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
                                 "runs from its hidden state (one backbone pass less before the first audio)",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
@@ -53,9 +55,6 @@ _HELP = {
                       "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop (default)",
     "native_codecs": "mp3 and opus through libmp3lame and libopus called directly (the default; less CPU per "
                      "stream); false: through PyAV / libav",
-    "connection_dispatch": "balanced: the parent accepts and sends each connection to the API worker with the "
-                           "fewest open ones (keep-alive connections stay where they land); shared: every worker "
-                           "accepts on the listening socket",
     "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
                       "receipt to the first chunk written), engine steps and GC pauses there; "
                       "python bench/trace_report.py DIR joins them (default: off)",

@@ -3,8 +3,9 @@
     parent (this module's serve_processes): binds the listening socket, starts the engine-core process
       (EngineProcess: engine/core.py: model, scheduler, runner, CUDA graphs; nothing else; it exits if
       the parent is killed) and N API worker processes
-      (uvicorn + FastAPI over the shared socket: validation, voices, prompts, sessions, audio
-      encoding), restarts a worker that dies, and stops everything on SIGINT / SIGTERM.
+      (uvicorn + FastAPI over the connections the parent accepts and hands to the worker with the fewest
+      open ones, server/dispatch.py: validation, voices, prompts, sessions, audio encoding), restarts a
+      worker that dies, and stops everything on SIGINT / SIGTERM.
     worker i: create_app(...) whose CSM is CSM.attach(RemoteEngineClient(...)): prompts are built in
       the worker, requests go to the engine as messages, every engine step comes back as one message
       (codes and PCM read from the engine's shared-memory output ring).
@@ -57,17 +58,14 @@ class WorkerSpec:
     parent_pid: int | None = None  # the worker exits once this process is gone (it would hold the port)
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket | None = None,
-               counters=None) -> None:
-    """An API worker's main: the FastAPI app over the shared socket (sock), or over the connections the
-    parent sends on `link` (ServerConfig.connection_dispatch balanced: server/dispatch.py), its CSM
-    attached to the engine."""
+def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
+    """An API worker's main: the FastAPI app over the connections the parent sends on `link`
+    (server/dispatch.py), its CSM attached to the engine."""
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
-    import uvicorn
-
     from csmserve.engine.core import exit_with_parent, freeze_gc
     from csmserve.server.app import create_app
+    from csmserve.server.dispatch import DispatchedServer
     from csmserve.server.timeouts import uvicorn_config
 
     exit_with_parent(spec.parent_pid, what=f"API worker {spec.index}")
@@ -83,13 +81,8 @@ def run_worker(spec: WorkerSpec, sock: socket.socket | None, link: socket.socket
         app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     freeze_gc()  # torch and the app imported: a full collection no longer walks them
-    if link is not None:
-        from csmserve.server.dispatch import DispatchedServer
-
-        state = app.state.server
-        DispatchedServer(config, link, counters, spec.index, attached=lambda: state.ready).run()
-    else:
-        uvicorn.Server(config).run(sockets=[sock])
+    state = app.state.server
+    DispatchedServer(config, link, counters, spec.index, attached=lambda: state.ready).run()
 
 
 def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600):
@@ -252,12 +245,10 @@ class Supervisor:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((server.host, server.port))
         self.sock.listen(2048)
-        self.sock.set_inheritable(True)
-        self.dispatcher = None
-        if server.connection_dispatch == "balanced":
-            from csmserve.server.dispatch import Dispatcher
+        from csmserve.server.dispatch import Dispatcher
 
-            self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
+        # the parent accepts; each connection goes to the worker with the fewest open ones (server/dispatch.py)
+        self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
         self.engine = EngineProcess(self.spec)
         self.workers: list = [None] * workers
         self._next_client = 1
@@ -267,8 +258,7 @@ class Supervisor:
         self.engine.start()
         for i in range(self.workers_n):
             self._start_worker(i)
-        if self.dispatcher is not None:
-            self.dispatcher.start()
+        self.dispatcher.start()
         log.info("csmserve: engine process (pid %d), %d API workers on http://%s:%d", self.engine.pid,
                  self.workers_n, self.server.host, self.server.port)
 
@@ -276,15 +266,11 @@ class Supervisor:
         spec = WorkerSpec(i, self._next_client, self.server, self.spec.address, self.spec.authkey, self.sessions_db,
                           self.log_level, parent_pid=os.getpid())
         self._next_client += 1
-        if self.dispatcher is not None:  # connections come from the parent's dispatch thread
-            link = self.dispatcher.new_link(i)
-            args = (f"csmserve-api-{i}", run_worker, spec, None, link, self.dispatcher.counters)
-        else:
-            link, args = None, (f"csmserve-api-{i}", run_worker, spec, self.sock)
+        link = self.dispatcher.new_link(i)  # connections come from the parent's dispatch thread
+        args = (f"csmserve-api-{i}", run_worker, spec, link, self.dispatcher.counters)
         p = self.ctx.Process(target=run_named, args=args, name=f"csmserve-worker-{i}")
         p.start()
-        if link is not None:
-            link.close()  # the worker has its own copy
+        link.close()  # the worker has its own copy
         self.workers[i] = p
         log.info("API worker %d started (pid %d)", i, p.pid)
 
@@ -312,8 +298,7 @@ class Supervisor:
 
     def shutdown(self) -> None:
         self._stopping = True
-        if self.dispatcher is not None:
-            self.dispatcher.stop()
+        self.dispatcher.stop()
         workers = [p for p in self.workers if p is not None]
         deadline = time.monotonic() + 15
         # the workers first (their streams end cleanly), then the engine: a worker outliving the engine

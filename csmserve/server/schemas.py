@@ -1,7 +1,8 @@
 """Request bodies, validated at the edge. Unknown fields are ignored (OpenAI clients add new ones);
 known fields of the wrong type are a 400 naming the field. JSON bodies are parsed by pydantic's own
 parser (`parse_body`): nesting is bounded (recursion limit: a 400), strings with lone surrogates are a
-400, a repeated key keeps its last value, and any Content-Type is read as JSON."""
+400, a repeated key keeps its last value; the body must come as `Content-Type: application/json`
+(`check_json_type`, 415 otherwise)."""
 from __future__ import annotations
 
 import asyncio
@@ -104,6 +105,21 @@ class WsRequest(SamplingFields):
     truncate: bool = False
     audio_end_ms: Int | None = Field(None, ge=0)
     request_id: StrictStr | None = None  # the turn `truncate` cuts (default: the newest assistant turn)
+
+
+def media_type(content_type: str | None) -> str:
+    """A Content-Type header's media type, lowercased, without its parameters ("" without one)."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def check_json_type(content_type: str | None) -> None:
+    """JSON routes take `Content-Type: application/json` only (415 otherwise): a body sent as text/plain, as a
+    form or with no type is refused, not read as JSON (a text/plain POST is a browser's simple request: see
+    server/origin.py and docs/reliability.md)."""
+    if media_type(content_type) != "application/json":
+        got = repr(content_type[:100]) if content_type else "none"
+        raise APIError(415, f"this route takes a JSON object: send it with Content-Type: application/json "
+                       f"(got {got})", "unsupported_media_type")
 
 
 def parse_json(raw: bytes, model: type[M]) -> M:

@@ -30,7 +30,7 @@ from csmserve.prompt.segments import segment_spans
 from csmserve.server.dialogue import Script, build_dialogue, is_dialogue
 from csmserve.server.errors import APIError
 from csmserve.server.lead import Lead
-from csmserve.server.schemas import SpeechRequest, parse_body
+from csmserve.server.schemas import SpeechRequest, check_json_type, parse_body
 from csmserve.server.state import ServerState
 from csmserve.server.timestamps import SegmentClock
 
@@ -65,6 +65,7 @@ async def create_speech(http: Request) -> StreamingResponse:
     """Speech for `input` in `voice`: audio (`response_format`) streamed as generated, or SSE events."""
     arrival = time.perf_counter()
     state: ServerState = http.app.state.server
+    check_json_type(http.headers.get("content-type"))
     body = await parse_body(await http.body(), SpeechRequest)  # parsed here, not by FastAPI: see schemas.py
     if is_dialogue(body):
         request, script = await build_dialogue(state, body)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
-from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig
+from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig, reading_ms
 from csmserve.engine import trace
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
@@ -90,10 +90,12 @@ class ServerState:
 
     def audio_length_ms(self, asked: int | None, chars: int = 0) -> int:
         """The whole response's cap: as asked (at most --max-audio-length-ms), else enough for the text
-        (--audio-ms-per-char per character, at least --default-audio-length-ms, at most the limit)."""
+        (--audio-ms-per-char per character, at least --default-audio-length-ms: 30 s, or 1 s on random
+        weights, which never end a sentence; at most the limit)."""
         c = self.config
         if asked is None:
-            return min(c.max_audio_length_ms, max(c.default_audio_length_ms, c.audio_ms_per_char * chars))
+            floor = c.audio_floor_ms(getattr(self.csm, "random_weights", False))
+            return min(c.max_audio_length_ms, max(floor, c.audio_ms_per_char * chars))
         if asked > c.max_audio_length_ms:
             raise bad_request(f"max_audio_length_ms is {asked}; the limit is {c.max_audio_length_ms}",
                               "max_audio_length_ms")
@@ -183,7 +185,7 @@ class ServerState:
             asked = fields.max_segment_length_ms
             seg_ms = asked or self.config.max_segment_ms
             if segment_chars is not None and asked is None:
-                seg_ms = min(seg_ms, max(1000, self.config.audio_ms_per_char * segment_chars))
+                seg_ms = min(seg_ms, reading_ms(segment_chars, self.config.audio_ms_per_char))
             seg_ms = min(max_ms, seg_ms)
         resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
         context = [Segment.of_voice(resolved.voice, resolved.speaker)] \

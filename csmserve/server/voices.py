@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 
 from csmserve.voices import ALIASES, VoiceInfo
 from csmserve.server.errors import APIError, bad_request
+from csmserve.server.schemas import media_type
 from csmserve.server.state import ServerState
 
 router = APIRouter()
@@ -18,7 +19,17 @@ def voice_object(v: VoiceInfo) -> dict:
             "num_frames": v.num_frames, "duration_s": round(v.duration_s, 3)}
 
 
-@router.post("/v1/audio/voices")
+def _multipart(http: Request) -> None:
+    """A dependency, so it runs before the form's fields are checked: JSON sent here gets this, not 'missing
+    required parameter'."""
+    if media_type(http.headers.get("content-type")) != "multipart/form-data":
+        got = repr(http.headers["content-type"][:100]) if "content-type" in http.headers else "none"
+        raise APIError(415, "POST /v1/audio/voices takes multipart/form-data (fields: name, audio_sample as a "
+                       f"file, transcript, speaker), not JSON or another type (got Content-Type {got})",
+                       "unsupported_media_type")
+
+
+@router.post("/v1/audio/voices", dependencies=[Depends(_multipart)])
 async def create_voice(http: Request, name: str = Form(...), audio_sample: UploadFile = File(...),
                        transcript: str = Form(""), speaker: int = Form(0)) -> dict:
     """multipart: `name`, `audio_sample` (any common audio file), `transcript` (what the clip says;

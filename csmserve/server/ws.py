@@ -136,8 +136,14 @@ class Connection:
                              else _immediate(WsRequest.model_validate_json, raw))
             except ValidationError as e:
                 err = validation_error(e)
-                if err.code == "invalid_json":
-                    err = APIError(400, f"message is not valid JSON: {err.message.partition(': ')[2]}", "invalid_json")
+                if err.code == "invalid_json":  # not JSON at all, or JSON but not an object (`[1,2]`, `null`)
+                    first = e.errors(include_input=False)[:1]
+                    if first and first[0]["type"] == "json_invalid":
+                        err = APIError(400, f"message is not valid JSON: {err.message.partition(': ')[2]}",
+                                       "invalid_json")
+                    else:
+                        err = APIError(400, 'the message must be a JSON object, e.g. {"text": "Hello."}',
+                                       "invalid_message")
                 await self.error(err, _context_id(raw))
                 continue
             try:

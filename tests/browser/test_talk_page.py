@@ -3,27 +3,18 @@ stand-ins (with CORS) for the transcription and chat endpoints, CSM on dummy-tin
 has the stand-ins and the CLI's tests)."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing (apt-get install chromium)")
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 sys.path.insert(0, str(ROOT))
 from server_helpers import Server, free_port, wav_bytes  # noqa: E402
 from tests.apps.test_talk import REPLY, TRANSCRIPTS, StandIns  # noqa: E402
-
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required",
-        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+from chromium import ARGS, CHROMIUM  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +50,9 @@ def test_talk_mode_three_turns_barge_in_and_errors(servers, tmp_path):
     server, endpoints, stand = servers
     mic = tmp_path / "mic.wav"
     mic.write_bytes(wav_bytes(2.0))
-    with sync_api.sync_playwright() as pw:
+    from playwright.sync_api import sync_playwright  # here: conftest.py skips (or fails in CI) without it
+
+    with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True,
             args=ARGS + [f"--use-file-for-fake-audio-capture={mic}"], permissions=["microphone"])

@@ -68,14 +68,13 @@ def drive(engine, col, arrivals, aborts=(), max_steps=400):
     raise AssertionError("engine did not finish")
 
 
-@pytest.mark.parametrize("overlap,late", [(True, False), (False, False), (True, True)])
-def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model, overlap, late):
+def test_greedy_engine_equals_reference_with_arrivals_and_aborts(model):
     greedy = SamplingParams(temperature=0.0, max_audio_length_ms=14 * 80)
     reqs = [Request(*prompt(n, i), params=greedy) for i, n in enumerate([3, 20, 9, 1, 40])]
     victims = [Request(*prompt(15, 99), params=greedy), Request(*prompt(30, 98), params=greedy)]
     arrivals = {0: reqs[:2], 3: [reqs[2], victims[0]], 5: [reqs[3]], 9: [reqs[4], victims[1]]}
     aborts = {6: [victims[0].request_id], 11: [victims[1].request_id]}
-    engine, col = make_engine(model, overlap_steps=overlap, late_launch=late), Collector()
+    engine, col = make_engine(model), Collector()
     drive(engine, col, arrivals, aborts)
     for r in reqs:
         ref = reference.generate(model, r.tokens, r.mask, greedy)
@@ -248,13 +247,12 @@ def test_a_failed_step_fails_its_requests_not_the_queued_ones(model):
     assert engine.scheduler.num_free_slots == 1
 
 
-@pytest.mark.parametrize("alone", [True, False])
-def test_a_step_of_first_frames_is_done_before_the_next_launch(model, alone):
-    """EngineConfig.first_frame_alone: after a frame step whose rows all make their first frame (an idle engine's
-    new request), the next step launches only once that one is done (its decode alone on the GPU); every other
-    step overlaps the next one's launch. The codes are the same either way."""
+def test_a_step_of_first_frames_is_done_before_the_next_launch(model):
+    """After a frame step whose rows all make their first frame (an idle engine's new request), the next step
+    launches only once that one is done (its decode alone on the GPU); every other step overlaps the next one's
+    launch."""
     greedy = SamplingParams(temperature=0.0, max_audio_length_ms=6 * 80)
-    engine, col = make_engine(model, first_frame_alone=alone), Collector()
+    engine, col = make_engine(model), Collector()
     log, firsts = [], {}
     launch = engine.runner.step
 
@@ -286,8 +284,7 @@ def test_a_step_of_first_frames_is_done_before_the_next_launch(model, alone):
     first = [s for s in launched if firsts[s]]
     assert first == [launched[0]]  # only the idle engine's first step: b's first frame joins a running a
     s0, s1 = launched[0], launched[1]
-    waited_first = log.index(("wait", s0)) < log.index(("launch", s1))
-    assert waited_first == alone
+    assert log.index(("wait", s0)) < log.index(("launch", s1))  # the first frames' step read before the next launch
     for later, nxt in zip(launched[1:], launched[2:]):  # the rest overlap: launched before the previous is read
         assert log.index(("launch", nxt)) < log.index(("wait", later))
     for r in (a, b):

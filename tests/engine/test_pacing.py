@@ -1,4 +1,4 @@
-"""The launch pacer (EngineConfig.late_launch): when the next frame step is launched, on made-up times."""
+"""The launch pacer (engine/pacing.py): when the next frame step is launched, on made-up times."""
 import pytest
 
 from csmserve.engine.pacing import LaunchPacer

@@ -119,17 +119,24 @@ def test_prefill_graphs_equal_eager_prefill():
         graphed.prefill([PrefillChunk(0, 0, np.zeros((65, 9), np.int64), np.zeros((65, 9), bool))])
 
 
-@cuda
-def test_depth_loop_on_and_off_give_the_same_codes(monkeypatch):
-    """kernels/depth_loop.py (on by default at 1-2 rows) against the plain depth steps, graphed, float32 (rounding
-    differs in the last bits: the same codes), greedy and sampled; 3 rows take the plain steps either way."""
-    model = tiny_model(torch.float32)
-    codes = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("CSMSERVE_DEPTH_LOOP", flag)
-        runner = ModelRunner(model, num_slots=8, max_seq_len=128, use_graphs=True)
-        assert (runner.depth_loop is not None) == (flag == "1")
-        codes[flag] = [run(runner, prompts(n, rng=np.random.default_rng(n)), list(range(7, 7 + n)), t, 10)
-                       for n in (1, 2, 3) for t in (0.0, 0.9)]
-    for a, b in zip(codes["0"], codes["1"]):
-        np.testing.assert_array_equal(a, b)
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                            reason="needs a Hopper GPU")
+
+
+@hopper
+@pytest.mark.parametrize("weights,n", [("fp8", 8), ("fp8-all", 8), ("fp8-all", 24)])
+def test_fp8_frame_graphs_equal_eager(weights, n):
+    """FP8 weights in the frame graphs == eager, greedy and sampled; n = 24: the frame step past WEIGHT_ONLY_ROWS, on
+    the dequantized bf16 copies (models/fp8.py DENSE_ROWS)."""
+    from csmserve.models import fp8
+    from csmserve.models.fp8 import FP8Linear
+
+    model = tiny_model(torch.bfloat16)
+    ps, seeds = prompts(n, rng=np.random.default_rng(n)), list(range(300, 300 + n))
+    graphed = ModelRunner(model, num_slots=n, max_seq_len=128, use_graphs=True, weights=weights)
+    eager = ModelRunner(model, num_slots=n, max_seq_len=128, use_graphs=False, weights=weights)
+    lins = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert lins and all(m.fast for m in lins)
+    assert all((m.dense is not None) == (fp8.DENSE_ROWS > fp8.WEIGHT_ONLY_ROWS) for m in lins)
+    for temperature in (0.0, 0.9):
+        np.testing.assert_array_equal(run(graphed, ps, seeds, temperature, 8), run(eager, ps, seeds, temperature, 8))

@@ -19,10 +19,10 @@ def test_only_views_of_the_static_positions_are_static():
     assert kv.pos_static
     kv.begin(static[:2].expand(2, 2))
     assert kv.pos_static
-    kv.begin(static[3:4].expand(2, 1) + 0)  # computed in the graph (speculation's verify positions): not static
+    kv.begin(static[3:4].expand(2, 1) + 0)  # computed in the graph: not static
     assert not kv.pos_static
     kv.begin(torch.arange(8)[3:4].expand(2, 1))  # an equal tensor that is not the table
     assert not kv.pos_static
-    kv = _kv(None)  # no table given (speculation's DepthKV): never static
+    kv = _kv(None)  # no table given: never static
     kv.begin(static[3:4].expand(2, 1))
     assert not kv.pos_static

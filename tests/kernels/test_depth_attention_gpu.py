@@ -1,6 +1,6 @@
 """GPU (`pytest -m gpu`): kernels/depth_attention.py's one-kernel depth attention step against the unfused torch
-pieces (RoPE, the cache store, attention over the frame so far), a whole frame of steps; and DepthKV's fused
-path against its unfused one. Also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1 with a
+pieces (RoPE, the cache store, attention over the frame so far), a whole frame of steps; and DepthKV's kernels
+against its torch path (the CPU's). Also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1 with a
 triton package on the path; CI has none)."""
 import os
 
@@ -103,9 +103,9 @@ def test_positions_past_the_row_are_never_read_into_the_output():
 
 
 @run
-def test_depth_kv_fused_equals_unfused(monkeypatch):
-    """DepthKV with CSMSERVE_DEPTH_FUSED on (the default) and off through a whole tiny depth decoder (4 layers, hd 64): the same hidden
-    states as with the unfused kernels."""
+def test_depth_kv_fused_equals_unfused():
+    """DepthKV's kernel (fused, CUDA's path) and its torch path (the CPU's) through a whole tiny depth decoder (4
+    layers, hd 64): the same hidden states."""
     from csmserve.engine.slots import DepthKV
     from csmserve.models import llama
     from csmserve.models.csm import CSMConfig
@@ -116,14 +116,10 @@ def test_depth_kv_fused_equals_unfused(monkeypatch):
     model = llama.Llama(dec).to(DEV).eval()
     B = 3
     outs = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("CSMSERVE_DEPTH_FUSED", fused)
+    for fused in (False, True):
         kv = DepthKV(cfg, B, torch.float32, torch.device(DEV))
-        if DEV == "cuda":
-            assert kv.use_triton and kv.fused == (fused == "1")  # the flag, read when the cache is built
-        else:  # under the interpreter: DepthKV keeps the torch path off CUDA
-            assert not kv.fused
-            kv.use_triton, kv.fused = True, fused == "1"
+        assert kv.fused == (DEV == "cuda")  # under the interpreter DepthKV keeps the torch path off CUDA
+        kv.fused = fused
         torch.manual_seed(2)
         hs = []
         with torch.no_grad():
@@ -131,7 +127,7 @@ def test_depth_kv_fused_equals_unfused(monkeypatch):
                 x = torch.randn(B, 1, dec.dim, device=DEV)
                 hs.append(model(x, torch.full((B, 1), t, device=DEV), kv))
         outs[fused] = torch.stack(hs)
-    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-4, rtol=1e-4)
 
 
 @run
@@ -165,11 +161,10 @@ def test_the_first_step_equals_two_unfused_steps(dtype, B, n_q, n_kv, hd, P):
 
 
 @run
-@pytest.mark.parametrize("first", ["0", "1"])
-def test_depth_kv_first_step_fused_equals_unfused(monkeypatch, first):
+def test_depth_kv_first_step_fused_equals_unfused():
     """A tiny depth decoder's frame as decode_frame runs it (positions 0-1 at once, then one at a time, all views of
-    the static positions): DepthKV's fused path, with the first-step kernel (first=1) or the torch path for the
-    first step (first=0), gives the hidden states of the unfused path."""
+    the static positions): DepthKV's kernels (the first step's, then the one-query one) give the hidden states of
+    its torch path."""
     from csmserve.engine.slots import DepthKV
     from csmserve.models import llama
     from csmserve.models.csm import CSMConfig
@@ -181,12 +176,9 @@ def test_depth_kv_first_step_fused_equals_unfused(monkeypatch, first):
     B = 2
     static = torch.arange(cfg.num_codebooks, device=DEV)
     outs = {}
-    monkeypatch.setenv("CSMSERVE_DEPTH_FIRST", first)
-    for fused in ("0", "1"):
-        monkeypatch.setenv("CSMSERVE_DEPTH_FUSED", fused)
+    for fused in (False, True):
         kv = DepthKV(cfg, B, torch.float32, torch.device(DEV), static_pos=static)
-        if DEV != "cuda":  # under the interpreter: DepthKV keeps the torch path off CUDA
-            kv.use_triton, kv.fused, kv.first = True, fused == "1", fused == "1" and first == "1"
+        kv.fused = fused  # under the interpreter DepthKV keeps the torch path off CUDA
         torch.manual_seed(2)
         hs, flags = [], []
         with torch.no_grad():
@@ -197,106 +189,12 @@ def test_depth_kv_first_step_fused_equals_unfused(monkeypatch, first):
                 x = torch.randn(B, 1, dec.dim, device=DEV)
                 hs.append(model(x, static[t:t + 1].expand(B, 1), kv)[:, -1])
         outs[fused] = torch.stack(hs)
-        assert flags == [fused == "1" and first == "1"]
-    torch.testing.assert_close(outs["1"], outs["0"], atol=1e-4, rtol=1e-4)
-    # positions computed per row (speculation's) are never taken as the static first step
+        assert flags == [fused]
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-4, rtol=1e-4)
+    # positions computed per row are never taken as the static first step
     kv = DepthKV(cfg, B, torch.float32, torch.device(DEV), static_pos=static)
-    kv.fused = kv.first = True
+    kv.fused = True
     kv.begin(torch.arange(2, device=DEV).expand(B, 2))
     assert not kv.first_static
     kv.begin(static[1:3].expand(B, 2))  # a view of the static positions, but not 0 and 1
     assert not kv.first_static
-
-
-def _fp8_weight(n, k, seed):
-    from csmserve.models.fp8 import quantize_rows_torch
-
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[torch.randperm(n, generator=g)][:, None]
-    w8, s = quantize_rows_torch(w)
-    return w8.to(DEV), s.reshape(-1).to(DEV)
-
-
-@run
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("B,n_q,n_kv,hd,P", [(1, 8, 2, 128, 32), (2, 8, 2, 128, 32), (2, 4, 2, 16, 33), (1, 4, 1, 32, 20)])
-@pytest.mark.parametrize("weights", ["plain", "fp8"])
-@pytest.mark.parametrize("pos_static", [False, True])
-def test_attention_and_o_projection_in_one_kernel_equal_the_two(dtype, B, n_q, n_kv, hd, P, weights, pos_static):
-    """depth_attend_o_triton (each program of the o GEMV computes the attention itself) over a frame of steps: the
-    output == the unfused attention (the torch reference) rounded to the model dtype, times the o weights (FP8: e4m3
-    with per-channel scales); the cache == the reference's (k rounded as rope_qk does, v exact); rows past the
-    batch untouched. A wrong head's weights, a missing scale or a position read past the row fail it."""
-    from csmserve.kernels.depth_attention import depth_attend_o_triton
-    from csmserve.models.fp8 import weight_only_torch
-
-    if weights == "fp8" and dtype == torch.float32:
-        pytest.skip("FP8 weights run with 16-bit activations")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(dim=n_q * hd, n_layers=1, n_heads=n_q, n_kv_heads=n_kv, intermediate=64, max_seq_len=64)
-    cos, sin = (t.to(DEV) for t in rope_tables(cfg))
-    D = 96  # the o projection's outputs: not a multiple of the kernel's block (a masked last block)
-    if weights == "fp8":
-        w, scale = _fp8_weight(D, n_q * hd, seed=hd)
-    else:
-        w, scale = (torch.randn(D, n_q * hd) * 0.05).to(dtype).to(DEV), None
-    width = (n_q + 2 * n_kv) * hd
-    shape = (B + 2, n_kv, P, hd)
-    kc, vc = torch.zeros(shape, dtype=dtype, device=DEV), torch.zeros(shape, dtype=dtype, device=DEV)
-    kr, vr = kc.clone(), vc.clone()
-    for t in range(P):
-        base = torch.randn(B, width + 5, dtype=dtype, device=DEV)
-        qkv = base[:, 2:2 + width]
-        pos = torch.full((B,), t, dtype=torch.long, device=DEV)
-        y = depth_attend_o_triton(qkv, pos, cos, sin, kc, vc, n_q, n_kv, w, scale, pos_static)
-        att = _reference_step(qkv, pos, cos, sin, kr, vr, n_q, n_kv).to(dtype)
-        ref = weight_only_torch(att, w, scale).float() if scale is not None else att.float() @ w.float().t()
-        # relative to the largest output: the reference's attention rounds differently (bf16 SDPA), and FP8 weights
-        # of magnitude ~1 carry that difference into every output
-        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        assert y.shape == (B, D) and y.dtype == dtype
-        assert err < (1e-5 if dtype == torch.float32 else 1.5e-2), (t, err)
-    torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(vc, vr, atol=0, rtol=0)
-    assert kc[B:].abs().sum() == 0 and vc[B:].abs().sum() == 0
-
-
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
-def test_depth_kv_runs_attention_and_o_in_one_kernel_at_one_and_two_rows(monkeypatch):
-    """A depth decoder (CSM-1B's depth shape, bf16) through DepthKV with fuse_gemv: at 1-2 rows the attention and the
-    o projection run as one kernel when CSMSERVE_DEPTH_ATTN_O=1 (off by default), with the same hidden states as
-    with the two kernels within bf16 rounding; at 3 rows the kernel does not apply."""
-    from csmserve.engine.slots import DepthKV
-    from csmserve.kernels import depth_attention as da
-    from csmserve.models import llama
-    from csmserve.models.csm import CSMConfig, llama_100m
-
-    torch.manual_seed(0)
-    dec = llama_100m()
-    cfg = CSMConfig(decoder=dec, num_codebooks=8)
-    model = llama.Llama(dec).to(DEV, torch.bfloat16).eval()
-    for p_ in model.parameters():
-        torch.nn.init.normal_(p_, std=0.02)
-    calls = []
-    real = da.depth_attend_o_triton
-    monkeypatch.setattr(da, "depth_attend_o_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    was_on = llama.linear_impl is llama._linear_gemv
-    llama.fuse_gemv(True)
-    try:
-        for B in (1, 2, 3):
-            outs = {}
-            for on in (False, True):
-                monkeypatch.setattr(da, "ATTN_O", on)
-                calls.clear()
-                kv = DepthKV(cfg, B, torch.bfloat16, torch.device(DEV))
-                torch.manual_seed(2)
-                hs = []
-                with torch.no_grad():
-                    for t in range(cfg.num_codebooks):
-                        x = torch.randn(B, 1, dec.dim, device=DEV, dtype=torch.bfloat16)
-                        hs.append(model(x, torch.full((B, 1), t, device=DEV), kv))
-                outs[on] = torch.stack(hs).float()
-                assert len(calls) == (cfg.num_codebooks * dec.n_layers if on and B <= 2 else 0), (B, on, len(calls))
-            torch.testing.assert_close(outs[True], outs[False], atol=3e-2, rtol=3e-2)
-    finally:
-        llama.fuse_gemv(was_on)

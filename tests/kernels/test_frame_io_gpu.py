@@ -1,5 +1,5 @@
 """GPU (`pytest -m gpu`): the frame step's prologue and epilogue kernels (kernels/frame_io.py) against the
-torch ops they replace (runner.frame_step with CSMSERVE_FRAME_IO=0). Also runs on the CPU under Triton's
+torch ops they replace (runner.frame_step without fuse: the CPU path). Also runs on the CPU under Triton's
 interpreter (TRITON_INTERPRET=1 with a Triton whose interpreter works with the installed numpy)."""
 import os
 

@@ -53,7 +53,7 @@ def test_gemv_does_not_apply_where_it_should_not():
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     assert gemv.applies(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), w)  # the tensor-core kernel
     assert not gemv.applies(torch.randn(gemv.MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16), w)
-    assert gemv.mma_blocks(gemv.TILE_ROWS[-1] + 1, 64, 256) is None  # past the largest tile, whatever MAX_ROWS says
+    assert gemv.mma_blocks(gemv.MMA_TILE + 1, 64, 256) is None  # past the tile
     assert not gemv.applies(torch.randn(2, 256, device="cuda"), w.float())  # float32: cuBLAS
     assert not gemv.applies(torch.randn(2, 256, dtype=torch.bfloat16), w.cpu())
 
@@ -170,10 +170,9 @@ def test_a_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
         return add_rms_norm_triton(x, delta, nw, 1e-5)[1]
 
     outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("CSMSERVE_PDL", on)
-        pdl.enabled.cache_clear()
-        assert pdl.enabled() == (on == "1")
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "enabled", lambda on=on: on)  # opts() asks it at every launch
+        assert pdl.opts()["PDL"] is on
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
             chain()
@@ -187,9 +186,8 @@ def test_a_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
             reps.append(out.clone())
         torch.cuda.synchronize()
         outs[on] = reps
-    pdl.enabled.cache_clear()
-    for r in outs["0"] + outs["1"]:
-        assert torch.equal(r, outs["0"][0])
+    for r in outs[False] + outs[True]:
+        assert torch.equal(r, outs[False][0])
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -249,7 +247,7 @@ def test_fp8_weight_only_gemv_matches_torch(m, n, k, glu, norm):
 @cuda
 @pytest.mark.parametrize("batch", [1, 2, 5, 16, 17, 33, 64, 65])
 def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
-    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1..gemv.MAX_ROWS_FP8 rows (the
+    """A Llama with FP8 weights (quantize_weights' FP8Linear): through fuse_gemv at 1..gemv.MAX_ROWS rows (the
     weight-only kernels) == the same numbers in torch (FP8Linear.weight_only); past it fuse_gemv leaves FP8Linear's
     own GEMM."""
     from csmserve.kernels import gemv
@@ -282,7 +280,7 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
             llama.fuse_gemv(False)
     for m in fp8:
         m.weight_only = False
-    if batch <= gemv.MAX_ROWS_FP8:
+    if batch <= gemv.MAX_ROWS:
         torch.testing.assert_close(outs["gemv"], outs["torch"], atol=5e-2, rtol=5e-2)
         assert (outs["gemv"] - outs["torch"]).abs().mean() < 1e-2
         assert not torch.equal(outs["gemv"], outs["plain"])  # not the per-row quantized GEMM
@@ -291,20 +289,17 @@ def test_llama_forward_with_fp8_gemv_matches_weight_only_torch(batch):
 
 
 @run
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 32, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gather_gemv_equals_the_embedding_then_the_gemv(monkeypatch, m, fp8):
+def test_gather_gemv_equals_the_embedding_then_the_gemv(m, fp8):
     """gather_gemv (the depth step's embedding gathered in the projection's kernel): the same bits as F.embedding
     then gemv, from a codebook's rows of a larger table (a row view, as CSMModel.audio_table gives), the first and
     last rows among them; with FP8 weights too. A wrong row (an index read as another, row 1's offset) fails."""
     from csmserve.kernels import gemv
 
-    most = gemv.MAX_ROWS_FP8 if fp8 else gemv.MAX_ROWS
     if DEV == "cuda":  # past the tensor-core kernel's rows: cuBLAS after the embedding, as before
-        assert not gemv.gather_applies(torch.zeros(most + 1, dtype=torch.int64, device=DEV),
+        assert not gemv.gather_applies(torch.zeros(gemv.MAX_ROWS + 1, dtype=torch.int64, device=DEV),
                                        torch.zeros(128, 2048, dtype=torch.bfloat16, device=DEV), *_gather_w(fp8))
-    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
-    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(m)
     V, K, N = 64, 2048, 1024
@@ -312,8 +307,7 @@ def test_gather_gemv_equals_the_embedding_then_the_gemv(monkeypatch, m, fp8):
     table = big[V:2 * V]  # codebook 1's rows
     w, scale = _gather_w(fp8)
     perm = torch.randperm(V, generator=torch.Generator().manual_seed(3)).tolist()
-    cases = {1: ([0], [V - 1]), 2: ([5, V - 1], [17, 17]), 3: ([V - 1, 0, 9],), 16: (perm[:16],),
-             32: (perm[:31] + [perm[0]],), 64: (perm,)}[m]
+    cases = {1: ([0], [V - 1]), 2: ([5, V - 1], [17, 17]), 3: ([V - 1, 0, 9],), 16: (perm[:15] + [perm[0]],)}[m]
     for idx in cases:
         idx = torch.tensor(idx, dtype=torch.int64).to(DEV)
         if DEV == "cuda":
@@ -329,21 +323,15 @@ def _gather_w(fp8):
 
 
 @run
-@pytest.mark.parametrize("m", [3, 5, 12, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("m", [3, 5, 12, 16])
 @pytest.mark.parametrize("n,k,glu", [(1536, 1024, False), (1024, 8192, False), (4096, 1024, True), (40, 256, True)])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("norm", [False, True])
-def test_mma_gemv_matches_the_reference(monkeypatch, m, n, k, glu, fp8, norm):
-    """3-64 rows (_gemv_mma_kernel: the rows as one 16-, 32- or 64-row tensor-core tile, the largest row counts on
-    by MAX_ROWS / MAX_ROWS_FP8 = 64 here): against F.linear in float32 (bf16 weights) or weight_only_torch (FP8
-    weights), with the glu, the fused residual add + RMSNorm (h bit for bit), and rows of a strided view. A row read
-    from the wrong place, a mask that let the padding rows in, a scale misapplied or the up tile read as the gate
-    fails; also N = 40 (a partial column tile)."""
+def test_mma_gemv_matches_the_reference(m, n, k, glu, fp8):
+    """3-16 rows (_gemv_mma_kernel: the rows as one 16-row tensor-core tile): against F.linear in float32 (bf16
+    weights) or weight_only_torch (FP8 weights), with the glu, and rows of a strided view. A row read from the wrong
+    place, a mask that let the padding rows in, a scale misapplied or the up tile read as the gate fails; also N = 40
+    (a partial column tile). norm_gemv (the fused add + RMSNorm) runs at 1-2 rows only: 3+ rows are refused."""
     from csmserve.kernels import gemv
-    from csmserve.models import llama
-
-    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
-    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(m + n)
@@ -355,31 +343,27 @@ def test_mma_gemv_matches_the_reference(monkeypatch, m, n, k, glu, fp8, norm):
     x = big[:, 1]  # strided rows
     if DEV == "cuda":
         assert gemv.applies(x, w, glu, scale)
-    y, out, nw = _run(x, w, glu, scale, norm)
+    y, out, nw = _run(x, w, glu, scale, False)
     ref = _reference(y, w, glu, scale)
     assert out.shape == (m, n) and out.dtype == dt
     tol = 1e-2 * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=1e-2)
-    if norm:  # without the delta too: the norm of x itself
-        _, y2 = llama._add_rms_norm(x, None, nw, 1e-5)
-        ref2 = _reference(y2, w, glu, scale)
-        torch.testing.assert_close(gemv.norm_gemv(x, None, nw, 1e-5, w, glu, scale)[1].float(), ref2, atol=tol,
-                                   rtol=1e-2)
+    assert not gemv.norm_applies(x, nw, w, glu, scale)
+    with pytest.raises(ValueError, match="1-2 rows"):
+        gemv.norm_gemv(x, None, nw, 1e-5, w, glu, scale)
 
 
 @run
-@pytest.mark.parametrize("lo,hi", [(3, 16), (17, 32), (33, 64)])
-def test_mma_gemv_rows_are_independent_of_the_padding(monkeypatch, lo, hi):
-    """A row's result does not depend on the rows beside it or their count within a row tile: the tile's products
-    for row r read only row r (the same bits for row 0 of 3 rows and of 16; of 17 and 32; of 33 and 64)."""
+@pytest.mark.parametrize("lo,hi", [(3, 16), (5, 12)])
+def test_mma_gemv_rows_are_independent_of_the_padding(lo, hi):
+    """A row's result does not depend on the rows beside it or their count within the row tile: the tile's products
+    for row r read only row r (the same bits for row 0 of 3 rows and of 16)."""
     from csmserve.kernels import gemv
 
-    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(0)
     w = (torch.randn(1024, 2048, dtype=dt) * 0.05).to(DEV)
     x = torch.randn(hi, 2048, dtype=dt).to(DEV)
-    assert gemv.mma_tile(lo) == gemv.mma_tile(hi) == hi
     a = gemv.gemv(x[:lo], w)
     b = gemv.gemv(x, w)
     assert torch.equal(a, b[:lo])
@@ -399,60 +383,29 @@ def test_mma_split_rule():
 
 
 @run
-def test_mma_blocks_rule(monkeypatch):
-    """mma_blocks: the 16-row tile narrows BLOCK_N (64 -> 16) for programs, 32 / 64 rows keep BLOCK_N 64 with the
-    input tile [tile, BLOCK_K] at most X_TILE elements; none past MAX_ROWS (MAX_ROWS_FP8 for e4m3 weights)."""
+def test_mma_blocks_rule():
+    """mma_blocks: the 16-row tile narrows BLOCK_N (64 -> 16) for programs; none past MAX_ROWS, bf16 or e4m3."""
     from csmserve.kernels import gemv
 
-    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
-    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 32)
     assert gemv.mma_blocks(16, 1024, 8192) == (16, 512)  # depth down: 64 column blocks, then split 4
     assert gemv.mma_blocks(16, 8192, 2048, glu=True) == (32, 256)  # backbone gate_up: 256 blocks at BLOCK_N 32
-    assert gemv.mma_blocks(32, 1024, 8192) == (64, 128)
-    assert gemv.mma_blocks(64, 1024, 8192) == (64, 128)
-    assert gemv.mma_blocks(64, 1024, 8192, fp8=True) is None and gemv.mma_blocks(32, 1024, 8192, fp8=True)
-    assert gemv.mma_split(1024, 8192, 64, 128, most=8) == 8  # 16 column blocks -> 128 programs
-    for m in (17, 32, 33, 64):
-        bn, bk = gemv.mma_blocks(m, 3072, 2048)
-        assert gemv.mma_tile(m) * bk <= gemv.X_TILE and bn == 64
-
-
-@run
-def test_mma_stages_fit_shared_memory():
-    """mma_stages: the 16-row tile keeps MMA_STAGES; at 32-64 rows (stages + 1) chunks stay under SMEM, the input
-    tile counted twice with the norm (x and delta both pipelined). The H100's OutOfResources cases: the 64-row glu
-    tile at (64, 128) asked 240 KB at 4 stages; the split test's (16, 256) with the norm at 40 rows."""
-    from csmserve.kernels import gemv
-
-    assert gemv.mma_stages(16, 16, 512, False) == gemv.mma_stages(16, 32, 256, True, True) == gemv.MMA_STAGES
-    assert gemv.mma_stages(64, 64, 128, True) == 3  # 48 KB chunks: 4 fit with the extra one, 5 did not
-    assert gemv.mma_stages(64, 64, 128, False) == 4  # 32 KB: capped at MMA_STAGES
-    for tile in (32, 64):
-        for bn, bk in ((16, 256), (64, 128), (16, 512)):
-            for glu in (False, True):
-                for norm in (False, True):
-                    st = gemv.mma_stages(tile, bn, bk, glu, norm)
-                    chunk = (tile * bk * (2 if norm else 1) + bk * bn * (2 if glu else 1)) * 2
-                    assert 1 <= st <= gemv.MMA_STAGES and (st == 1 or (st + 1) * chunk <= gemv.SMEM)
-    assert gemv.mma_stages(64, 16, 256, False, True) < gemv.mma_stages(64, 16, 256, False, False)
+    assert gemv.mma_blocks(3, 16384, 2048) == (64, 128)  # 256 blocks at BLOCK_N 64
+    assert gemv.mma_blocks(gemv.MAX_ROWS + 1, 1024, 8192) is None
+    assert gemv.config(16, 1024, 8192)[2:] == (gemv.MMA_WARPS, gemv.MMA_STAGES)
 
 
 @run
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("n,k,glu", [(1024, 8192, False), (40, 2048, True)])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("m", [5, 40])
-def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
+@pytest.mark.parametrize("m", [5, 16])
+def test_mma_gemv_split_over_k(split, n, k, glu, fp8, m):
     """The tensor-core kernel split over K (each split's partial sums in a workspace, the column block's last program
     to arrive adds them in a fixed order): == the reference; the same bits on every call, whichever program arrives
     last; the arrival counters back at 0 after each call (a counter left behind would make the next call's sum early
     or never). A sum that took one split twice or dropped one fails the reference check."""
     from csmserve.kernels import gemv
-    from csmserve.models import llama
 
-    monkeypatch.setattr(gemv, "MAX_ROWS", 64)
-    monkeypatch.setattr(gemv, "MAX_ROWS_FP8", 64)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
     torch.manual_seed(split + n)
     if fp8:
@@ -460,13 +413,9 @@ def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
     else:
         w, scale = (torch.randn(2 * n if glu else n, k, dtype=dt) * 0.05).to(DEV), None
     x = torch.randn(m, k, dtype=dt).to(DEV)
-    delta = torch.randn(m, k, dtype=dt).to(DEV)
-    nw = (torch.rand(k) + 0.5).to(dt).to(DEV)
-    cfg = (16, 256, 4, gemv.mma_stages(gemv.mma_tile(m), 16, 256, glu, norm), split)  # stages fitted at 64 rows
+    cfg = (16, 256, 4, gemv.MMA_STAGES, split)
 
     def call(c):
-        if norm:
-            return gemv.norm_gemv(x, delta, nw, 1e-5, w, glu, scale, cfg=c)[1]
         return gemv.gemv(x, w, glu, scale, cfg=c)
 
     outs = [call(cfg) for _ in range(3)]
@@ -474,9 +423,8 @@ def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
         assert torch.equal(o, outs[0])
     for ws, ctr in gemv._SPLIT_BUFS.values():
         assert int(ctr.abs().sum()) == 0
-    assert any(ws.shape == (split, gemv.mma_tile(m), 2 * n) for ws, _ in gemv._SPLIT_BUFS.values())
-    y = llama._add_rms_norm(x, delta, nw, 1e-5)[1] if norm else x
-    ref = _reference(y, w, glu, scale)
+    assert any(ws.shape == (split, gemv.MMA_TILE, 2 * n) for ws, _ in gemv._SPLIT_BUFS.values())
+    ref = _reference(x, w, glu, scale)
     tol = 1e-2 * max(1.0, ref.abs().max().item())
     torch.testing.assert_close(outs[0].float(), ref, atol=tol, rtol=1e-2)
     torch.testing.assert_close(outs[0].float(), call(cfg[:4] + (1,)).float(), atol=tol, rtol=1e-2)
@@ -493,26 +441,3 @@ def test_mma_gemv_split_over_k(monkeypatch, split, n, k, glu, fp8, norm, m):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, outs[0])
-
-
-@cuda
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("n,k,glu,fp8", [(8192, 1024, True, False), (1024, 8192, False, False),
-                                         (2048, 8192, False, True), (8192, 2048, True, True)])
-def test_l2_prefetch_changes_no_bits(monkeypatch, m, n, k, glu, fp8):
-    """CSMSERVE_GEMV_PREFETCH (a program's later weight chunks into L2 before the PDL wait): the same bits as
-    without, on shapes of several chunks a program."""
-    from csmserve.kernels import gemv
-
-    torch.manual_seed(0)
-    if fp8:
-        w, scale = _fp8(2 * n if glu else n, k, seed=n + k)
-    else:
-        w, scale = torch.randn(2 * n if glu else n, k, device="cuda", dtype=torch.bfloat16) * 0.05, None
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    assert k > gemv.config(m, n, k, glu, fp8=fp8)[1]  # several chunks a program: there is something to prefetch
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(gemv, "PREFETCH", on)
-        outs.append(gemv.gemv(x, w, glu, scale))
-    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)

@@ -138,8 +138,6 @@ def test_topk_radix_select_matches_torch(V, dtype):
     p = torch.ones(B, device=DEV)
     a = sampler.sample_triton(logits, t, k, p, seed, frame, 3)
     assert torch.equal(a, sample_torch(logits, t, k, p, seed, frame, 3))
-    # the parameters and the noise read after the PDL wait (params_early=False): the same tokens
-    assert torch.equal(sampler.sample_triton(logits, t, k, p, seed, frame, 3, params_early=False), a)
     assert ((a >= 0) & (a < V)).all()
     # hot and flat: tokens just past the cut-off would be drawn often if the search kept them
     B = 256

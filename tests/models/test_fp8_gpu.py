@@ -1,6 +1,6 @@
 """GPU (`pytest -m gpu`): FP8 weights on Hopper: the row-quantization kernel against torch, torch._scaled_mm
 against the dequantized fallback on the real GEMM shapes (the frame graphs with FP8 weights:
-tests/engine/test_speculate_gpu.py)."""
+tests/engine/test_runner_gpu.py)."""
 import pytest
 import torch
 
@@ -33,7 +33,7 @@ def test_quantize_rows_kernel_matches_torch(K):
                                  (2048, 3072), (2048, 16384)])
 @pytest.mark.parametrize("M", [1, 3, 9, 16, 17, 64, 512, 513, 2048])
 def test_scaled_mm_matches_the_dequantized_fallback(M, K, N):
-    """Up to 16 rows (WEIGHT_ONLY_ROWS; outside fuse_gemv's 1-2) weight_only_mm == weight_only_torch, closer to it
+    """Up to 16 rows (WEIGHT_ONLY_ROWS; outside fuse_gemv) weight_only_mm == weight_only_torch, closer to it
     than w8a8 is: the activations are not quantized. From 17 to 512 rows (DENSE_ROWS) the bf16 copy of the dequantized
     weight through cuBLAS: F.linear on that copy exactly, and the weight-only numbers to within bf16's rounding. Past
     512 the w8a8 GEMM == its float32 fallback."""

@@ -40,10 +40,10 @@ def test_autoscaling_target_from_the_slots():
 
 def test_cpu_device_takes_no_gpu_and_flags_reach_the_replicas():
     spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "device": "cpu", "api_key": "k",
-                                            "max_seq_len": 512, "late_launch": False}))
+                                            "max_seq_len": 512, "codec_stream": False}))
     assert spec.gpu_share == 0.0 and spec.model == "dummy-tiny" and spec.device == "cpu"
     assert spec.server.api_key == "k" and spec.server.model_name == "dummy-tiny"
-    assert spec.engine.max_seq_len == 512 and spec.engine.late_launch is False
+    assert spec.engine.max_seq_len == 512 and spec.engine.codec_stream is False
 
 
 def test_the_rayservice_manifest_builds():

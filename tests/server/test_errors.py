@@ -139,8 +139,10 @@ def test_413_and_upload_errors(serve):
     r = httpx.post(f"{server.url}/v1/audio/voices", data={"name": " "},
                    files={"audio_sample": ("a.wav", wav_bytes(1.0), "audio/wav")})
     assert r.status_code == 400 and error_of(r)["param"] == "name"
-    r = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "n"})
+    r = httpx.post(f"{server.url}/v1/audio/voices", files={"name": (None, "n")})  # multipart, no file part
     assert r.status_code == 400 and error_of(r)["param"] == "audio_sample"
+    r = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "n"})  # urlencoded: multipart only (issue 39)
+    assert r.status_code == 415 and error_of(r)["code"] == "unsupported_media_type"
     r = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "n", "speaker": "x"},
                    files={"audio_sample": ("a.wav", wav_bytes(1.0), "audio/wav")})
     assert r.status_code == 400 and error_of(r)["param"] == "speaker"

@@ -171,10 +171,13 @@ RAW_CASES = [
     ("duplicate-key-last-good", GOOD[:-1] + b', "input": 42, "input": "Hi."}', "application/json", 200, None),
     ("duplicate-key-last-bad", GOOD[:-1] + b', "input": "Hi.", "input": 42}', "application/json", 400,
      "invalid_value"),
-    ("content-type-text-plain", GOOD, "text/plain", 200, None),  # any Content-Type is read as JSON
-    ("content-type-form", GOOD, "application/x-www-form-urlencoded", 200, None),
-    ("content-type-multipart", GOOD, "multipart/form-data; boundary=x", 200, None),
-    ("content-type-xml-with-xml", b"<speech><input>Hi</input></speech>", "application/xml", 400, "invalid_json"),
+    # JSON is read only as application/json (issue 39: a text/plain or form POST is a browser's simple request)
+    ("content-type-text-plain", GOOD, "text/plain", 415, "unsupported_media_type"),
+    ("content-type-form", GOOD, "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
+    ("content-type-multipart", GOOD, "multipart/form-data; boundary=x", 415, "unsupported_media_type"),
+    ("content-type-xml-with-xml", b"<speech><input>Hi</input></speech>", "application/xml", 415,
+     "unsupported_media_type"),
+    ("content-type-json-charset", GOOD, "application/json; charset=utf-8", 200, None),
 ]
 
 
@@ -232,6 +235,13 @@ def _multipart(body: bytes) -> dict:
     return {"content": body, "headers": {"content-type": "multipart/form-data; boundary=x"}}
 
 
+def _text_parts(**fields: str) -> dict:
+    """multipart/form-data of text fields only (no file part)."""
+    parts = b"".join(b'--x\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n' % (k.encode(), v.encode())
+                     for k, v in fields.items())
+    return _multipart(parts + b"--x--\r\n")
+
+
 VOICE_CASES = [
     ("voice-8-channels", _upload(raw_wav(channels=8), transcript="A tone."), 200, None),
     ("voice-12-channels-8-bit", _upload(raw_wav(channels=12, bits=8)), 200, None),
@@ -246,8 +256,10 @@ VOICE_CASES = [
     ("voice-transcript-5000", _upload(raw_wav(), transcript="t" * 5000), 400, "invalid_value"),
     ("voice-no-name", {"files": {"audio_sample": ("a.wav", raw_wav(), "audio/wav")}}, 400,
      "missing_required_parameter"),
-    ("voice-sample-as-text-field", {"data": {"name": "h", "audio_sample": "not a file"}}, 400, "invalid_value"),
-    ("voice-json-body", {"json": {"name": "h"}}, 400, "missing_required_parameter"),
+    ("voice-sample-as-text-field", {"data": {"name": "h", "audio_sample": "not a file"}}, 415,
+     "unsupported_media_type"),  # a urlencoded form: multipart/form-data only
+    ("voice-sample-as-text-part", _text_parts(name="h", audio_sample="not a file"), 400, "invalid_value"),
+    ("voice-json-body", {"json": {"name": "h"}}, 415, "unsupported_media_type"),
     ("voice-multipart-no-boundary", {"content": b"garbage", "headers": {"content-type": "multipart/form-data"}}, 400,
      "invalid_multipart"),
     ("voice-multipart-bad-framing", _multipart(b"garbage"), 400, "invalid_multipart"),
@@ -339,8 +351,8 @@ WS_OK = {"context_id": "ok", "text": "Fine.", "flush": True, "max_audio_length_m
 WS_CASES = [
     ("ws-binary-frame", [b"\x00\x01\x02"], "error:invalid_message"),
     ("ws-not-json", ["{nope"], "error:invalid_json"),
-    ("ws-json-array", ["[]"], "error:invalid_json"),
-    ("ws-json-null", ["null"], "error:invalid_json"),
+    ("ws-json-array", ["[]"], "error:invalid_message"),  # JSON, not an object
+    ("ws-json-null", ["null"], "error:invalid_message"),
     ("ws-empty-text", [""], "error:invalid_json"),
     ("ws-nested-100000", ["[" * 100_000], "error:invalid_json"),
     ("ws-lone-surrogate", ['{"context_id": "a", "text": "\\ud800", "flush": true}'], "error:invalid_json"),

@@ -79,6 +79,32 @@ def test_max_audio_length_ms_caps_the_whole_response(server):
         assert 0 < msgs[-1]["num_frames"] <= 10 and msgs[-1]["finish_reason"] == "length"
 
 
+def test_random_weights_stop_at_a_readers_length_when_no_length_is_named(serve, csm):
+    """Issue 39: dummy-tiny never ends a sentence (no EOS), so a request that names no length stops at
+    --audio-ms-per-char x its characters (at least 1 s), not at the 30 s floor real weights keep."""
+    import pytest
+
+    from csmserve.config import ServerConfig
+
+    if not getattr(csm, "random_weights", False):
+        pytest.skip("the stand-in CSM (CSMSERVE_TEST_FAKE_CSM=1) has no random weights")
+    assert (ServerConfig().audio_floor_ms(False), ServerConfig().audio_floor_ms(True)) == (30_000, 1000)
+    assert ServerConfig(default_audio_length_ms=500).audio_floor_ms(True) == 500  # as set, on any weights
+    server = serve(default_audio_length_ms=None)
+    frames = lambda r: len(r.content) // (1920 * 2)  # noqa: E731
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "input": "Hello from csmserve."}, timeout=120)
+    assert r.status_code == 200 and frames(r) == 20 * 150 // 80  # 20 characters: 3 s
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "input": "Hi."}, timeout=120)
+    assert frames(r) == 1000 // 80  # at least 1 s
+    # two sentences: each at most the longest one's reading length (25 characters), all at the text's (46)
+    r = httpx.post(f"{server.url}/v1/audio/speech", timeout=120,
+                   json={**SPEECH, "input": "Hello from csmserve. Any length of text works."})
+    assert frames(r) == 46 * 150 // 80
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "input": "Hi.", "max_audio_length_ms": 2000},
+                   timeout=120)
+    assert frames(r) == 2000 // 80  # a length named is kept
+
+
 def test_a_client_that_never_reads_is_dropped_and_its_slot_freed(serve):
     server = serve(max_reader_lag_s=1.5, sndbuf=4096)
     aborts = _aborted(server)

@@ -68,7 +68,7 @@ def _served_by_each_worker(url: str, workers: int = 2, tries: int = 60) -> set[s
 def test_killing_one_api_worker_leaves_the_other_serving(procs):
     server = procs()
     assert _served_by_each_worker(server.url) == {"0", "1"}
-    # keep-alive connections open at once are spread over the workers (--connection-dispatch balanced)
+    # keep-alive connections open at once are spread over the workers (server/dispatch.py)
     clients = [httpx.Client(base_url=server.url, timeout=10) for _ in range(6)]
     served = sorted(c.get("/v1/models").headers["x-csmserve-worker"] for c in clients)
     assert served == ["0", "0", "0", "1", "1", "1"], served

@@ -32,9 +32,10 @@ def test_defaults_flags_and_env(monkeypatch):
     assert args.model == "dummy-tiny" and server.model_name == "dummy-tiny"
     assert server.api_key == "from-env" and server.port == 9001 and server.max_clip_seconds == 12.5
     assert server.cors_origins == ("http://a", "http://b") and engine.max_slots == 16
-    assert engine.overlap_steps is True and configs(parse(["--overlap-steps", "false"]))[1].overlap_steps is False
-    monkeypatch.setenv("CSMSERVE_OVERLAP_STEPS", "0")
-    assert configs(parse([]))[1].overlap_steps is False
+    assert engine.first_frame_from_prefill is True
+    assert configs(parse(["--first-frame-from-prefill", "false"]))[1].first_frame_from_prefill is False
+    monkeypatch.setenv("CSMSERVE_FIRST_FRAME_FROM_PREFILL", "0")
+    assert configs(parse([]))[1].first_frame_from_prefill is False
 
 
 def test_serve_subprocess(tmp_path):
@@ -67,15 +68,11 @@ def test_serve_subprocess(tmp_path):
         proc.wait(30)
 
 
-def test_speculation_and_weights_flags(monkeypatch):
-    engine = configs(parse(["--spec-depth", "4", "--weights", "fp8"]))[1]
-    assert engine.spec_depth == 4 and engine.weights == "fp8"
-    monkeypatch.setenv("CSMSERVE_SPEC_DEPTH", "3")
+def test_weights_flag(monkeypatch):
+    assert configs(parse([]))[1].weights == "bf16"
+    assert configs(parse(["--weights", "fp8"]))[1].weights == "fp8"
     monkeypatch.setenv("CSMSERVE_WEIGHTS", "fp8-all")
-    engine = configs(parse([]))[1]
-    assert engine.spec_depth == 3 and engine.weights == "fp8-all"
-    with pytest.raises(ValueError, match="spec_depth must be 2..8"):
-        configs(parse(["--spec-depth", "9"]))
+    assert configs(parse([]))[1].weights == "fp8-all"
     with pytest.raises(ValueError, match="weights must be one of"):
         configs(parse(["--weights", "int4"]))
 

@@ -109,26 +109,6 @@ def sweep_point(engine, n: int, frames: int, probes: int) -> dict:
             "ttfa_p50_ms": pct(ttfas, 50) * 1e3, "ttfa_p99_ms": pct(ttfas, 99) * 1e3}
 
 
-class SpecMeter:
-    """The speculator's draft counts since the last table row (two extra columns when --spec-depth)."""
-
-    def __init__(self, spec) -> None:
-        self.spec = spec
-        self.head = " draft acceptance | codes per verify pass |" if spec is not None else ""
-        self.rule = "---|---|" if spec is not None else ""
-        self.last = spec.snapshot().read() if spec is not None else None
-
-    def cells(self) -> str:
-        if self.spec is None:
-            return ""
-        now = self.spec.snapshot().read()  # device counters copied behind the steps in flight
-        d = {key: now[key] - self.last[key] for key in ("accepted", "verified", "committed", "passes")}
-        self.last = now
-        acc = d["accepted"] / d["verified"] if d["verified"] else float("nan")
-        per_pass = d["committed"] / d["passes"] if d["passes"] else float("nan")
-        return f" {acc:.1%} | {per_pass:.2f} |"
-
-
 def hf_reference(hf_model, batches: list[int], frames: int, compiled: bool) -> list[dict]:
     import torch
 
@@ -166,19 +146,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--no-codec", action="store_true", help="codes only: leave Mimi decode out")
     ap.add_argument("--codec-dtype", default=None, choices=["bfloat16", "float32"],
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="EngineConfig(overlap_steps=False): launch each frame step after the previous one is read")
-    ap.add_argument("--early-launch", action="store_true",
-                    help="EngineConfig(late_launch=False): launch each frame step as soon as the previous one is")
-    ap.add_argument("--no-first-frame-alone", action="store_true",
-                    help="EngineConfig(first_frame_alone=False): the step after a first frame overlaps its decode")
     ap.add_argument("--no-first-frame-from-prefill", action="store_true",
                     help="EngineConfig(first_frame_from_prefill=False): an idle engine's first frame through the backbone")
     ap.add_argument("--no-codec-stream", action="store_true",
                     help="EngineConfig(codec_stream=False): Mimi's decode after the generation in one graph")
-    ap.add_argument("--spec-depth", type=int, default=None,
-                    help="EngineConfig.spec_depth: draft/verify k codebooks per depth pass (2..8; prints the "
-                         "acceptance rate, which only the real weights make meaningful)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"],
                     help="EngineConfig.weights: fp8 depth decoder (fp8-all: and backbone) GEMMs")
     ap.add_argument("--hf", action="store_true", help="also run transformers on the same weights (cuda)")
@@ -235,41 +206,35 @@ def run(args: argparse.Namespace) -> int:
     TEXT_VOCAB[0] = model.cfg.text_vocab_size
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
-                       prefill_token_budget=2048, overlap_steps=not args.no_overlap,
-                       late_launch=not args.early_launch, spec_depth=args.spec_depth, weights=args.weights,
-                       codec_stream=not args.no_codec_stream, first_frame_alone=not args.no_first_frame_alone,
+                       prefill_token_budget=2048, weights=args.weights, codec_stream=not args.no_codec_stream,
                        first_frame_from_prefill=not args.no_first_frame_from_prefill)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_tokens=cfg.prefill_token_budget,
-                         spec_depth=cfg.spec_depth, weights=cfg.weights, codec_stream=cfg.codec_stream)
+                         weights=cfg.weights, codec_stream=cfg.codec_stream)
     capture_s = time.perf_counter() - t
     engine = Engine(runner, cfg)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     emit(f"device: {name}, torch {torch.__version__}, model {args.model}, dtype {args.dtype}, "
          f"slots {n_slots}, max_seq_len {args.max_seq_len}, codec {'on' if codec is not None else 'off'}, "
-         f"overlap_steps {cfg.overlap_steps}, late_launch {cfg.late_launch}, weights {cfg.weights}, "
-         f"codec_stream {runner.codec_stream is not None}, first_frame_alone {cfg.first_frame_alone}, "
+         f"weights {cfg.weights}, codec_stream {runner.codec_stream is not None}, "
          f"first_frame_from_prefill {cfg.first_frame_from_prefill}, "
-         f"spec_depth {cfg.spec_depth or 'off'}, "
          f"{'graphs captured' if cuda else 'eager (no graphs)'} for {len(runner.buckets)} buckets in {capture_s:.1f}s")
-    spec = SpecMeter(runner.spec)
     try:
         one = one_stream(engine, args.one_stream_frames, max(5, args.probes))
-        emit(f"\n| one stream | frames/s | real-time factor | time to first audio p50 (ms) |{spec.head}\n"
-             f"|---|---|---|---|{spec.rule}")
-        emit(f"| csmserve | {one['fps']:.1f} | {one['rtf']:.2f}x | {one['ttfa_p50_ms']:.1f} |{spec.cells()}")
+        emit("\n| one stream | frames/s | real-time factor | time to first audio p50 (ms) |\n|---|---|---|---|")
+        emit(f"| csmserve | {one['fps']:.1f} | {one['rtf']:.2f}x | {one['ttfa_p50_ms']:.1f} |")
         emit("\n| streams | aggregate frames/s | per-stream frames/s | frame step (ms) | TTFA p50 (ms) "
-             f"| TTFA p99 (ms) |{spec.head}")
-        emit(f"|---|---|---|---|---|---|{spec.rule}")
+             "| TTFA p99 (ms) |")
+        emit("|---|---|---|---|---|---|")
         best = 0
         for n in args.sweep:
             r = sweep_point(engine, n, args.frames, args.probes)
             if r["per_stream_fps"] >= 12.5:
                 best = max(best, n)
             emit(f"| {n} | {r['agg_fps']:.0f} | {r['per_stream_fps']:.1f} | {r['step_ms']:.2f} | "
-                 f"{r['ttfa_p50_ms']:.1f} | {r['ttfa_p99_ms']:.1f} |{spec.cells()}")
+                 f"{r['ttfa_p50_ms']:.1f} | {r['ttfa_p99_ms']:.1f} |")
         emit(f"\nlargest swept concurrency with every stream >= 12.5 frames/s (real time): {best}")
         kv = runner.kv.bytes_per_slot
         mem = f"memory: backbone KV {kv / 2**20:.1f} MiB per slot at max_seq_len {args.max_seq_len}"

@@ -173,6 +173,8 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         kw = dict(context=context, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if args.max_audio_length_ms is not None:  # per sentence (the whole text has no cap)
             kw["max_segment_length_ms"] = args.max_audio_length_ms
+        elif csm.random_weights:
+            kw.update(_reading_caps([t for _, t in script[0]] if script is not None else [text]))
         if script is not None:  # a dialogue: its voices' clips first, then the lines, each with its speaker
             lines, clips = script
             chunks = csm.dialogue(lines, **{**kw, "context": clips + context})
@@ -190,6 +192,17 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         csm.close()
     done = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
     return f" (segments: {done})" if done else ""
+
+
+def _reading_caps(texts: list[str]) -> dict:
+    """Random weights (dummy, dummy-tiny) never end a sentence: a request that names no length stops at a
+    reader's length for its text (config.reading_ms), each sentence at its longest one's, the whole at all of
+    the text's, as the server sizes them."""
+    from csmserve.config import reading_ms
+    from csmserve.prompt.segments import split_sentences
+
+    longest = max(len(s) for t in texts for s in split_sentences(t))
+    return {"max_segment_length_ms": reading_ms(longest), "max_audio_length_ms": reading_ms(sum(map(len, texts)))}
 
 
 def _resolve_voices(voices_db: str | None, names: list[str]) -> list:
