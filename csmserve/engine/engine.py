@@ -520,14 +520,20 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
 
     device = next(model.parameters()).device
     cfg = config
-    if cfg.max_slots is None:  # as many slots as fit beside the prefix cache
+    if cfg.max_slots is None:  # as many slots as fit beside the prefix cache and the LoRA pool
         cache = cfg.prefix_cache_bytes
         cache = default_prefix_cache_bytes(device.type) if cache is None else cache
+        if cfg.max_loras:
+            from csmserve.models.lora import LoraLayout
+
+            cache += (cfg.max_loras * cfg.max_lora_rank * LoraLayout(model.cfg).width
+                      * next(model.parameters()).element_size())
         cfg = dataclasses.replace(cfg, max_slots=size_slots(model, mimi, cfg.max_seq_len, reserve_bytes=cache))
     fs = mimi.cfg.frame_size if mimi is not None else 0
     ring = OutputRing(ring_slots, cfg.max_slots, model.cfg.num_codebooks, fs, cuda=device.type == "cuda",
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
-                         weights=cfg.weights, codec_stream=cfg.codec_stream)
+                         weights=cfg.weights, codec_stream=cfg.codec_stream, max_loras=cfg.max_loras,
+                         max_lora_rank=cfg.max_lora_rank)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

@@ -331,8 +331,11 @@ def _split_bufs(device: torch.device, split: int, n: int, tiles: int) -> tuple[T
     return bufs
 
 
-def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> bool:
-    """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3."""
+def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, lora=None) -> bool:
+    """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3. lora: the layer's LoRA
+    weights in this forward (models/lora.py LoraLayer), fused into the kernel where it can be."""
+    if lora is not None:
+        return False
     m = x.numel() // x.shape[-1]
     n = weight.shape[0] // (2 if glu else 1)
     wdt = x.dtype if scale is None else torch.float8_e4m3fn
@@ -367,7 +370,7 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
                            NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
 
 
-def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None, lora=None) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] (glu: weight [2I, K] -> silu(gate) * up [..., I]); scale: FP8
     weights (e4m3 weight, [N] float32 scales). The caller checks `applies` (else F.linear / FP8Linear).
     cfg: a launch configuration to try (bench/gemv.py)."""
@@ -382,12 +385,12 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = No
     return y.reshape(*x.shape[:-1], N)
 
 
-def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
-    return (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
+def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None, lora=None) -> bool:
+    return lora is None and (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
             and table.stride(-1) == 1 and len(idx) <= len(table) and applies(table[:len(idx)], weight, False, scale))
 
 
-def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None, lora=None) -> Tensor:
     """table[idx] @ weight^T without the gathered rows in memory: idx [M] int64 (rows of table [R, K]) -> [M, N].
     The embedding before the depth decoder's projection, in the projection's kernel: one launch less per depth
     step, and none of torch's between two PDL kernels. The caller checks `gather_applies`."""
@@ -400,8 +403,8 @@ def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None
 
 
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,
-                 scale: Tensor | None = None) -> bool:
-    return (applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+                 scale: Tensor | None = None, lora=None) -> bool:
+    return (applies(x, weight, glu, scale, lora) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS)
 
 
@@ -416,7 +419,7 @@ def pre_k(m: int, k: int, block_k: int) -> int:
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-              glu: bool = False, scale: Tensor | None = None, cfg=None) -> tuple[Tensor, Tensor]:
+              glu: bool = False, scale: Tensor | None = None, cfg=None, lora=None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
     after it in one kernel at 1-2 rows. x/delta [..., K]; the caller checks `norm_applies`."""
     K = x.shape[-1]
