@@ -313,8 +313,9 @@ class Scheduler:
                      from_prefill=from_prefill)
 
     def _admissible(self, n: int) -> list[Request]:
-        """Up to n requests to admit now, oldest first: the parked ones whose adapter became ready, then the queue's;
-        a queued request whose adapter is not ready is parked (its copy started when a pool slot can be had)."""
+        """Up to n requests to admit now, oldest first: the parked ones whose adapter became ready, then the queue's
+        (each one's adapter pinned as it is taken); a queued request whose adapter is not ready is parked (its copy
+        started when a pool slot can be had)."""
         out: list[Request] = []
         if n == 0:
             return out
@@ -325,6 +326,7 @@ class Scheduler:
                     out.append(q.popleft())
                     self._n_parked -= 1
                     a.waiting -= 1
+                    self.adapters.pin(a)  # now: not idle for the wants below
                 if not q:
                     del self._parked[a]
         while self.waiting and len(out) < n:
@@ -332,6 +334,8 @@ class Scheduler:
             a = req.lora
             if a is None or self.adapters.want(a):
                 out.append(req)
+                if a is not None:
+                    self.adapters.pin(a)
             else:
                 self._parked.setdefault(a, deque()).append(req)
                 self._n_parked += 1
@@ -428,8 +432,8 @@ class Scheduler:
             c = req.context_len
             ctx = (req.tokens[:c], req.mask[:c]) if c else None
             self._history[req.request_id] = _History(ctx, [_SegmentFrames(req.tokens[c:], req.mask[c:])])
-        if req.lora is not None:
-            self._lora_slot[slot] = self.adapters.pin(req.lora)
+        if req.lora is not None:  # pinned by _admissible
+            self._lora_slot[slot] = req.lora.slot
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
         hit = self._lookup_prefix(req)

@@ -171,6 +171,20 @@ def test_unload_idle_frees_at_once_and_abort_parked():
     assert s.adapters.slots == [None] and not s.adapters.idle
 
 
+def test_an_adapter_admitted_in_a_step_is_not_evicted_in_it():
+    """Two pool slots, four adapters in one schedule(): the first two's requests are taken (pinned at once), so the
+    last two's wants find no idle slot to evict: they wait, and no admitted request's adapter is lost."""
+    s = sched(max_loras=2, names=("a", "b", "c", "d"), max_slots=8)
+    for name in "abcd":
+        s.add(req(name, name))
+    s.schedule()
+    load_all(s)
+    b = s.schedule()
+    assert sorted(s.slots[x.slot].request_id for x in b.admissions) == ["a", "b"]
+    assert all(x.adapter == s.adapters.get(s.slots[x.slot].adapter).slot >= 0 for x in b.admissions)
+    assert s.adapters.take_loads() == [] and s.num_waiting == 2
+
+
 def test_limits():
     pool = AdapterSlots(max_loras=1, max_adapters=2)
     pool.add("a", None, 4, 1)
