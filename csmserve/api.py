@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from csmserve.engine.client import EngineClient
 
 log = logging.getLogger("csmserve")
+_START = threading.Lock()  # CSM.client: the engine is started once
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -153,14 +154,17 @@ class CSM:
     @property
     def client(self) -> "EngineClient":
         if self._client is None:
-            from csmserve.engine.client import EngineClient
-            from csmserve.engine.engine import build_engine
+            with _START:  # one engine, even when threads ask for it at once
+                if self._client is None:
+                    from csmserve.engine.client import EngineClient
+                    from csmserve.engine.engine import build_engine
 
-            self._engine = build_engine(self.model, self.mimi, self.engine_config or EngineConfig())
-            self._client = EngineClient(self._engine)
-            pending, self._pending = self._pending, {}
-            for name, adapter in pending.items():
-                self._client.load_adapter(name, adapter)
+                    engine = build_engine(self.model, self.mimi, self.engine_config or EngineConfig())
+                    client = EngineClient(engine)
+                    for name, adapter in self._pending.items():  # served before any request can reach it
+                        client.load_adapter(name, adapter)
+                    self._engine, self._pending = engine, {}
+                    self._client = client
         return self._client
 
     @property

@@ -359,22 +359,37 @@ def row_adapters(rows: Tensor, m: int) -> Tensor:
     return rows if per == 1 else rows.repeat_interleave(per)
 
 
+_GATHER_ELEMS = 1 << 22  # below this many gathered weights (M x R x (S K + N)) the rows' adapters are gathered
+
+
 def shrink_torch(x: Tensor, lora: LoraLayer) -> Tensor:
     """x [M, K] -> xa [M, S, R] in x's dtype (as PEFT's lora_A(x) rounds it), zero on rows without an adapter.
-    Every slot's shrink, then each row's picked: no host sync, memory M * L * S * R."""
+    No host sync: each row's A gathered (few rows), or every slot's shrink and each row's picked (memory M L S R)."""
     ad = row_adapters(lora.rows, x.shape[0]).long()
-    xa = torch.einsum("mk,lrsk->mlsr", x.float(), lora.a.float())  # [M, L, S, R]
-    xa = xa[torch.arange(x.shape[0], device=x.device), ad.clamp(min=0)]  # [M, S, R]
+    a = lora.a
+    if x.shape[0] * a[0].numel() <= _GATHER_ELEMS:
+        xa = torch.einsum("mk,mrsk->msr", x.float(), a[ad.clamp(min=0)].float())
+    else:
+        xa = torch.einsum("mk,lrsk->mlsr", x.float(), a.float())  # [M, L, S, R]
+        xa = xa[torch.arange(x.shape[0], device=x.device), ad.clamp(min=0)]  # [M, S, R]
     return (xa * (ad >= 0)[:, None, None]).to(x.dtype)
 
 
 def expand_torch(xa: Tensor, lora: LoraLayer) -> Tensor:
-    """xa [M, S, R] -> the LoRA delta [M, N] in xa's dtype (B scaled already); slice s's columns use xa[:, s].
-    One product per slot and slice, each row's own kept."""
+    """xa [M, S, R] -> the LoRA delta [M, N] in xa's dtype (B scaled already); slice s's columns use xa[:, s]. Each
+    row's B gathered (few rows), or one product per slot and slice, each row's own kept."""
     ad = row_adapters(lora.rows, xa.shape[0])
+    slices = lora.target.slices
+    if xa.shape[0] * lora.b[0].numel() <= _GATHER_ELEMS:
+        b = lora.b[ad.long().clamp(min=0)].float()  # [M, R, N]; rows without an adapter: xa is zero
+        parts, col = [], 0
+        for s, width in enumerate(slices):
+            parts.append(torch.einsum("mr,mrn->mn", xa[:, s].float(), b[:, :, col:col + width]))
+            col += width
+        return torch.cat(parts, 1).to(xa.dtype)
     out = torch.zeros(xa.shape[0], lora.target.n, dtype=torch.float32, device=xa.device)
     col = 0
-    for s, width in enumerate(lora.target.slices):
+    for s, width in enumerate(slices):
         for slot in range(lora.b.shape[0]):
             mine = xa[:, s].float() * (ad == slot)[:, None]  # [M, R]
             out[:, col:col + width] += mine @ lora.b[slot, :, col:col + width].float()
