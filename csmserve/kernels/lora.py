@@ -28,7 +28,7 @@ from csmserve.kernels import pdl
 
 FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column group), past it shrink and expand apart
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
-_BIG = 1 << 30
+_BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
 @triton.jit
@@ -290,12 +290,13 @@ def lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, strid
 
 
 @triton.jit
-def lora_row(WS, AD, B, RANKS, m, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
+def lora_row(WS, AD, B, RANKS, m, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
              RB: tl.constexpr, BM: tl.constexpr):
-    """Row m's delta [BN] (fp32, rounded to dt) of columns rn (any BN: no tensor cores): the 1-2-row GEMV's."""
+    """Row m's delta [BN] (fp32, rounded to dt) of columns rn (any BN: no tensor cores): the 1-2-row GEMV's (a row
+    m >= M, or without an adapter: zeros)."""
     s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
     rr = tl.arange(0, RB)
-    a = tl.load(AD + m // rows_per)
+    a = tl.load(AD + m // rows_per, mask=m < M, other=-1)
     a_l = tl.maximum(a, 0).to(tl.int64)
     rank = tl.load(RANKS + a_l) * (a >= 0).to(tl.int32)
     xa = tl.zeros([RB], dtype=tl.float32)
@@ -357,6 +358,16 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
     lora_arrive(CTR, tl.num_programs(0))
 
 
+def piece_block(k: int) -> int:
+    """The shrink pieces' K chunk: a power of two (<= 64) dividing each piece's range."""
+    return _pow2_divisor(k // pieces(k), 64)
+
+
+def rank_block(lora) -> int:
+    """The rank tile: the pool's max rank, at least 16 (tl.dot's), a power of two."""
+    return max(16, triton.next_power_of_2(lora.a.shape[1]))
+
+
 def pieces(k: int) -> int:
     """K ranges per slice of the shrink pieces (K // PIECE_K where it divides, else 1)."""
     return k // PIECE_K if k % PIECE_K == 0 and k > PIECE_K else 1
@@ -367,7 +378,7 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     t = lora.target
     _, _, bn, rb = _blocks(lora, m, n)
     ksplit = pieces(t.k)
-    bk = _pow2_divisor(t.k // ksplit, 64)  # divides each piece's K range
+    bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
     grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
@@ -394,7 +405,7 @@ def _blocks(lora, m: int, n: int) -> tuple[int, int, int, int]:
     """(BM, BK, BN, RB) for m rows of a projection's n output columns (BN divides its slice bounds)."""
     t = lora.target
     bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
-    rb = max(16, triton.next_power_of_2(lora.a.shape[1]))
+    rb = rank_block(lora)
     bm = 16 if m <= 64 else 32
     return bm, 64, bn, rb
 
@@ -423,7 +434,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, exp
 def _groups(m: int, n: int, lora, fused: bool) -> int:
     """Column groups: ~_PROGRAMS programs in all; with the shrink in the program, at most 8 (each recomputes it)."""
     bm, _, bn, _ = _blocks(lora, m, n)
-    return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else _BIG))
+    return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else 1 << 30))
 
 
 def lora_shrink(x: Tensor, lora) -> Tensor:

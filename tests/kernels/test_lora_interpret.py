@@ -160,3 +160,102 @@ def test_ticketed_pieces_split_over_k(pool, monkeypatch, rows, module, piece_k):
             else:
                 _close(kl.lora_add_(x, y0.clone(), layer), want)
             assert layer._scratch[1].tolist() == [0, 0, 0, 0]
+
+
+# ---- the LoRA inside kernels/gemv.py (1-16 rows): a model of dims >= 128 (the GEMV's smallest K)
+
+@pytest.fixture(scope="module")
+def wide():
+    from csmserve.models.csm import CSMConfig
+    from csmserve.models.llama import LlamaConfig
+    from csmserve.models.loader import empty_model, init_dummy
+
+    c = LlamaConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, intermediate=256)
+    model = empty_model(CSMConfig(backbone=c, decoder=c, text_vocab_size=258, audio_vocab_size=64, num_codebooks=4),
+                        "cpu", torch.float32)
+    init_dummy(model)
+    p = LoraPool(model, max_loras=4, max_rank=16)
+    g = torch.Generator().manual_seed(1)
+    for slot, r in enumerate([16, 4, 8, 16]):
+        p.weights[slot, :r] = torch.randn(r, p.layout.width, generator=g) * 0.2
+        p.ranks[slot] = r
+    return model, p
+
+
+GEMV_ROWS = {1: [[2]], 2: [[-1, 1]], 3: [[1, -1, 1]], 16: [[i % 5 - 1 for i in range(16)]]}
+
+
+def _gemv_cases():
+    for m, rows_list in GEMV_ROWS.items():
+        for rows in rows_list:
+            yield m, rows, 1
+    yield 4, [1, -1], 2  # the depth decoder's first step: two positions per row
+
+
+@interpreted
+@pytest.mark.parametrize("m, rows, per", list(_gemv_cases()))
+@pytest.mark.parametrize("module, glu", [("backbone.layers.0.self_attn.qkv_proj", False),
+                                         ("backbone.layers.0.mlp.gate_up_proj", True),
+                                         ("decoder.layers.0.mlp.down_proj", False), ("projection", False)])
+def test_gemv_with_lora(wide, monkeypatch, m, rows, per, module, glu):
+    """gemv(x, w, lora=...) == F.linear + the torch delta (glu: silu(gate + dg) * (up + du)), the shrink pieces split
+    over K (PIECE_K 64), twice in a row (the counters reset)."""
+    from csmserve.kernels import gemv
+    from csmserve.kernels import lora as kl
+
+    model, p = wide
+    monkeypatch.setattr(kl, "PIECE_K", 64)
+    mod = model.get_submodule(module)
+    layer = mod.lora
+    layer._scratch = None
+    p.rows = torch.tensor(rows)
+    x = _x(len(rows) * per, layer.target.k, 8)
+    want = F.linear(x, mod.weight) + delta_torch(x, layer)
+    if glu:
+        g, u = want.chunk(2, -1)
+        want = F.silu(g) * u
+    for _ in range(2):
+        _close(gemv.gemv(x, mod.weight, glu=glu, lora=layer), want)
+    assert layer._scratch[1].tolist() == [0, 0, 0, 0]
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [[1], [-1, 2], [3, 0]])
+@pytest.mark.parametrize("module, glu", [("backbone.layers.0.self_attn.qkv_proj", False),
+                                         ("decoder.layers.0.mlp.gate_up_proj", True)])
+def test_norm_gemv_with_lora(wide, monkeypatch, rows, module, glu):
+    """The block's residual add + RMSNorm and the GEMV in one kernel, the pieces normalising x + delta themselves."""
+    from csmserve.kernels import gemv
+    from csmserve.kernels import lora as kl
+    from csmserve.models.llama import _add_rms_norm
+
+    model, p = wide
+    monkeypatch.setattr(kl, "PIECE_K", 64)
+    mod = model.get_submodule(module)
+    layer = mod.lora
+    p.rows = torch.tensor(rows)
+    x, d = _x(len(rows), 128, 9), _x(len(rows), 128, 10)
+    nw = 1 + _x(1, 128, 11)[0] * 0.1
+    h, y = _add_rms_norm(x, d, nw, 1e-5)
+    want = F.linear(y, mod.weight) + delta_torch(y, layer)
+    if glu:
+        g, u = want.chunk(2, -1)
+        want = F.silu(g) * u
+    h2, got = gemv.norm_gemv(x, d, nw, 1e-5, mod.weight, glu, lora=layer)
+    _close(h2, h)
+    _close(got, want)
+
+
+@interpreted
+@pytest.mark.parametrize("idx, rows", [([5], [2]), ([7, 1], [1, -1]), ([3, 3, 9, 0, 2], [0, 1, 2, 3, -1])])
+def test_gather_gemv_with_lora(wide, idx, rows):
+    """The depth step's embedding gathered in the projection's GEMV, its LoRA's pieces gathering the same rows."""
+    from csmserve.kernels import gemv
+
+    model, p = wide
+    mod = model.projection
+    p.rows = torch.tensor(rows)
+    table = _x(12, 128, 12)
+    idx = torch.tensor(idx)
+    x = table[idx]
+    _close(gemv.gather_gemv(idx, table, mod.weight, lora=mod.lora), F.linear(x, mod.weight) + delta_torch(x, mod.lora))
