@@ -26,11 +26,13 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from csmserve.models.csm import CSMConfig
+if TYPE_CHECKING:  # llama.py calls this file's math: no import of the model's modules at import time
+    from csmserve.models.csm import CSMConfig
 
 log = logging.getLogger("csmserve.lora")
 
