@@ -26,13 +26,9 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-
-if TYPE_CHECKING:  # llama.py calls this file's math: no import of the model's modules at import time
-    from csmserve.models.csm import CSMConfig
 
 log = logging.getLogger("csmserve.lora")
 
@@ -86,7 +82,7 @@ class Target:
 class LoraLayout:
     """Every LoRA-able projection of a CSMConfig in a fixed order, and the width of one packed rank row."""
 
-    def __init__(self, cfg: CSMConfig) -> None:
+    def __init__(self, cfg) -> None:  # a CSMConfig (not imported: llama.py, which csm.py imports, calls this file)
         self.cfg = cfg
         self.targets: list[Target] = []
         self.hf: dict[str, tuple[int, int]] = {}  # transformers' module -> (target index, slice)
@@ -197,9 +193,9 @@ def _read_tensors(d: Path) -> dict[str, Tensor]:
     raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
 
 
-def read_adapter(path: str | Path, cfg: CSMConfig, dtype: torch.dtype = torch.float32,
+def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
                  max_rank: int | None = None) -> LoraAdapter:
-    """A PEFT adapter directory -> LoraAdapter packed for `cfg` (CPU, `dtype`). LoraError (one line) for anything
+    """A PEFT adapter directory -> LoraAdapter packed for `cfg` (a CSMConfig; CPU, `dtype`). LoraError (one line) for anything
     that cannot be served right; max_rank: the pool's (EngineConfig.max_lora_rank)."""
     d = Path(path).expanduser()
     if not d.is_dir():
