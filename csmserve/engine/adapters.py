@@ -58,7 +58,8 @@ class Adapter:
 class AdapterSlots:
     def __init__(self, max_loras: int, max_adapters: int) -> None:
         if max_loras < 1 or max_adapters < 1:
-            raise ValueError(f"AdapterSlots needs max_loras >= 1 and max_adapters >= 1, got {max_loras}, {max_adapters}")
+            raise ValueError(f"AdapterSlots needs max_loras >= 1 and max_adapters >= 1, got {max_loras}, "
+                             f"{max_adapters}")
         self.max_loras, self.max_adapters = max_loras, max_adapters
         self.by_name: dict[str, Adapter] = {}
         self.live: dict[int, Adapter] = {}  # id -> every adapter not yet freed (the unloaded ones still in use too)

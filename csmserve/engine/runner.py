@@ -28,7 +28,7 @@ from torch import Tensor
 
 from csmserve.models.csm import CSMModel
 from csmserve.models.fp8 import quantize_weights
-from csmserve.models.lora import LoraPool
+from csmserve.models.lora import LoraPool, detach
 from csmserve.models.mimi import Mimi, MimiStream
 from csmserve.engine.buckets import bucket_sizes
 from csmserve.engine.output_ring import OutputRing, StepOutput
@@ -85,6 +85,8 @@ class ModelRunner:
         quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
         # the LoRA adapters' pool (EngineConfig.max_loras), attached to the model's projections (FP8Linear's too)
         self.lora = LoraPool(model, max_loras, max_lora_rank) if max_loras else None
+        if self.lora is None:
+            detach(model)  # an earlier runner's pool on the same model: never read, never kept
         self._lora_loads: list[tuple[object, int, object]] = []  # copies in flight: (event | None, slot, adapter)
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype

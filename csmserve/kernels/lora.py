@@ -426,8 +426,8 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, exp
     a, b = lora.a, lora.b
     grid = (triton.cdiv(m, bm), groups)
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
-                       gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds, S=len(t.slices),
-                       RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
+                       gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
+                       S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
                        IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
 
 

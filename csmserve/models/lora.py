@@ -39,7 +39,8 @@ _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 # config fields that change the math or what is trained: refused when set (field -> what it is)
 _UNSUPPORTED = {"use_dora": "DoRA (use_dora)", "lora_bias": "a LoRA bias (lora_bias)",
-                "use_qalora": "QALoRA (use_qalora)", "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+                "use_qalora": "QALoRA (use_qalora)",
+                "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
                 "layer_replication": "layer_replication", "trainable_token_indices": "trainable tokens",
                 "modules_to_save": "modules_to_save (full copies of modules)", "target_parameters": "target_parameters",
                 "fan_in_fan_out": "fan_in_fan_out", "use_bdlora": "BD-LoRA (use_bdlora)"}
@@ -142,6 +143,15 @@ class LoraAdapter:
         return self
 
 
+def random_adapter(cfg, rank: int, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.bfloat16
+                   ) -> LoraAdapter:
+    """Random A and B of `rank` on every projection, packed for `cfg` (benchmarks, `--model dummy`'s tests)."""
+    layout = LoraLayout(cfg)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rank, layout.width, generator=g) * std).to(dtype)
+    return LoraAdapter(f"random:{seed}", rank, w, sum(len(t.slices) for t in layout.targets), float(rank), False)
+
+
 def _pattern(patterns: dict, module: str, default):
     # PEFT's get_pattern_key: the first key k with module matching (.*\.)?(k)$
     for key, value in patterns.items():
@@ -195,8 +205,8 @@ def _read_tensors(d: Path) -> dict[str, Tensor]:
 
 def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
                  max_rank: int | None = None) -> LoraAdapter:
-    """A PEFT adapter directory -> LoraAdapter packed for `cfg` (a CSMConfig; CPU, `dtype`). LoraError (one line) for anything
-    that cannot be served right; max_rank: the pool's (EngineConfig.max_lora_rank)."""
+    """A PEFT adapter directory -> LoraAdapter packed for `cfg` (a CSMConfig; CPU, `dtype`). LoraError (one line)
+    for anything that cannot be served right; max_rank: the pool's (EngineConfig.max_lora_rank)."""
     d = Path(path).expanduser()
     if not d.is_dir():
         raise LoraError(f"{d}: no such adapter directory")
@@ -320,6 +330,7 @@ class LoraPool:
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=p.device)
         self.rows: Tensor | None = None
         self.layers = []
+        detach(model)  # a pool of an earlier runner on the same model
         for t in self.layout.targets:
             layer = LoraLayer(self, t)
             model.get_submodule(t.module).lora = layer
@@ -340,6 +351,12 @@ class LoraPool:
     @property
     def nbytes(self) -> int:
         return self.weights.numel() * self.weights.element_size()
+
+
+def detach(model: nn.Module) -> None:
+    """Take every LoraLayer off the model's modules (its pool's memory goes with the last reference)."""
+    for m in model.modules():
+        m.__dict__.pop("lora", None)
 
 
 def lora_of(layer: nn.Module) -> LoraLayer | None:

@@ -19,7 +19,7 @@ from tiny_csm import build_hf, hf_config  # noqa: E402
 from tiny_lora import ALL, merged_checkpoint, peft_adapter  # noqa: E402
 
 from csmserve.models.loader import load_csm  # noqa: E402
-from csmserve.models.lora import LoraError, LoraPool, delta_torch, read_adapter  # noqa: E402
+from csmserve.models.lora import LoraError, LoraPool, delta_torch, detach, read_adapter  # noqa: E402
 from csmserve.models.reference import generate  # noqa: E402
 from csmserve.prompt.tokenizer import load_tokenizer, prompt_frames  # noqa: E402
 from csmserve.sampling import SamplingParams  # noqa: E402
@@ -65,8 +65,7 @@ def _check_deltas(model, cfg, pm, adapter, max_rank: int = 8) -> int:
             checked += 1
         return checked
     finally:
-        for layer in pool.layers:
-            del model.get_submodule(layer.target.module).lora
+        detach(model)
 
 
 @pytest.mark.parametrize("extra", [{}, {"use_rslora": True},
