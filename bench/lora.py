@@ -90,11 +90,13 @@ def step_table(model, args) -> list[tuple]:
 def one_stream(model, args) -> list[tuple]:
     """One stream through the engine (frames/s after its first chunk): the base, and an adapter of each rank with
     max(adapters) adapters loaded in the pool."""
+    from csmserve.apps.bench import engine as bench_engine
     from csmserve.apps.bench.engine import one_stream as measure
     from csmserve.config import EngineConfig
     from csmserve.engine.engine import build_engine
     from csmserve.models.lora import random_adapter
 
+    bench_engine.TEXT_VOCAB[0] = model.cfg.text_vocab_size
     out = []
     for rank in [None] + [int(r) for r in args.ranks.split(",")]:
         n = max(int(a) for a in args.adapters.split(","))
