@@ -15,6 +15,32 @@ cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink 
 tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it, xa through
 memory) and `lora_glu` (the MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's
 kernel, the expand costs no pass over the [M, 2I] output).
+
+Predicted cost per frame step (rank 16 on every projection: the backbone's 16 layers x q,k,v,o,gate,up,down at
+2,048-d, the depth decoder's 4 x 1,024-d run 31 times, and the projection between them: 591 LoRA'd projections a
+frame; an adapter is ~13.4 M parameters, 27 MB in bf16, 22.5 MB of it the backbone's), against the base's H200 step
+of ~4.6 ms (batch 1), ~8.3 ms (64), ~60 ms (2,048); HBM at ~3.5 TB/s, a launch on the chain ~1.5 us:
+
+    batch  adapters  launches  bytes (adapters' A+B, activations)   predicted
+        1       1-64         0  0.16 GB (27 MB from HBM: a depth      +2-8%: no launch of its own (fused into the
+                                adapter's 4.4 MB stays in L2)          GEMV); its shrink pieces run beside the GEMV,
+                                                                       the wait at its end is the cost
+       64          1      +451  0.53 GB (x for the pieces, y's RMW)  ~+10-17%  (the launches: ~0.7 ms)
+       64          8      +451  1.7 GB                               ~+14-20%
+       64         64      +451  10.7 GB (64 adapters' depth A+B       ~+45%    (read once per depth step: 31 x
+                                read 31 times)                                  282 MB; inherent to 64 at 64 rows)
+    2,048          1     +1042  11.9 GB (x re-read by the shrink,     ~+8%
+                                y read and written by the expand)
+    2,048          8     +1042  13.0 GB                               ~+9%
+    2,048         64     +1042  22 GB (+ 64 adapters' A+B: 10 GB)    ~+11-13%  (the acceptance asks <= 10%: the
+                                                                                 levers are below)
+
+1,042 = 2 launches (shrink, expand) for q,k,v / o / down / the projection and 1 for gate,up (its expand is the
+SiLU*up kernel) above 256 rows; 451 = one ticketed launch each, gate,up none, at 17-64 rows. With a pool and no
+adapter rows (the "0" column) the launches stay (they find no adapter and exit): ~+0.5-1.5 ms above 16 rows, ~0 at
+1-16. Levers if the 2,048-row number passes 10%: FUSED_ROWS (one launch, the shrink per column group), the down
+projection's shrink in lora_glu (its input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool
+of max_lora_rank 16 (RB 16: no padded rank in the tiles).
 """
 from __future__ import annotations
 
