@@ -170,7 +170,3 @@ class AdapterSlots:
             self._loads = [(s, x) for s, x in self._loads if x is not a]
             self.slots[a.slot] = None
         a.slot, a.ready, a.weights = -1, False, None
-
-    @property
-    def resident(self) -> int:
-        return sum(1 for s in self.slots if s is not None and s.ready)

@@ -189,8 +189,7 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
 # [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
 # finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
 # (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
-SMALL_ROWS = 16  # the pieces' row tile in the GEMV (1-16 rows); lora_add_ runs the ticketed kernel up to TICKET_ROWS
-TICKET_ROWS = 64
+TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
 
 

@@ -344,25 +344,11 @@ class LoraPool:
         self.weights[slot, r:].zero_()
         self.ranks[slot] = r
 
-    def clear(self, slot: int) -> None:
-        self.weights[slot].zero_()
-        self.ranks[slot] = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.weights.numel() * self.weights.element_size()
-
 
 def detach(model: nn.Module) -> None:
     """Take every LoraLayer off the model's modules (its pool's memory goes with the last reference)."""
     for m in model.modules():
         m.__dict__.pop("lora", None)
-
-
-def lora_of(layer: nn.Module) -> LoraLayer | None:
-    """The module's LoraLayer when this forward runs LoRA rows (pool.rows set), else None."""
-    lora = getattr(layer, "lora", None)
-    return lora if lora is not None and lora.pool.rows is not None else None
 
 
 # ------------------------------------------------------------------------------------------------- the math
