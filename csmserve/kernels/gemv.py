@@ -336,8 +336,9 @@ def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, M, stride_ym, UP_OFF, SCALED: t
     if SCALED:  # FP8 weights: a float32 scale per output channel (gate's, then up's at UP_OFF)
         y = y * tl.load(S + rn, mask=mn, other=0.0)[None, :]
     yu = acc_u
-    if GLU and SCALED:
-        yu = yu * tl.load(S + UP_OFF + rn, mask=mn, other=0.0)[None, :]
+    if GLU:
+        if SCALED:
+            yu = yu * tl.load(S + UP_OFF + rn, mask=mn, other=0.0)[None, :]
     if LORA:  # the rows' LoRA deltas of these columns (gate's and up's), once the shrink pieces are in
         ad = tl.load(AD + rm // l_per, mask=mm, other=-1)
         if tl.max(ad, axis=0) >= 0:
@@ -446,18 +447,22 @@ def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None =
     m = x.numel() // x.shape[-1]
     n = weight.shape[0] // (2 if glu else 1)
     wdt = x.dtype if scale is None else torch.float8_e4m3fn
-    bk = blocks(m, n, x.shape[-1], glu)
+    k = x.shape[-1]
+    bk = blocks(m, n, k, glu)
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
                                    and scale.numel() == weight.shape[0]))
-            and weight.stride(-1) == 1 and bk is not None and (lora is None or _lora_applies(x, lora, bk[0])))
+            and weight.stride(-1) == 1 and bk is not None
+            and (lora is None or _lora_applies(x, lora, {bk[0]} | {config(m, n, k, glu, norm, scale is not None)[0]
+                                                                    for norm in (False, True)})))
 
 
-def _lora_applies(x: Tensor, lora, block_n: int) -> bool:
+def _lora_applies(x: Tensor, lora, block_ns: set[int]) -> bool:
+    """The LoRA fits the kernel: its dtype, column blocks (the rule's and the tuned ones) inside one slice each."""
     from csmserve.kernels import lora as kl
 
     t = lora.target
-    return kl.applies(x, lora) and all(b % block_n == 0 for b in t.bounds if b < t.n) and \
+    return kl.applies(x, lora) and all(b % bn == 0 for b in t.bounds if b < t.n for bn in block_ns) and \
         kl.piece_block(t.k) >= 16
 
 
