@@ -1,6 +1,6 @@
 """Which LoRA adapters the engine serves and which of them sit in the GPU pool's slots: the CPU-side policy.
 
-Plain Python; no torch (the scheduler's side). An adapter is registered by name (`add`: its weights already read and
+Plain Python and numpy; no torch (the scheduler's side). An adapter is registered by name (`add`: its weights already read and
 packed, models/lora.py, kept on the host) and gets a fresh id (the prefix cache keys on it: a name loaded again is
 another adapter). The pool has `max_loras` GPU slots (models/lora.py LoraPool); the runner copies an adapter into a
 slot between steps (`take_loads` -> the copies; `loaded` once one is done) and the scheduler admits a request only
@@ -20,6 +20,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 class UnknownAdapterError(ValueError):
@@ -46,11 +48,12 @@ class Adapter:
     pins: int = 0  # admitted requests (their rows read its slot)
     waiting: int = 0  # queued requests parked until it is resident
     removed: bool = False  # unloaded: freed once refs == 0
-    stats: dict = field(default_factory=lambda: {"requests": 0, "loads": 0, "load_s": 0.0})
+    stats: dict = field(default_factory=lambda: {"requests": 0, "frames": 0, "loads": 0, "load_s": 0.0})
     _load_t0: float = 0.0
 
     def info(self) -> dict:
-        """name, rank, bytes, where it is and how much it is used (for listings and metrics)."""
+        """name, rank, bytes, where it is and how much it is used (for listings and metrics): requests (queued
+        since it was loaded), frames (generated with it), loads (copies into the pool), load_s (their time)."""
         return {"name": self.name, "id": self.id, "rank": self.rank, "bytes": self.nbytes, "path": self.path,
                 "resident": self.ready, "running": self.pins, "queued": self.refs - self.pins, **self.stats}
 
@@ -146,6 +149,14 @@ class AdapterSlots:
         a.pins -= 1
         if a.pins == 0 and a.ready:
             self.idle[a.slot] = None  # the most recently used
+
+    def count_frames(self, slots) -> None:
+        """A step's frames, by the pool slot of each frame's row (numpy [n], -1: the base): into each adapter's."""
+        counts = np.bincount(slots[slots >= 0], minlength=self.max_loras)
+        for slot in np.flatnonzero(counts):  # the adapters in the step, not its rows
+            a = self.slots[slot]
+            if a is not None:
+                a.stats["frames"] += int(counts[slot])
 
     # ---- the runner's side
     def take_loads(self) -> list[tuple[int, Adapter]]:

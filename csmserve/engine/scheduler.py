@@ -375,6 +375,8 @@ class Scheduler:
         start = self._num_frames[s]
         fs = self._seg_frames[s]
         f = s[has]
+        if self.adapters is not None:  # frames per adapter (its metrics): a count per pool slot
+            self.adapters.count_frames(self._lora_slot[f])
         self._seg_codes[f, fs[has]] = codes[has]
         self._num_frames[f] += 1
         self._seg_frames[f] += 1

@@ -436,9 +436,11 @@ def _blocks(lora, m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def applies(x: Tensor, lora) -> bool:
-    """x in the pool's dtype, and column blocks of >= 16 that never straddle two slices (CSM's are 128)."""
+    """x in the pool's dtype, column blocks of >= 16 that never straddle two slices (CSM's are 128), shrink
+    chunks of >= 16 (tl.dot's least)."""
     t = lora.target
-    return x.dtype == lora.a.dtype and all(_pow2_divisor(b, 16) == 16 for b in t.bounds if b < t.n)
+    return (x.dtype == lora.a.dtype and all(_pow2_divisor(b, 16) == 16 for b in t.bounds if b < t.n)
+            and piece_block(t.k) >= 16 and t.k % 16 == 0)
 
 
 def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,

@@ -81,7 +81,7 @@ def test_rows_carry_their_pool_slot_ordered_by_it():
     s = sched(max_loras=2)
     for rid, ad in [("r0", "bob"), ("r1", None), ("r2", "ann"), ("r3", "bob")]:
         s.add(req(rid, ad, prompt_len=3))
-    s.schedule()  # base admitted; ann and bob parked, both copies started (two free pool slots)
+    b0 = s.schedule()  # base admitted; ann and bob parked, both copies started (two free pool slots)
     load_all(s)
     b = s.schedule()
     owners = {x.slot: s.slots[x.slot].request_id for x in b.admissions}
@@ -92,9 +92,16 @@ def test_rows_carry_their_pool_slot_ordered_by_it():
     for c in b.prefills:
         r = s.slots[c.slot]
         assert c.adapter == (-1 if r.adapter is None else pool_slot[r.adapter])
-    steps = s.schedule().decode_slots
+    b2 = s.schedule()
+    steps = b2.decode_slots
     lora = [-1 if s.slots[x].adapter is None else pool_slot[s.slots[x].adapter] for x in steps]
     assert lora == sorted(lora) and len(steps) == 4
+    for batch in (b0, b):
+        finish(s, batch, set())
+    frames = {n: s.adapters.get(n).stats["frames"] for n in ("bob", "ann")}
+    finish(s, b2, set())  # one frame each: bob's two rows, ann's one
+    frames = {n: s.adapters.get(n).stats["frames"] - frames[n] for n in ("bob", "ann")}
+    assert frames == {"bob": 2, "ann": 1}
 
 
 def test_lru_eviction_and_all_pinned_waits():
