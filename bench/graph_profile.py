@@ -3,7 +3,7 @@ runner's frame graphs, each kernel charged with the wall time it holds the head 
 
 python bench/graph_profile.py --batches 1,4,16 --weights fp8-all [--codec] [--no-codec-stream]
 
-bench/profile_step.py profiles eager steps, where every kernel runs alone; in the graphs, PDL kernels start while the
+An eager profile times every kernel alone; in the graphs, PDL kernels start while the
 one before still runs (docs/benchmarks.md, issue 16), so a kernel's own duration counts its wait too. Here the
 kernels of each replay, sorted by start, are walked once: a kernel is charged from when the ones before it had all
 ended (or its own start, if later) to its end; time with nothing running is the gap. Per kernel name: calls per

@@ -1,13 +1,9 @@
 """What Ray Serve adds to the first audio chunk: the same model served by the plain server (`csmserve
-serve`, its own process) and by `csmserve serve --ray`'s application (1 replica, through Serve's proxy), one
-request at a time, time from sending POST /v1/audio/speech to its first body byte. Ray's streaming
-path puts each ASGI message in the replica's queue and the proxy pulls whatever is there: no batching
-interval (unlike Ray Serve LLM's RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS / stream_batching_interval_ms,
-50 ms, which this path does not use); this measures what remains (the request's hop to the replica, one
-message per batch back: over gRPC by default, --proxy-transport actor for Ray's actor calls).
+serve`, its own process tree) and by `csmserve serve --ray` (1 replica: the same tree, behind the HAProxy
+ingress), both up together, one request at a time, alternating, time from sending POST /v1/audio/speech to
+its first body byte. What Ray adds is HAProxy's hop (the replica's API worker streams through it).
 
     python bench/ray_ttfa.py --model dummy-tiny --device cpu --requests 50
-    python bench/ray_ttfa.py --model dummy-tiny --device cpu --requests 50 --proxy-transport actor
     python bench/ray_ttfa.py --model dummy --device cuda --requests 100 --max-slots 64 --out ray_ttfa.md
 """
 from __future__ import annotations
@@ -75,56 +71,69 @@ def flags(args) -> dict:
     return {k: v for k, v in f.items() if v is not None}
 
 
+def _start(cmd: list[str], env: dict, url: str, what: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.time() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _env(args) -> dict:
+    """Both trees with the replica's threads (Ray gives a replica OMP_NUM_THREADS = its CPUs; the engine process
+    inherits it)."""
+    threads = str(max(1, int(args.cpus_per_replica)))
+    return {**os.environ, "OMP_NUM_THREADS": threads,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 @contextmanager
 def plain(args) -> Iterator[str]:
-    """`csmserve serve` in its own process (as the Ray replica is in its own), with the replica's threads."""
+    """`csmserve serve` (an engine-core process and its API workers), its own process tree."""
     port = free_port()
     cmd = [sys.executable, "-m", "csmserve", "serve", "--port", str(port), "--log-level", "warning"]
     for name, value in flags(args).items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
-    threads = str(max(1, int(args.cpus_per_replica)))  # Ray gives a replica OMP_NUM_THREADS = its CPUs
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
+    proc = _start(cmd, _env(args), url, "the plain server")
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the plain server did not start")
-            time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        _stop(proc)
 
 
 @contextmanager
 def on_ray(args) -> Iterator[str]:
-    from csmserve.ray.app import build_app, ensure_importable, parse_flags, set_ray_environment, spec_from_args
-
-    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
-    app_flags = {**flags(args), "num_replicas": 1, "gpus_per_replica": gpus,
-                 "cpus_per_replica": args.cpus_per_replica, "proxy_transport": args.proxy_transport}
-    ensure_importable()
-    set_ray_environment(spec_from_args(parse_flags(app_flags))[1])  # as `csmserve serve --ray` (--ray-env wins)
-    import ray
-    from ray import serve
-
-    ray.init(include_dashboard=False, log_to_driver=False, **({"num_cpus": args.ray_cpus} if args.ray_cpus else {}))
+    """`csmserve serve --ray --num-replicas 1`: its own Ray instance, the replica the same tree as the plain
+    server's, HAProxy on the port."""
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_flags), name="csmserve", route_prefix="/")
+    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
+    cmd = [sys.executable, "-m", "csmserve", "serve", "--ray", "--port", str(port), "--log-level", "warning",
+           "--num-replicas", "1", "--gpus-per-replica", str(gpus), "--cpus-per-replica", str(args.cpus_per_replica),
+           "--ingress-cpus", str(args.ingress_cpus)]
+    for name, value in flags(args).items():
+        cmd += ["--" + name.replace("_", "-"), str(value)]
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(cmd, {**_env(args), "RAY_USAGE_STATS_ENABLED": "0"}, url, "csmserve serve --ray")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        _stop(proc)
 
 
 def stats(xs: list[float]) -> dict:
@@ -146,17 +155,15 @@ def main() -> int:
     p.add_argument("--format", default="pcm")
     p.add_argument("--gpus-per-replica", type=float, default=None)
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--ray-cpus", type=int, default=None, help="num_cpus of the local Ray instance")
-    p.add_argument("--proxy-transport", choices=("grpc", "actor"), default="grpc",
-                   help="serve --ray's --proxy-transport: how Serve's proxy reaches the replica")
+    p.add_argument("--ingress-cpus", type=float, default=0.5)
     p.add_argument("--ray-env", action="append", default=[], metavar="K=V",
-                   help="environment for the Ray instance (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
+                   help="environment for `csmserve serve --ray` and its Ray instance")
     p.add_argument("--only", choices=("plain", "ray"), default=None)
     p.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = p.parse_args()
     os.environ.update(kv.split("=", 1) for kv in args.ray_env)
 
-    ray_name = f"Ray Serve (1 replica, {args.proxy_transport})" + "".join(f" {kv}" for kv in args.ray_env)
+    ray_name = "Ray Serve (1 replica, HAProxy)" + "".join(f" {kv}" for kv in args.ray_env)
     with ExitStack() as stack:
         urls = {}
         if args.only != "ray":

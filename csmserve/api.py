@@ -39,7 +39,8 @@ from csmserve.engine.adapters import UnknownAdapterError
 from csmserve.prompt.segments import SentenceSplitter
 from csmserve.prompt.tokenizer import (FRAME_MS, PromptPart, PromptSegment, assemble, load_tokenizer, prompt_part,
                                        segment_ids, text_frames)
-from csmserve.config import SAMPLE_RATE
+from csmserve.config import FRAME_SAMPLES, SAMPLE_RATE
+from csmserve.engine.paced import PACED_MODEL
 
 if TYPE_CHECKING:
     from csmserve.engine.client import EngineClient
@@ -110,6 +111,22 @@ class CSM:
                  codec_dtype: str | torch.dtype | None = None, engine: bool = True,
                  engine_config: EngineConfig | None = None, adapters: dict[str, str] | None = None) -> None:
         self.model_name = model
+        self.sample_rate = SAMPLE_RATE
+        self.use_engine = engine
+        self.engine_config = engine_config
+        self._engine = None
+        self._client = None
+        self._pending: dict = {}  # adapters read before the engine starts: registered when it does
+        self._paced = model == PACED_MODEL
+        if self._paced:  # no model: the engine's steps take the GPU's measured time (engine/paced.py)
+            from csmserve.models.csm import CSMConfig
+
+            self.device, self.dtype = torch.device("cpu"), torch.float32
+            self.model = self.mimi = self.model_dir = None
+            self.config = CSMConfig()
+            self.tokenizer = load_tokenizer(None)
+            self.frame_size, self._has_codec = FRAME_SAMPLES, True
+            return
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.config, self.model_dir = load_csm(model, self.device, self.dtype)
@@ -119,12 +136,6 @@ class CSM:
         self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
         self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
         self._has_codec = self.mimi is not None
-        self.sample_rate = SAMPLE_RATE
-        self.use_engine = engine
-        self.engine_config = engine_config
-        self._engine = None
-        self._client = None
-        self._pending: dict = {}  # adapters read before the engine starts: registered when it does
         if adapters:
             self._read_adapters(dict(adapters))
 
@@ -147,19 +158,39 @@ class CSM:
         self.use_engine, self.engine_config = True, info.engine
         self._engine, self._client = None, client
         self._pending = {}
-        self._has_codec = info.has_codec
+        self._has_codec, self._paced = info.has_codec, False
         return self
 
     # ---- engine
+    @property
+    def paced(self) -> bool:
+        """`CSM("paced")`: no model; a stand-in engine paced at the GPU's measured step times (engine/paced.py)."""
+        return self._paced
+
+    @property
+    def has_codec(self) -> bool:
+        """Chunks carry audio (a Mimi codec here, in the engine's process, or the paced stand-in's)."""
+        return self._has_codec
+
+    def build_engine(self, config: EngineConfig, **kw):
+        """An engine for this model (engine.build_engine's keywords: start, emit, inbox, ring_path, ring_slots);
+        the paced stand-in's for `CSM("paced")`. The engine-core process builds its engine here too."""
+        if self.paced:
+            from csmserve.engine.paced import build_paced_engine
+
+            return build_paced_engine(config, **kw)
+        from csmserve.engine.engine import build_engine
+
+        return build_engine(self.model, self.mimi, config, **kw)
+
     @property
     def client(self) -> "EngineClient":
         if self._client is None:
             with _START:  # one engine, even when threads ask for it at once
                 if self._client is None:
                     from csmserve.engine.client import EngineClient
-                    from csmserve.engine.engine import build_engine
 
-                    engine = build_engine(self.model, self.mimi, self.engine_config or EngineConfig())
+                    engine = self.build_engine(self.engine_config or EngineConfig())
                     client = EngineClient(engine)
                     for name, adapter in self._pending.items():  # served before any request can reach it
                         client.load_adapter(name, adapter)
@@ -244,6 +275,10 @@ class CSM:
     # ---- prompts
     def encode_audio(self, audio: np.ndarray) -> np.ndarray:
         """A 24 kHz mono waveform -> Mimi codes [frames, 32] int64."""
+        if self._paced:
+            from csmserve.engine.paced import stand_in_codes
+
+            return stand_in_codes(audio)
         if self.mimi is None and self._has_codec:  # attached: the engine process encodes
             audio = np.asarray(audio, dtype=np.float32)
             if audio.ndim != 1 or audio.size == 0:

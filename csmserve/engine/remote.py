@@ -52,8 +52,7 @@ class RemoteEngineClient(ClientBase):
         welcome: m.Welcome = pickle.loads(self.conn.recv_bytes())
         self.info = welcome.info
         cfg = welcome.info.engine
-        super().__init__(Router(welcome.info.num_codebooks, cfg.first_chunk_frames, cfg.chunk_frames, self.abort),
-                         client_id)
+        super().__init__(Router.of(cfg, welcome.info.num_codebooks, self.abort), client_id)
         self.ring = OutputRing.attach(welcome.ring)
         self._ack = client_id % READERS
         self._send_lock = threading.Lock()

@@ -7,24 +7,30 @@
 
 `TTS` keeps ONE csmserve conversation (a WebSocket `context_id`) per instance: every `stream()` (one
 agent reply) is one turn of it, its text going in as the LLM writes it, and the server keeps each
-turn's generated codes. `ConversationAgent` (or your Agent subclass with its three hooks) gives it the
+turn's generated codes. `ConversationAgent` (or your Agent subclass with its four hooks) gives it the
 user's side: the STT input audio of each user turn (between the STT's START_OF_SPEECH and
 END_OF_SPEECH, with a little audio from before; all of it if the STT sends neither) and the turn's
 transcript go in as a context turn before the next reply, so CSM answers in the conversation's prosody.
 
 An interruption (LiveKit closes the reply's stream) cancels the turn on the server at once (its slot is
-free at the next frame), keeping what had reached the agent; when the session's audio output reports
+free at the next frame), keeping what had reached the speaker; when the session's audio output reports
 the playback position (`playback_finished`), the turn is truncated there: CSM's context holds exactly
-what the user heard. (One reply plays at a time, as in AgentSession.)
+what the user heard. A report carries no identity, so `on_enter` wraps the session's audio output in a
+`PlaybackTap`: every frame a reply's stream hands out is tagged with the reply (`REPLY_KEY` in its
+userdata), the tap notes which replies' frames each segment the speaker accepted holds, and each report
+(one per accepted segment, in the output's order) goes to exactly those replies. A reply the speaker
+never accepted (a `synthesize()` spoken elsewhere, audio cut off before it reached the speaker) is in
+no segment: it is never matched to a report and never moves one onto another reply.
 
 Needs `pip install 'csmserve[livekit]'`.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
-from collections import deque
-from collections.abc import AsyncIterable, AsyncGenerator
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass, field
 
 from csmserve.extras import require
@@ -41,19 +47,35 @@ from livekit.agents import (  # noqa: E402
     stt,
     tts,
 )
+from livekit.agents.voice import io  # noqa: E402
+
+try:  # the SpeechHandle a tts_node runs for: livekit-agents keeps it in a context variable
+    from livekit.agents.voice.agent_activity import _SpeechHandleContextVar as _SPEECH  # noqa: E402
+except ImportError:  # (without it, a finished reply that never reached the speaker is not cut)
+    _SPEECH = None
 
 from csmserve.config import FRAME_MS, SAMPLE_RATE  # noqa: E402
 from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio  # noqa: E402
 
 PREROLL_S = 0.5  # user audio kept from before START_OF_SPEECH (the VAD confirms speech late)
+REPLY_KEY = "csmserve.reply"  # AudioFrame.userdata: the reply (stream) whose audio the frame is
+MAX_REPLIES = 16  # replies awaiting their playback report; past it the oldest is forgotten (TTS(max_replies=))
+
+
+def _ms(seconds: float) -> int:
+    """Seconds of audio -> whole 80 ms frames, in ms (float sums of frame durations: 0.16 may read 0.15999...)."""
+    return int(seconds * 1000 + 1e-3) // FRAME_MS * FRAME_MS
 
 
 @dataclass
-class _Heard:
-    """A reply whose audio went to the agent: what the playback report cuts."""
+class _Reply:
+    """A reply whose audio went to the agent, until its playback is settled (reported or known unheard)."""
 
-    frames: int = 0
-    request_id: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # ^ (request_id | None, frames the server keeps of it) once it finished or was cancelled
+    session: bool = False  # its frames went to the session's audio output (ConversationAgent.tts_node)
+    captured: float = 0.0  # seconds of it the audio output accepted
+    untagged: float = 0.0  # TTS._untagged when it went to the session: more since, and it may be among them
 
 
 class TTS(tts.TTS):
@@ -62,14 +84,19 @@ class TTS(tts.TTS):
     def __init__(self, *, base_url: str = "http://localhost:8000", voice: str = "alloy", api_key: str | None = None,
                  context_id: str | None = None, speaker: int | None = None, user_speaker: int = 1,
                  temperature: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = None) -> None:
+                 max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = None,
+                 max_replies: int = MAX_REPLIES) -> None:
         super().__init__(capabilities=tts.TTSCapabilities(streaming=True), sample_rate=SAMPLE_RATE, num_channels=1)
+        if max_replies < 1:
+            raise ValueError(f"max_replies must be at least 1, got {max_replies}")
         self.conversation = Conversation(base_url, voice=voice, api_key=api_key, context_id=context_id,
                                          speaker=speaker, user_speaker=user_speaker, temperature=temperature,
                                          top_k=top_k, seed=seed, max_audio_length_ms=max_audio_length_ms,
                                          max_segment_length_ms=max_segment_length_ms)
-        self.cuts: list[dict] = []  # each interruption's cut: {"request_id", "played_ms", "num_frames"}
-        self._heard: deque[_Heard] = deque()  # replies sent to the agent whose playback is not reported yet
+        self.cuts: list[dict] = []  # each truncate sent: {"request_id", "played_ms", "num_frames"}
+        self.max_replies = max_replies
+        self._replies: OrderedDict[str, _Reply] = OrderedDict()  # by stream key, oldest first
+        self._untagged = 0.0  # seconds of audio without REPLY_KEY the output accepted (a tts_node's own frames)
         self._capturing: bool | None = None  # None: the STT sends no speech events (keep all audio)
         self._preroll: deque[rtc.AudioFrame] = deque()
         self._tasks: set[asyncio.Task] = set()
@@ -122,20 +149,64 @@ class TTS(tts.TTS):
         """The user's turn is complete (its transcript): it goes in as context before the next reply."""
         self.conversation.end_user_turn(text)
 
-    # ---- playback (ConversationAgent subscribes this to the session's audio output)
-    def playback_finished(self, ev) -> None:
-        """The audio output's report on the reply that played last (livekit PlaybackFinishedEvent)."""
-        if not self._heard:
-            return
-        heard = self._heard.popleft()
-        played = int(ev.playback_position * 1000) // FRAME_MS * FRAME_MS
-        if ev.interrupted and played < heard.frames * FRAME_MS:
-            self._spawn(self._truncate(heard, played))
+    # ---- playback (ConversationAgent: attach in on_enter, in_session in tts_node)
+    def attach(self, output: io.AgentOutput) -> PlaybackTap | None:
+        """Put a PlaybackTap on the session's audio output (`session.output`), once: the playback reports
+        of this TTS's replies come through it. -> the tap (None: the session has no audio output)."""
+        tap = self.tap_of(output.audio)
+        if tap is None and output.audio is not None:
+            output.audio = tap = PlaybackTap(self, output.audio)
+        return tap
 
-    async def _truncate(self, heard: _Heard, played_ms: int) -> None:
+    def tap_of(self, audio: io.AudioOutput | None) -> PlaybackTap | None:
+        """This TTS's PlaybackTap in an audio output's chain, if it has one."""
+        while audio is not None and not (isinstance(audio, PlaybackTap) and audio.csm is self):
+            audio = audio.next_in_chain
+        return audio
+
+    def in_session(self, key: str, speech=None) -> None:
+        """Reply `key`'s audio goes to the session's audio output, for `speech` (a SpeechHandle, if known):
+        when the speech is over, the reply was heard as far as the output reported, or not at all."""
+        reply = self._replies.get(key)
+        if reply is None or reply.session:
+            return
+        reply.session, reply.untagged = True, self._untagged
+        if speech is not None:
+            speech.add_done_callback(lambda _: self._speech_done(key))
+
+    def _track(self, key: str) -> _Reply:
+        reply = self._replies[key] = _Reply()
+        while len(self._replies) > self.max_replies:  # a reply never played here (a synthesize() spoken elsewhere)
+            self._replies.popitem(last=False)
+        return reply
+
+    def _captured(self, key: str | None, seconds: float) -> None:
+        if key is None:
+            self._untagged += seconds
+        elif (reply := self._replies.get(key)) is not None:
+            reply.captured += seconds
+
+    def _reached(self, reply: _Reply) -> float | None:
+        """Seconds of the session's reply the output accepted; None if unknown (not the session's, or audio
+        without a REPLY_KEY went to the output since: a tts_node that makes its own frames)."""
+        return reply.captured if reply.session and self._untagged == reply.untagged else None
+
+    def _played(self, key: str, seconds: float, interrupted: bool) -> None:
+        """The output's report on reply `key`: `seconds` of it played."""
+        reply = self._replies.pop(key, None)
+        if reply is not None and interrupted:
+            self._spawn(self._cut(reply, _ms(seconds)))
+
+    def _speech_done(self, key: str) -> None:
+        reply = self._replies.pop(key, None)  # reported already, or never will be
+        if reply is not None and self._reached(reply) == 0:  # none of it reached the speaker
+            self._spawn(self._cut(reply, 0))
+
+    async def _cut(self, reply: _Reply, played_ms: int) -> None:
+        """Truncate the reply's turn to `played_ms` unless the server keeps no more than that already."""
         try:
-            request_id = await asyncio.wait_for(heard.request_id, timeout=30)
-            if request_id is not None:
+            request_id, frames = await asyncio.wait_for(asyncio.shield(reply.done), timeout=30)
+            if request_id is not None and played_ms < frames * FRAME_MS:
                 msg = await self.conversation.truncate(request_id, played_ms)
                 self.cuts.append({"request_id": request_id, "played_ms": played_ms,
                                   "num_frames": msg.get("num_frames", 0)})
@@ -148,12 +219,66 @@ class TTS(tts.TTS):
         task.add_done_callback(self._tasks.discard)
 
 
+class PlaybackTap(io.AudioOutput):
+    """Wraps the session's audio output: passes everything through, and sends each playback report to the
+    replies whose frames (REPLY_KEY) the reported segment holds, each with how much of it played. An
+    output reports once per segment it accepted audio for, in order: a report is about the oldest segment
+    not yet reported. Only accepted frames count: a reply none of whose audio the output took is in no
+    segment, so it can neither take a report nor push one onto the next reply."""
+
+    def __init__(self, csm: TTS, next_in_chain: io.AudioOutput) -> None:
+        super().__init__(label="csmserve", capabilities=io.AudioOutputCapabilities(pause=True),
+                         next_in_chain=next_in_chain, sample_rate=next_in_chain.sample_rate)
+        self.csm = csm
+        self._segments: deque[list[list]] = deque()  # accepted, not reported: runs of [key, start_s, seconds]
+        self._capturing = False
+
+    @property
+    def sample_rate(self) -> int | None:
+        return self.next_in_chain.sample_rate
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        await self.next_in_chain.capture_frame(frame)  # counted once the output below took it (as LiveKit's
+        await super().capture_frame(frame)  # own wrappers count): a capture cancelled there begins nothing
+        if not self._capturing:
+            self._capturing = True
+            self._segments.append([])
+        runs, key = self._segments[-1], frame.userdata.get(REPLY_KEY)
+        if runs and runs[-1][0] == key:
+            runs[-1][2] += frame.duration
+        else:
+            runs.append([key, runs[-1][1] + runs[-1][2] if runs else 0.0, frame.duration])
+        self.csm._captured(key, frame.duration)
+
+    def flush(self) -> None:
+        super().flush()
+        self._capturing = False
+        self.next_in_chain.flush()
+
+    def clear_buffer(self) -> None:
+        self.next_in_chain.clear_buffer()
+
+    def on_playback_finished(self, *, playback_position: float, interrupted: bool,
+                             synchronized_transcript: str | None = None) -> None:
+        if self._segments:  # (none: a segment begun before the tap was put on)
+            for key, start, seconds in self._segments.popleft():
+                if key is not None:
+                    self.csm._played(key, min(max(playback_position - start, 0.0), seconds), interrupted)
+        super().on_playback_finished(playback_position=playback_position, interrupted=interrupted,
+                                     synchronized_transcript=synchronized_transcript)
+
+
 class SynthesizeStream(tts.SynthesizeStream):
-    """One agent reply: one turn of the conversation."""
+    """One agent reply: one turn of the conversation. Its frames carry its key (REPLY_KEY)."""
 
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
         self._csm: TTS = tts
+
+    async def __anext__(self) -> tts.SynthesizedAudio:
+        ev = await super().__anext__()
+        ev.frame.userdata[REPLY_KEY] = ev.segment_id
+        return ev
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         conv, key = self._csm.conversation, uuid.uuid4().hex
@@ -161,7 +286,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                                   stream=True)
         output_emitter.start_segment(segment_id=key)
         started = asyncio.Event()
-        state: dict = {"reply": None, "heard": None}
+        state: dict = {"reply": None, "tracked": None}
 
         async def send() -> None:
             async for data in self._input_ch:
@@ -183,13 +308,11 @@ class SynthesizeStream(tts.SynthesizeStream):
                 return
             async for event in reply:
                 if isinstance(event, ReplyAudio):
-                    if state["heard"] is None:
-                        state["heard"] = _Heard()
-                        self._csm._heard.append(state["heard"])
-                    state["heard"].frames += event.num_frames
+                    if state["tracked"] is None:
+                        state["tracked"] = self._csm._track(key)
                     output_emitter.push(event.pcm)
-            if state["heard"] is not None and not state["heard"].request_id.done():
-                state["heard"].request_id.set_result(reply.request_id)
+            if state["tracked"] is not None and reply.done and reply.error is None:
+                state["tracked"].done.set_result((reply.request_id, reply.frames))
 
         tasks = [asyncio.create_task(send()), asyncio.create_task(receive())]
         try:
@@ -199,26 +322,32 @@ class SynthesizeStream(tts.SynthesizeStream):
         finally:
             for t in tasks:
                 t.cancel()
-            reply = state["reply"]
+            reply, tracked = state["reply"], state["tracked"]
             if reply is not None and not reply.done and not reply.cancelled:  # interrupted: stop it now
-                await asyncio.shield(self._cancel(reply, state["heard"]))
+                await asyncio.shield(self._cancel(reply, tracked))
+            if tracked is not None and not tracked.done.done():  # failed, or cancelled with another reply
+                tracked.done.set_result((None, 0))
         output_emitter.end_segment()
 
-    async def _cancel(self, reply, heard: _Heard | None) -> None:
-        """Cancel the turn on the server, keeping all the agent received (cut later at the playback position)."""
+    async def _cancel(self, reply, tracked: _Reply | None) -> None:
+        """Cancel the turn on the server, keeping what reached the session's speaker (all the agent received
+        if the audio is not the session's); the playback report cuts it further."""
+        frames = reply.frames
+        if tracked is not None and (reached := self._csm._reached(tracked)) is not None:
+            # the session stopped forwarding it too: what the output accepted is final
+            frames = min(frames, math.ceil(reached * 1000 / FRAME_MS - 1e-6))
         try:
-            msg = await self._csm.conversation.interrupt(audio_end_ms=reply.frames * FRAME_MS)
-            if heard is not None and not heard.request_id.done():
-                heard.request_id.set_result(msg.get("request_id"))
+            msg = await self._csm.conversation.interrupt(audio_end_ms=frames * FRAME_MS)
         except (ConversationError, asyncio.TimeoutError):
-            if heard is not None and not heard.request_id.done():
-                heard.request_id.set_result(None)
+            return
+        if tracked is not None and not tracked.done.done():
+            tracked.done.set_result((msg.get("request_id"), msg.get("num_frames", 0)))
 
 
 class ConversationAgent(Agent):
-    """An Agent that lets `csmserve.integrations.livekit.TTS` hear the user: the STT input audio and its
-    speech events, each user turn's transcript, and the audio output's playback reports. Subclass it, or
-    copy its three hooks into your own Agent."""
+    """An Agent that lets `csmserve.integrations.livekit.TTS` hear the user and the speaker: the STT input
+    audio and its speech events, each user turn's transcript, the audio output's playback reports, and
+    which replies go to it. Subclass it, or copy its four hooks into your own Agent."""
 
     def _csm_tts(self) -> TTS | None:
         for get in (lambda: self.tts, lambda: self.session.tts):
@@ -252,6 +381,34 @@ class ConversationAgent(Agent):
 
     async def on_enter(self) -> None:
         csm = self._csm_tts()
-        output = self.session.output.audio
-        if csm is not None and output is not None:
-            output.on("playback_finished", csm.playback_finished)
+        if csm is not None:
+            csm.attach(self.session.output)
+
+    async def tts_node(self, text: AsyncIterable[str], model_settings) -> AsyncGenerator[rtc.AudioFrame, None]:
+        """The default TTS node; tells the TTS which replies go to its tapped audio output (and for which
+        speech), and resamples to the output's rate here, keeping each frame's REPLY_KEY (the session's
+        resampler would make new frames without it)."""
+        csm, out = self._csm_tts(), self.session.output.audio
+        speech = _SPEECH.get(None) if _SPEECH is not None else None
+        if csm is not None and csm.tap_of(out) is None:
+            csm = None  # (on_enter did not put the tap on: these replies' playback is not known)
+        rate = out.sample_rate if out is not None else None
+        resampler: rtc.AudioResampler | None = None
+        last: dict = {}
+        async for frame in Agent.default.tts_node(self, text, model_settings):
+            key = frame.userdata.get(REPLY_KEY)
+            if csm is not None and key is not None:
+                csm.in_session(key, speech)
+            if rate is None or frame.sample_rate == rate:
+                yield frame
+                continue
+            if resampler is None:
+                resampler = rtc.AudioResampler(frame.sample_rate, rate, num_channels=frame.num_channels)
+            last = frame.userdata
+            for f in resampler.push(frame):
+                f.userdata.update(last)
+                yield f
+        if resampler is not None:
+            for f in resampler.flush():
+                f.userdata.update(last)
+                yield f

@@ -1,20 +1,20 @@
-"""csmserve on Ray Serve: replicas of the engine behind one endpoint (docs/scale-out.md).
+"""csmserve on Ray Serve: replicas of the whole server behind HAProxy (docs/scale-out.md).
 
     csmserve serve --ray --num-replicas 2 --gpus-per-replica 0.5 --max-slots 512
     serve run csmserve.ray:app                       # from CSMSERVE_* variables
     serve run csmserve.ray:build_app model=sesame/csm-1b min_replicas=1 max_replicas=4 max_slots=512
 
-app.py builds the application; replica.py is one replica (one engine, csmserve's FastAPI app as the
-ingress); edge.py its ASGI additions (replica header, the application's /ready and /metrics);
-directory.py the replicas' reports; router.py the request router (conversation / voice affinity under
-a load bound); affinity.py the proxy middleware that takes the routing key from the body.
-Needs `pip install 'csmserve[ray]'`.
+app.py builds the application (and `csmserve serve --ray`); replica.py is one replica (one `csmserve serve`
+unit: an engine-core process and its API workers on a port of its own); ingress.py runs HAProxy on the
+server's port (haproxy.py: its config, routing by conversation / voice / adapter under a load bound) and
+answers /ready and /metrics for the application; directory.py holds the replicas' reports; autoscale.py is
+the autoscaling policy on the streams the replicas hold. Needs `pip install 'csmserve[ray]'`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["application", "build_app", "ReplicaSpec", "app"]
+__all__ = ["application", "build_app", "ServeSpec", "app"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,10 +22,10 @@ def __getattr__(name: str) -> Any:
         from csmserve.ray import app as _app
 
         return getattr(_app, name)
-    if name == "ReplicaSpec":
-        from csmserve.ray.replica import ReplicaSpec
+    if name == "ServeSpec":
+        from csmserve.server.processes import ServeSpec
 
-        return ReplicaSpec
+        return ServeSpec
     if name == "app":  # `serve run csmserve.ray:app`: everything from CSMSERVE_* variables and the defaults
         from csmserve.ray.app import build_app
 

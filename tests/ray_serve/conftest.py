@@ -1,10 +1,9 @@
-"""A local Ray instance (no dashboard, no usage reporting, no network) and csmserve's Ray Serve
-application on it: `cluster.use(**flags)` deploys `dummy-tiny` replicas with those `csmserve serve`
-flags (again only when they change; each replica with its own engine process unless
-replica_engine="thread") -> the base URL of Serve's one port."""
+"""A Ray instance of the tests' own (no dashboard, no usage reporting, Serve's proxy off) and csmserve's
+application on it: `cluster.use(**flags)` deploys `dummy-tiny` replicas with those `csmserve serve` flags
+(again only when they change) -> the base URL of the HAProxy ingress. One instance for the whole run
+(tests/ray_serve runs once, serially)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import tempfile
@@ -16,45 +15,53 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "server"))  # server_helpers: wav_bytes, decode_24k, free_port
 
-BASE_FLAGS = {"model": "dummy-tiny", "device": "cpu", "dtype": "float32", "num_replicas": 2,
-              "cpus_per_replica": 0.5, "max_slots": 8, "max_seq_len": 512, "first_chunk_frames": 1,
-              "chunk_frames": 2, "default_audio_length_ms": 400, "health_check_period_s": 1.0,
-              "report_interval_s": 0.25, "log_level": "warning", "replica_engine": "process"}
+BASE_FLAGS = {"model": "dummy-tiny", "device": "cpu", "dtype": "float32", "num_replicas": 2, "api_workers": 1,
+              "cpus_per_replica": 0.5, "ingress_cpus": 0.5, "max_slots": 8, "max_seq_len": 512,
+              "first_chunk_frames": 1, "chunk_frames": 2, "default_audio_length_ms": 400,
+              "health_check_period_s": 1.0, "report_interval_s": 0.25, "log_level": "warning"}
 
 
-def _require_ray():
+def require_ray():
     try:
         import ray.serve  # noqa: F401
-    except ImportError:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)("no ray[serve] (pip install 'csmserve[ray]')")
+
+        from csmserve.ray.haproxy import binary
+
+        binary()
+    except Exception as e:  # noqa: BLE001 - ImportError, MissingExtraError
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no ray[serve,haproxy] ({e}): "
+                                                               "pip install 'csmserve[ray]'")
 
 
 class Cluster:
-    def __init__(self, url: str, faults: Path) -> None:
-        self.url, self.faults, self.flags = url, faults, None
+    def __init__(self, port: int, tmp: Path) -> None:
+        self.port, self.tmp, self.flags = port, tmp, None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def current(self) -> dict:
+        """The flags deployed now (the base ones where none are)."""
+        return self.flags or {**BASE_FLAGS, "voices_db": str(self.tmp / "voices.db"), "port": self.port}
 
     def use(self, **flags) -> str:
         from ray import serve
 
         from csmserve.ray.app import application, parse_flags, spec_from_args
 
-        flags = {**BASE_FLAGS, "voices_db": str(self.faults / "voices.db"), **flags}
+        flags = {**BASE_FLAGS, "voices_db": str(self.tmp / "voices.db"), **flags, "port": self.port}
         if flags != self.flags:
-            spec, cfg = spec_from_args(parse_flags(flags))
-            spec = dataclasses.replace(spec, csm_factory="ray_faults:faulty_csm")
-            serve.run(application(spec, cfg), name="csmserve", route_prefix="/")
+            serve.run(application(*spec_from_args(parse_flags(flags))), name="csmserve", route_prefix=None)
             self.flags = flags
             self.wait_ready(flags["num_replicas"])
         return self.url
 
     def reports(self) -> dict[str, dict]:
-        """Every replica's last report to the directory (its state, pid, engine_pid)."""
+        """Every replica's last report to the directory (its state, address, pid, engine_pid, worker_pids)."""
         from ray import serve
 
         return serve.get_deployment_handle("CSMServeDirectory", "csmserve").snapshot.remote().result()
 
-    def wait_ready(self, n: int, timeout: float = 120.0, exclude: set[str] = frozenset()) -> dict:
-        """Until /ready counts n ready replicas (none of `exclude`) -> its body."""
+    def wait_ready(self, n: int, timeout: float = 180.0, exclude: set[str] = frozenset()) -> dict:
+        """Until /ready counts n replicas, all ready and routed (none of `exclude`) -> its body."""
         import httpx
 
         deadline = time.time() + timeout
@@ -73,28 +80,26 @@ class Cluster:
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    _require_ray()
+def ray_extra() -> None:
+    require_ray()
+
+
+@pytest.fixture(scope="session")
+def cluster(ray_extra):
     from server_helpers import free_port
 
-    from csmserve.config import RayConfig
     from csmserve.ray.app import ensure_importable, ray_environment
 
-    faults = Path(tempfile.mkdtemp(prefix="csmserve-faults-"))
-    # the environment `csmserve serve --ray` gives its Ray instance (CSMSERVE_PROXY_TRANSPORT=actor: Ray's own path)
-    transport = os.environ.get("CSMSERVE_PROXY_TRANSPORT") or RayConfig().proxy_transport
-    os.environ.update({**ray_environment(RayConfig(proxy_transport=transport)), "CSMSERVE_TEST_FAULTS": str(faults),
-                       "RAY_DEDUP_LOGS": "0"})
+    os.environ.update({**ray_environment(), "RAY_DEDUP_LOGS": "0"})
     ensure_importable()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])  # ray_faults
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=True)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 << 20,
+             log_to_driver=True)
+    serve.start(proxy_location="Disabled")
     try:
-        yield Cluster(f"http://127.0.0.1:{port}", faults)
+        yield Cluster(free_port(), Path(tempfile.mkdtemp(prefix="csmserve-ray-")))
     finally:
         serve.shutdown()
         ray.shutdown()

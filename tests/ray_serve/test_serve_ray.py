@@ -1,7 +1,7 @@
-"""csmserve on Ray Serve, end to end on the CPU: a local Ray instance, 2 replicas of dummy-tiny behind
-Serve's one port (conftest.py). The tests run in this file's order: the voice store switches to
-PostgreSQL near the end, and the last tests kill replicas' engine processes, a replica's process, and
-(in both replica_engine modes) a replica's engine under open streams."""
+"""csmserve on Ray Serve, end to end on the CPU: a Ray instance of the tests' own, `dummy-tiny` replicas (each
+a whole `csmserve serve` unit: engine-core process + API worker) behind the HAProxy ingress (conftest.py).
+The tests run in this file's order: 2 replicas on SQLite voices, then PostgreSQL, then 4 replicas, whose
+engine processes and replica processes the last tests kill under open streams."""
 from __future__ import annotations
 
 import base64
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
@@ -24,6 +25,7 @@ from server_helpers import decode_24k, wav_bytes
 
 REPLICA = "x-csmserve-replica"
 SPEECH = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "max_audio_length_ms": 400}
+PCM_400MS = 5 * 1920 * 2
 
 
 def speak(url: str, headers: dict | None = None, **body) -> tuple[int, str, bytes]:
@@ -43,7 +45,7 @@ def counter(url: str, name: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         if fam.name == name:
             for s in fam.samples:
-                if s.name == name + "_total":
+                if s.name in (name, name + "_total"):
                     out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
     return out
 
@@ -52,13 +54,19 @@ def settle(cluster) -> None:
     time.sleep(3 * cluster.flags["report_interval_s"])  # the directory holds every replica's latest report
 
 
+def session_key(url: str, want) -> str:
+    """An x-session-id that the ingress routes to a replica `want`s (its place on the hash ring)."""
+    for _ in range(60):
+        key = uuid.uuid4().hex
+        if want(httpx.get(f"{url}/v1/models", headers={"x-session-id": key}, timeout=30).headers[REPLICA]):
+            return key
+    raise AssertionError("no key reached the wanted replica")
+
+
 def on_replica(method: str, url: str, want=lambda r: True, **kw) -> httpx.Response:
-    """Send with a new x-session-id (a random place on the hash ring) until a replica `want`s it."""
-    for _ in range(40):
-        r = httpx.request(method, url, headers={"x-session-id": uuid.uuid4().hex}, timeout=60, **kw)
-        if want(r.headers.get(REPLICA, "")):
-            return r
-    raise AssertionError("no request reached the wanted replica")
+    r = httpx.request(method, url, headers={"x-session-id": session_key(url.split("/v1")[0], want)}, timeout=60, **kw)
+    assert want(r.headers[REPLICA])
+    return r
 
 
 def ws_url(url: str, context_id: str) -> str:
@@ -96,18 +104,46 @@ def test_openai_client_streams_pcm_and_mp3_and_sse(cluster):
                       json={**SPEECH, "input": "Events.", "stream_format": "sse"}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"} and events[-1]["type"] == "speech.audio.done"
-    assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) == 5 * 1920 * 2
+    assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) == PCM_400MS
 
 
-def test_requests_spread_over_both_replicas_and_ready_counts_them(cluster):
+def test_requests_without_a_key_spread_over_both_and_ready_and_health_answer(cluster):
     url = cluster.use()
     body = httpx.get(f"{url}/ready", timeout=10).json()
     assert body["status"] == "ready" and body["replicas"]["ready"] == body["replicas"]["total"] == 2
-    served = []
-    while len(served) < 20 and len({r for _, r, _ in served}) < 2:  # idle replicas take turns (router.unkeyed);
-        served.append(speak(url))  # the bound leaves Ray's proxy time to learn of both on a loaded machine
-    assert all(status == 200 and len(audio) == 5 * 1920 * 2 for status, _, audio in served)
+    served = [speak(url) for _ in range(6)]  # one at a time: least connections, idle replicas in turn
+    assert all(status == 200 and len(audio) == PCM_400MS for status, _, audio in served)
     assert {r for _, r, _ in served} == replicas(url)
+    health = [httpx.get(f"{url}/health", timeout=10) for _ in range(4)]  # the answering replica's own
+    assert all(h.status_code == 200 for h in health) and {h.headers[REPLICA] for h in health} == replicas(url)
+    assert httpx.get(f"{url}/-/healthz", timeout=10).text == "success"  # what KubeRay's probes ask
+
+
+def test_each_replica_is_a_whole_unit_and_its_actor_carries_no_stream(cluster):
+    """A replica = an engine-core process + its API workers, children of the replica's actor, on a port of
+    its own; during a stream the actor holds no connection on that port (the worker has it)."""
+    url = cluster.use()
+    settle(cluster)
+    reports = cluster.reports()
+    assert set(reports) == replicas(url) and len({s["port"] for s in reports.values()}) == 2
+    for name, s in reports.items():
+        actor = psutil.Process(s["pid"])
+        engine, (worker,) = psutil.Process(s["engine_pid"]), [psutil.Process(p) for p in s["worker_pids"]]
+        assert engine.ppid() == worker.ppid() == s["pid"] and engine.name() == "csmserve-engine", name
+        assert worker.name() == "csmserve-api-0"
+        key = session_key(url, lambda r, n=name: r == n)
+        with httpx.stream("POST", f"{url}/v1/audio/speech", headers={"x-session-id": key}, timeout=60,
+                          json={**SPEECH, "input": "A longer answer. " * 4, "max_audio_length_ms": 4000}) as r:
+            assert r.headers[REPLICA] == name and r.headers["x-csmserve-worker"] == "0"
+            chunks = r.iter_bytes()
+            next(chunks)
+
+            def streams(p: psutil.Process) -> list:
+                return [c for c in p.net_connections("tcp") if c.laddr.port == s["port"] and c.status == "ESTABLISHED"]
+
+            assert streams(worker) and not streams(actor)
+            for _ in chunks:
+                pass
 
 
 def test_metrics_of_every_replica_labelled_by_replica(cluster):
@@ -175,11 +211,10 @@ def test_a_voice_created_on_one_replica_is_used_on_the_other_and_deleted_everywh
     maker, vid = created.headers[REPLICA], created.json()["id"]
     r = on_replica("POST", f"{url}/v1/audio/speech", lambda rep: rep != maker,
                    json={**SPEECH, "voice": vid, "input": "Spoken by the other replica."})
-    assert r.status_code == 200 and len(r.content) == 5 * 1920 * 2
+    assert r.status_code == 200 and len(r.content) == PCM_400MS
     listed = on_replica("GET", f"{url}/v1/audio/voices", lambda rep: rep != maker).json()["voices"]
     assert vid in {v["id"] for v in listed}
-    deleted = on_replica("DELETE", f"{url}/v1/audio/voices/{vid}")
-    assert deleted.status_code == 200
+    assert on_replica("DELETE", f"{url}/v1/audio/voices/{vid}").status_code == 200
     for other in replicas(url):
         gone = on_replica("GET", f"{url}/v1/audio/voices/{vid}", lambda rep, o=other: rep == o)
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "voice_not_found"
@@ -188,14 +223,29 @@ def test_a_voice_created_on_one_replica_is_used_on_the_other_and_deleted_everywh
         assert speech.status_code == 404
 
 
-def _proc(pid: int) -> tuple[str, int] | None:
-    """(comm, ppid) of a live process, None once it is gone (or a zombie)."""
+def test_four_replicas_on_one_machine(cluster):
+    """Serve scales the deployment to 4 (the voice store stays whatever the last test deployed); the ingress
+    routes to all of them: least connections without a key, conversations over the whole ring."""
+    url = cluster.use(**{**cluster.current(), "num_replicas": 4})
+    names = replicas(url)
+    assert len(names) == 4
+    settle(cluster)
+    reports = cluster.reports()
+    assert len({s["port"] for s in reports.values()}) == len({s["engine_pid"] for s in reports.values()}) == 4
+    assert {r for _, r, _ in (speak(url) for _ in range(8))} == names
+    homes = set()
+    for i in range(24):
+        with connect(ws_url(url, f"four-{i}")) as ws:
+            homes.add(ws.response.headers[REPLICA])
+    assert homes == names
+
+
+def _proc(pid: int) -> psutil.Process | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p
+    except psutil.NoSuchProcess:
         return None
-    comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-    return None if rest[0] == "Z" else (comm, int(rest[1]))
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -206,119 +256,152 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _engines(cluster) -> dict[str, tuple[int, int]]:
-    """replica -> (its pid, its engine process's pid), from the replicas' reports."""
-    cluster.wait_ready(cluster.flags["num_replicas"])
-    settle(cluster)
-    return {r: (s["pid"], s["engine_pid"]) for r, s in cluster.reports().items()}
+def _open_streams(url: str, victim: str) -> dict:
+    """An SSE stream, a plain pcm stream and a WebSocket turn, each on `victim`, each past its first audio."""
+    long = {**SPEECH, "input": "A long answer. " * 20, "max_audio_length_ms": 20_000}
+    key = session_key(url, lambda r: r == victim)
+    client = httpx.Client(timeout=60)
+    sse = client.send(client.build_request("POST", f"{url}/v1/audio/speech", headers={"x-session-id": key},
+                                           json={**long, "stream_format": "sse"}), stream=True)
+    lines = sse.iter_lines()
+    assert sse.headers[REPLICA] == victim
+    assert json.loads(next(x for x in lines if x)[6:])["type"] == "speech.audio.delta"
+    pcm = client.send(client.build_request("POST", f"{url}/v1/audio/speech", headers={"x-session-id": key},
+                                           json=long), stream=True)
+    chunks = pcm.iter_bytes()
+    assert pcm.headers[REPLICA] == victim and len(next(chunks)) > 0
+    cid = next(c for c in (f"ws-{uuid.uuid4().hex[:6]}" for _ in range(200))
+               if httpx.get(f"{url}/v1/models", params={"context_id": c}).headers[REPLICA] == victim)
+    ws = connect(ws_url(url, cid))
+    assert ws.response.headers[REPLICA] == victim
+    ws.send(json.dumps({"context_id": cid, "text": "A long turn. " * 20, "flush": True, "max_audio_length_ms": 20_000}))
+    assert json.loads(ws.recv(timeout=60))["type"] == "audio"
+    return {"client": client, "sse": (sse, lines), "pcm": (pcm, chunks), "ws": ws}
 
 
-def _engine_files(replica_pid: int) -> list[Path]:
-    """The output ring (/dev/shm/csmserve-PID-*) and socket (tmp/csmserve-PID-*/engine.sock) of a replica."""
-    shm = Path("/dev/shm")
-    return [*shm.glob(f"csmserve-{replica_pid}-*"), *Path(tempfile.gettempdir()).glob(f"csmserve-{replica_pid}-*/engine.sock")]
-
-
-def test_each_replica_runs_its_engine_in_a_process_of_its_own(cluster):
-    url = cluster.url if cluster.flags else cluster.use()  # whichever voice store is deployed
-    engines = _engines(cluster)
-    assert set(engines) == replicas(url)
-    for replica, (pid, engine_pid) in engines.items():
-        assert engine_pid is not None and engine_pid != pid
-        assert _proc(engine_pid) == ("csmserve-engine", pid), replica  # the replica's child, by its name
-        assert len(_engine_files(pid)) == 2, _engine_files(pid)  # its own ring and socket
-    assert len({e for _, e in engines.values()}) == 2
-    served = [speak(url) for _ in range(4)]
-    assert all(s == 200 and len(audio) == 5 * 1920 * 2 for s, _, audio in served)
-
-
-def test_killing_a_replicas_engine_process_makes_it_unhealthy_and_ray_replaces_it(cluster):
-    url = cluster.url if cluster.flags else cluster.use()
-    engines = _engines(cluster)
-    victim, (pid, engine_pid) = sorted(engines.items())[0]
-    os.kill(engine_pid, signal.SIGKILL)
-    _wait(lambda: cluster.reports().get(victim, {}).get("ready") is not True, 10, "the replica reports failed")
-    assert "engine" in (cluster.reports().get(victim) or {"fatal": "engine gone (forgotten)"})["fatal"]
-    body = cluster.wait_ready(2, exclude={victim})  # Ray's health check failed it and started another
-    assert victim not in body["replicas"]["replicas"]
-    after = _engines(cluster)
-    assert victim not in after and all(e != engine_pid and _proc(e) is not None for _, e in after.values())
-    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(4)))
-
-
-def test_a_killed_replica_leaves_no_engine_process_behind(cluster):
-    """The replica's actor killed (SIGKILL: no __del__): its engine process goes too (Ray kills the dead
-    worker's process group, the engine's; were it left, it notices its parent gone and exits), and what it
-    left in /dev/shm and tmp is gone once the replacement started (new_rundir sweeps dead pids' files)."""
-    url = cluster.url if cluster.flags else cluster.use()
-    engines = _engines(cluster)
-    victim, (pid, engine_pid) = sorted(engines.items())[0]
-    assert _proc(engine_pid) == ("csmserve-engine", pid) and len(_engine_files(pid)) == 2
-    os.kill(pid, signal.SIGKILL)
-    _wait(lambda: _proc(engine_pid) is None, 10, "the engine process exits with its replica")
-    cluster.wait_ready(2, exclude={victim})
-    assert not _engine_files(pid)
-    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(4)))
-
-
-@pytest.mark.parametrize("mode", ["process", "thread"])
-def test_a_failed_engine_ends_its_streams_with_an_error_and_its_replica_is_replaced(cluster, mode):
-    """process: the replica's engine process is killed; thread: its frame step fails as a lost device does."""
-    url = cluster.use(**{**(cluster.flags or {}), "replica_engine": mode})  # whichever voice store is deployed
-    assert all((s["engine_pid"] is None) == (mode == "thread") for s in _engines_reports(cluster).values())
-    long = {**SPEECH, "input": "A long answer. " * 20, "max_audio_length_ms": 20_000, "stream_format": "sse"}
-    with httpx.stream("POST", f"{url}/v1/audio/speech", json=long, timeout=60) as sse:
-        victim = sse.headers[REPLICA]
-        lines = sse.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["type"] == "speech.audio.delta"
-        # a WebSocket turn on the same replica (its context_id hashes there)
-        cid = next(c for c in (f"ws-{i}" for i in range(200))
-                   if _home(url, c) == victim)
-        ws = connect(ws_url(url, cid))
-        ws.send(json.dumps({"context_id": cid, "text": "A long turn. " * 20, "flush": True,
-                            "max_audio_length_ms": 20_000}))
-        assert json.loads(ws.recv(timeout=60))["type"] == "audio"
-        # and a plain audio stream there (a session key that hashes to it)
-        key = on_replica("GET", f"{url}/v1/models", lambda rep: rep == victim).request.headers["x-session-id"]
-        client = httpx.Client(timeout=60)
-        pcm = client.send(client.build_request("POST", f"{url}/v1/audio/speech", headers={"x-session-id": key},
-                                               json={**long, "stream_format": "audio"}), stream=True)
-        assert pcm.headers[REPLICA] == victim
-        pcm_chunks = pcm.iter_bytes()
-        got = len(next(pcm_chunks))
-        (cluster.faults / f"kill-{victim}").touch()  # the next frame step on that replica fails
-        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-    assert events[-1]["type"] == "error" and "engine" in events[-1]["error"]["message"]
+def _each_ends_with_an_error(streams: dict) -> None:
+    sse, lines = streams["sse"]
+    events = []
+    try:
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+    except httpx.HTTPError:  # the replica's process gone: the connection itself ends short
+        pass
+    assert not events or events[-1]["type"] == "error", events[-1:]
+    pcm, chunks = streams["pcm"]
+    got = 0
     with pytest.raises(httpx.HTTPError):  # audio has no error event: the body ends short, the client says so
-        for chunk in pcm_chunks:
+        for chunk in chunks:
             got += len(chunk)
-    pcm.close(), client.close()
     assert got < 20_000 // 80 * 1920 * 2
-    while True:
-        msg = ws.recv(timeout=60)
-        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
-            assert "engine" in json.loads(msg)["error"]["message"]
-            break
+    ws = streams["ws"]
+    try:
+        while True:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+                break
+    except Exception:  # noqa: BLE001 - the connection closed under it: an error too
+        pass
     ws.close()
+    sse.close(), pcm.close(), streams["client"].close()
 
-    deadline = time.time() + 30  # the directory, the routers (routing stats) and Ray (health check) see it
-    while time.time() < deadline and replicas(url) and "ready" == httpx.get(f"{url}/ready").json()[
-            "replicas"]["replicas"].get(victim):
-        time.sleep(0.1)
-    time.sleep(2.0)
+
+def _next_requests_succeed_elsewhere(url: str, victim: str) -> None:
     served = [speak(url) for _ in range(6)]
-    assert all(s == 200 for s, _, _ in served), served
+    assert all(s == 200 and len(audio) == PCM_400MS for s, _, audio in served), served
     assert victim not in {r for _, r, _ in served}
-    body = cluster.wait_ready(2, exclude={victim})  # Ray replaced it
+
+
+def test_a_killed_engine_ends_its_replicas_streams_with_an_error_and_ray_replaces_it(cluster):
+    url = cluster.use(**cluster.current())
+    n = cluster.flags["num_replicas"]
+    settle(cluster)
+    victim, report = sorted(cluster.reports().items())[0]
+    streams = _open_streams(url, victim)
+    os.kill(report["engine_pid"], signal.SIGKILL)
+    _each_ends_with_an_error(streams)
+    _next_requests_succeed_elsewhere(url, victim)
+    body = cluster.wait_ready(n, exclude={victim})  # Ray's health check failed it and started another
     assert victim not in body["replicas"]["replicas"]
 
 
-def _engines_reports(cluster) -> dict[str, dict]:
+def test_a_killed_replica_leaves_no_process_or_file_behind_and_is_replaced(cluster):
+    """The replica's actor killed (SIGKILL: no __del__): its engine and API workers exit with it (each watches
+    its parent), its streams end with an error, the next requests go elsewhere, and what it left in /dev/shm
+    and tmp is gone once its replacement started (new_rundir sweeps dead pids' files)."""
+    url = cluster.use(**cluster.current())
+    n = cluster.flags["num_replicas"]
     settle(cluster)
-    return cluster.reports()
+    victim, report = sorted(cluster.reports().items())[0]
+    children = [report["engine_pid"], *report["worker_pids"]]
+    files = [*Path("/dev/shm").glob(f"csmserve-{report['pid']}-*"),
+             *Path(tempfile.gettempdir()).glob(f"csmserve-{report['pid']}-*")]
+    assert files
+    streams = _open_streams(url, victim)
+    os.kill(report["pid"], signal.SIGKILL)
+    _each_ends_with_an_error(streams)
+    _next_requests_succeed_elsewhere(url, victim)
+    _wait(lambda: not any(_proc(p) for p in children), 10, "the engine and workers exit with their replica")
+    cluster.wait_ready(n, exclude={victim})
+    assert not any(f.exists() for f in files)
 
 
-def _home(url: str, context_id: str) -> str:
-    with connect(ws_url(url, context_id)) as ws:
-        return ws.response.headers[REPLICA]
+def _haproxy(port: int) -> list[psutil.Process]:
+    """The HAProxy processes (master and workers) listening on `port`, by their config."""
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["name"] == "haproxy" and "-f" in cmd:
+            try:
+                if f":{port}\n" in Path(cmd[cmd.index("-f") + 1]).read_text():
+                    out.append(p)
+            except OSError:
+                pass
+    return out
+
+
+def test_a_killed_ingress_takes_its_haproxy_with_it_and_is_replaced(cluster):
+    url = cluster.use(**cluster.current())
+    procs = _haproxy(cluster.port)
+    (actor,) = {psutil.Process(p.ppid()) for p in procs if psutil.Process(p.ppid()).name() != "haproxy"}
+    assert "CSMServeIngress" in " ".join(actor.cmdline())
+    os.kill(actor.pid, signal.SIGKILL)
+    _wait(lambda: not any(_proc(p.pid) for p in procs), 10, "HAProxy exits with its ingress (parent-death signal)")
+    cluster.wait_ready(cluster.flags["num_replicas"])  # Serve started another: HAProxy on the same port again
+    assert all(s == 200 for s, _, _ in (speak(url) for _ in range(2)))
+
+
+def test_serve_autoscales_on_the_streams_the_replicas_report(cluster):
+    """Requests never pass Serve's handles: the replicas' own count (open generations, here WebSocket turns
+    holding their slot while their text is still coming) drives Serve's autoscaler through the policy.
+    Serve's delays made short for the test; the rest is `application`'s."""
+    from ray import serve
+
+    from csmserve.ray.app import ingress_options, parse_flags, replica_options, spec_from_args
+    from csmserve.ray.directory import Directory
+    from csmserve.ray.ingress import CSMServeIngress, IngressSpec
+    from csmserve.ray.replica import CSMServeReplica
+
+    flags = {k: v for k, v in cluster.current().items() if k != "num_replicas"}
+    spec, cfg = spec_from_args(parse_flags({**flags, "min_replicas": 1, "max_replicas": 2,
+                                            "target_ongoing_requests": 1}))
+    opts = replica_options(spec, cfg)
+    opts["autoscaling_config"].update(metrics_interval_s=0.25, look_back_period_s=1.0, upscale_delay_s=0.0,
+                                      downscale_delay_s=0.0)
+    directory = Directory.bind(cfg.report_interval_s)
+    replicas_ = CSMServeReplica.options(**opts).bind(spec, directory, cfg.report_interval_s, cfg.cpus_per_replica)
+    serve.run(CSMServeIngress.options(**ingress_options(spec, cfg)).bind(IngressSpec.of(spec.server, cfg), directory,
+                                                                         replicas_), name="csmserve", route_prefix=None)
+    cluster.flags = None  # the next cluster.use() deploys again
+    url = cluster.url
+    cluster.wait_ready(1, timeout=120)  # nothing open: down to min_replicas
+    sockets = []
+    try:
+        for i in range(3):  # 3 open turns at a target of 1 each: up to max_replicas
+            ws = connect(ws_url(url, f"scale-{i}"))
+            ws.send(json.dumps({"context_id": f"scale-{i}", "text": "A first sentence. And the", "voice": "alloy",
+                                "max_audio_length_ms": 60_000}))  # no flush: the turn holds its slot, idle
+            sockets.append(ws)
+        cluster.wait_ready(2, timeout=120)
+    finally:
+        for ws in sockets:
+            ws.close()

@@ -150,3 +150,36 @@ def test_the_server_encodes_mp3_through_its_queue(serve) -> None:
     assert after - before >= 2  # the first chunk and the tail at least
     pcm = httpx.post(f"{server.url}/v1/audio/speech", json={**body, "response_format": "pcm"}, timeout=60)
     assert pcm.status_code == 200 and len(pcm.content) > 0 and queue.ran == after  # pcm is written as it comes
+
+
+def test_a_grown_chunk_is_encoded_in_pieces_each_at_its_own_turn() -> None:
+    """A 12-frame chunk (a stream well ahead of real time, --max-chunk-ms) is 6 encodes of 2 frames at their own
+    playback deadlines: a first chunk queued meanwhile (deadline now) runs after one piece, not after all of it;
+    the bytes are those of one write."""
+    from csmserve.server.speech import ENCODE_PIECE_SAMPLES, _encode
+
+    rng = np.random.default_rng(1)
+    big = AudioChunk("r", (rng.standard_normal(12 * 1920) * 0.1).astype(np.float32), np.ones((12, 32), np.int64), 0)
+
+    async def main() -> tuple[bytes, list[str], int]:
+        q = EncodeQueue(slice_s=0.0)  # one encode per turn
+        q.start()
+        lead, order = Lead(LoopLoad(), 0.0, q), []
+        enc = make_encoder("mp3")
+        write = enc.write
+        enc.write = lambda a: (order.append(f"big{len(a) // 1920}"), write(a))[1]
+        now = time.monotonic()
+        grown = asyncio.ensure_future(_encode(enc, big, lead, now + 0.5))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # its first piece is queued and run
+        first = asyncio.ensure_future(q.run(now, order.append, "first"))
+        data = await grown
+        await first
+        q.stop()
+        return data, order, q.ran
+
+    data, order, ran = asyncio.run(main())
+    assert ENCODE_PIECE_SAMPLES == 2 * 1920 and ran == 7
+    assert order.index("first") <= 2 and order.count("big2") == 6  # the first chunk did not wait for the rest
+    whole = make_encoder("mp3")
+    assert data == whole.write(big.audio)  # the same stream of bytes as one write

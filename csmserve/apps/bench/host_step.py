@@ -84,8 +84,10 @@ def _request(client: int, n: int, frames: int) -> Request:
     return r
 
 
-def measure(rows: int, clients: int = 4, admit: int = 0, steps: int = 50) -> dict:
-    """ms per step on the engine side and on one client's router, R rows running."""
+def measure(rows: int, clients: int = 4, admit: int = 0, steps: int = 50, warmup: int = 16,
+            chunk_frames: int = 4) -> dict:
+    """ms per step on the engine side and on one client's router, R rows running; the first `warmup` steps
+    are not timed (the first touch of every buffer's pages: a process that serves does it once)."""
     cfg = EngineConfig(max_slots=rows + admit + 1, max_seq_len=4096, max_waiting=10 * rows + 1000)
     sent: list[tuple[int, bytes]] = []
     engine = Engine(StandInRunner(cfg.max_slots), cfg, start=False,
@@ -98,7 +100,7 @@ def measure(rows: int, clients: int = 4, admit: int = 0, steps: int = 50) -> dic
     for _ in range(3):  # admit and reach steady state
         engine.step()
     # one router per client, with a sink per request, as an API worker has
-    routers = {c: Router(K, 1, 4) for c in range(1, clients + 1)}
+    routers = {c: Router(K, 1, chunk_frames) for c in range(1, clients + 1)}
     chunks = [0]
 
     def sink(item) -> None:
@@ -108,7 +110,10 @@ def measure(rows: int, clients: int = 4, admit: int = 0, steps: int = 50) -> dic
         if r is not None:
             routers[r.handle >> CLIENT_SHIFT].open(r.handle, r.request_id, sink)
     eng_s = rtr_s = 0.0
-    for _ in range(steps):
+    for i in range(warmup + steps):
+        if i == warmup:
+            eng_s = rtr_s = 0.0
+            chunks[0] = 0
         for _ in range(admit):  # turnover: short requests arrive (and end after 1 frame)
             r = _request(1 + n % clients, n, 1)
             routers[r.handle >> CLIENT_SHIFT].open(r.handle, r.request_id, sink)
@@ -137,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="API workers the rows are spread over")
     ap.add_argument("--admit", type=int, default=80, help="requests admitted (and finished) per step")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=16, help="steps run first, not timed")
+    ap.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk after the first (no growth)")
     args = ap.parse_args(argv)
     print("| rows per step | admitted per step | engine host ms / step | one worker's router ms / step "
           f"(1/{args.clients} of the rows) |")
     print("|---|---|---|---|")
     for r in (int(x) for x in args.rows.split(",")):
-        m = measure(r, args.clients, args.admit, args.steps)
+        m = measure(r, args.clients, args.admit, args.steps, args.warmup, args.chunk_frames)
         print(f"| {r} | {args.admit} | {m['engine_ms']:.2f} | {m['router_ms']:.2f} |")
     return 0

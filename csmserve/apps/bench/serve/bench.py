@@ -274,8 +274,11 @@ class Bench:
         return summary
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, server: ServerProcess | None = None) -> int:
+    """server: one already started (and left running) to measure, with its CPU (compare.py); else --url's or
+    the one started here from the flags."""
     scenarios = scenarios_of(args)
+    own = server is None
     procs = args.client_procs or default_client_procs()
     if procs < 1:
         raise ValueError(f"--client-procs must be >= 1, got {procs}")
@@ -284,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     raise_fd_limit()
     events: queue.Queue = queue.Queue()
     workers = [Worker(i, events, _child_env()) for i in range(procs)]
-    server, tmp = None, tempfile.TemporaryDirectory(prefix="csmserve-bench-")
+    tmp = tempfile.TemporaryDirectory(prefix="csmserve-bench-")
     bench = None
     lines: list[str] = []
 
@@ -293,14 +296,15 @@ def run(args: argparse.Namespace) -> int:
         lines.append(s)
 
     try:
-        url, server = start_or_attach(args, server_args(args), base, tmp.name)
+        url, server = start_or_attach(args, server_args(args), base, tmp.name) if own else (server.url, server)
         bench = Bench(args, url, workers, events, server)
         ready = bench.wait_events("ready", procs, time.monotonic() + 120)
         if len(ready) < procs:
             raise RuntimeError(f"only {len(ready)} of {procs} client processes started")
         if max((s.voices for s in scenarios), default=0):
             bench.voices = create_voices(url, max(s.voices for s in scenarios), bench.headers)
-        emit(f"server: {url if args.url else 'csmserve serve ' + ' '.join(server_args(args))}; "
+        shown = ' '.join(server.args[4:]) if not own else url if args.url else ' '.join(server_args(args))
+        emit(f"server: {url if own and args.url else 'csmserve serve ' + shown}; "
              f"commit {_commit()}; {procs} client processes on {os.cpu_count()} cores")
         emit()
         emit(report.HEADER)
@@ -324,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
             Path(f"{base}.trace.txt").write_text("\n".join(traces) + "\n")
         if base:
             base.parent.mkdir(parents=True, exist_ok=True)
-            meta = {"url": url, "server_args": None if args.url else server_args(args), "client_procs": procs,
+            meta = {"url": url, "server_args": server.args[4:] if not own else None if args.url else server_args(args),
+                    "client_procs": procs,
                     "cores": os.cpu_count(), "commit": _commit()}
             if args.save_records:
                 from csmserve.apps.bench.serve.users import RECORD
@@ -339,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
             delete_voices(url, bench.voices, bench.headers)
         for w in workers:
             w.close()
-        if server is not None:
+        if server is not None and own:
             server.stop()
         tmp.cleanup()
     return 0

