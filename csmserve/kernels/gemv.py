@@ -83,10 +83,15 @@ def _rstd(X, DELTA, H, K, mask_row, write_h, eps, dt, HAS_DELTA: tl.constexpr, P
 
 
 @triton.jit
-def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr, dg, du):
-    y = tl.sum(g, axis=1) * sg + dg  # [BN]; dg, du: the row's LoRA deltas (fp32, 0.0: none)
+def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr, dg, du, LORA: tl.constexpr):
+    y = tl.sum(g, axis=1) * sg  # [BN]
+    if LORA:  # the row's LoRA deltas (fp32)
+        y += dg
     if GLU:
-        y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su + du)
+        yu = tl.sum(u, axis=1) * su
+        if LORA:
+            yu += du
+        y = y / (1.0 + tl.exp(-y)) * yu
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -221,9 +226,9 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
                 if GLU:
                     du1 = lora_row(LWS, AD, LB, LRANKS, 1, M, l_per, n0 + UP_OFF, rn + UP_OFF, n_all, L_N0, L_N1,
                                    l_sbl, l_sbr, dt, LKSPLIT, LRB, _LORA_TILE)
-    _store(Y, rn, mn, g0, u0, sg, su, GLU, dg0, du0)
+    _store(Y, rn, mn, g0, u0, sg, su, GLU, dg0, du0, LORA)
     if TWO_ROWS:
-        _store(Y + stride_ym, rn, mn & ((rn * 0 + 1) < M), g1, u1, sg, su, GLU, dg1, du1)
+        _store(Y + stride_ym, rn, mn & ((rn * 0 + 1) < M), g1, u1, sg, su, GLU, dg1, du1, LORA)
 
 
 @triton.jit

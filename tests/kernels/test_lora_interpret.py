@@ -259,3 +259,34 @@ def test_gather_gemv_with_lora(wide, idx, rows):
     idx = torch.tensor(idx)
     x = table[idx]
     _close(gemv.gather_gemv(idx, table, mod.weight, lora=mod.lora), F.linear(x, mod.weight) + delta_torch(x, mod.lora))
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemv_without_lora_unchanged(wide, m, glu):
+    """The GEMV kernels restructured around the LoRA (a program's columns in a helper, row 1's masks as vectors)
+    still compute the plain GEMM, the norm and the GLU."""
+    from csmserve.kernels import gemv
+    from csmserve.models.llama import _add_rms_norm
+
+    model, p = wide
+    p.rows = None
+    name = "backbone.layers.0.mlp.gate_up_proj" if glu else "backbone.layers.0.self_attn.qkv_proj"
+    w = model.get_submodule(name).weight
+    x = _x(m, 128, 13)
+    want = F.linear(x, w)
+    if glu:
+        g, u = want.chunk(2, -1)
+        want = F.silu(g) * u
+    _close(gemv.gemv(x, w, glu), want)
+    if m <= gemv.ELEMENTWISE_ROWS:
+        d, nw = _x(m, 128, 14), 1 + _x(1, 128, 15)[0] * 0.1
+        h, y = _add_rms_norm(x, d, nw, 1e-5)
+        want = F.linear(y, w)
+        if glu:
+            g, u = want.chunk(2, -1)
+            want = F.silu(g) * u
+        h2, got = gemv.norm_gemv(x, d, nw, 1e-5, w, glu)
+        _close(h2, h)
+        _close(got, want)
