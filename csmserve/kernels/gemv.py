@@ -85,13 +85,12 @@ def _rstd(X, DELTA, H, K, mask_row, write_h, eps, dt, HAS_DELTA: tl.constexpr, P
 @triton.jit
 def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr, dg, du, LORA: tl.constexpr):
     y = tl.sum(g, axis=1) * sg  # [BN]
-    if LORA:  # the row's LoRA deltas (fp32)
+    if LORA:  # the row's LoRA deltas (fp32), gate's and up's before the SiLU
         y += dg
-    if GLU:
-        yu = tl.sum(u, axis=1) * su
-        if LORA:
-            yu += du
-        y = y / (1.0 + tl.exp(-y)) * yu
+        if GLU:
+            y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su + du)
+    elif GLU:
+        y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su)
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -106,7 +105,7 @@ def _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
     x0 = _chunk(X, DELTA, nw, rk, rk < K, rstd0, dt, NORM, HAS_DELTA)[None, :]
     g0 += w.to(tl.float32) * x0
     if TWO_ROWS:
-        x1 = _chunk(X1, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]  # two [BK]
+        x1 = _chunk(X1, DELTA + stride_dm, nw, rk, (rk < K) & two, rstd1, dt, NORM, HAS_DELTA)[None, :]
         g1 += w.to(tl.float32) * x1
     if GLU:
         u0 += u.to(tl.float32) * x0
@@ -120,12 +119,14 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
                  SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False, LORA: tl.constexpr = False,
-                 AD=None, LA=None, LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=1, l_sal=0, l_sar=0, l_sbl=0,
-                 l_sbr=0, L_N0=0, L_N1=0, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1, LRB: tl.constexpr = 16,
-                 LBK: tl.constexpr = 64):
+                 AD=None, LA=None, LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=None, l_sal=None, l_sar=None,
+                 l_sbl=None, l_sbr=None, L_N0=None, L_N1=None, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1,
+                 LRB: tl.constexpr = 16, LBK: tl.constexpr = 64):
     """1-2 rows: program pid's outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y. LORA: each row's LoRA
     delta added before the store (and the GLU), its shrink in LS * LKSPLIT programs of the same grid
-    (kernels/lora.py: the ticketed pieces; a program's role and column block come from its ticket)."""
+    (kernels/lora.py: the ticketed pieces; a program's role and column block come from its ticket). The LoRA
+    arguments default to None (constexprs): without LORA the kernel's parameters and PTX are the plain GEMV's
+    (bench/ptx_diff.py)."""
     if LORA:
         t = tl.atomic_add(LCTR, 1)
         n_pieces = LS * LKSPLIT
@@ -162,7 +163,9 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
     mn = rn < N
     rk0 = tl.arange(0, BLOCK_K)
     dt = X.dtype.element_ty
-    two = (rk0 * 0 + 1) < M  # [BK] row 1 exists (a vector: the interpreter's masks are elementwise)
+    # row 1 exists: M > 1 as vectors (Triton's interpreter fails on a scalar mask broadcast into a vector's); the
+    # same PTX for sm_90 as the scalar (bench/ptx_diff.py)
+    two = (rk0 * 0 + 1) < M  # [BK]
     w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
     # the first chunk of weights depends on no kernel: read while the kernel before still runs (kernels/pdl.py)
     w = tl.load(w_rows + rk0[None, :], mask=mn[:, None], other=0.0)  # [BN, BK]
@@ -178,15 +181,14 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    X0 = X
     X1 = X + stride_xm
     if GATHER:  # the rows are X's (a table [R, K]) rows IDX [M], written by the kernel before: read after the wait
         X1 = X + tl.load(IDX + 1, mask=M > 1, other=0) * stride_xm
-        X0 = X + tl.load(IDX) * stride_xm
+        X = X + tl.load(IDX) * stride_xm
     rstd0 = 1.0
     rstd1 = 1.0
     if NORM:  # program 0 writes h, the residual stream
-        rstd0 = _rstd(X0, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
+        rstd0 = _rstd(X, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
         if TWO_ROWS:
             rstd1 = _rstd(X1, DELTA + stride_dm, H + stride_hm, K, (tl.arange(0, PRE_K) * 0 + 1) < M, pid == 0, eps,
                           dt, HAS_DELTA, PRE_K)
@@ -194,7 +196,7 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
     g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    g0, g1, u0, u1 = _accumulate(X0, X1, DELTA, NW, stride_dm, w, u, rk0, K, two, rstd0, rstd1, g0, g1, u0, u1,
+    g0, g1, u0, u1 = _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk0, K, two, rstd0, rstd1, g0, g1, u0, u1,
                                  dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
     for k0 in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (blocks() checks)
         rk = k0 + rk0
@@ -202,7 +204,7 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
         u = w
         if GLU:
             u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
-        g0, g1, u0, u1 = _accumulate(X0, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
+        g0, g1, u0, u1 = _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
                                      u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
     dg0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     dg1 = dg0
@@ -236,9 +238,9 @@ def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OF
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
                      WS=None, CTR=None, SPLIT: tl.constexpr = 1, LORA: tl.constexpr = False, AD=None, LA=None,
-                     LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=1, l_sal=0, l_sar=0, l_sbl=0, l_sbr=0, L_N0=0,
-                     L_N1=0, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1, LRB: tl.constexpr = 16,
-                     LBK: tl.constexpr = 64):
+                     LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=None, l_sal=None, l_sar=None, l_sbl=None,
+                     l_sbr=None, L_N0=None, L_N1=None, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1,
+                     LRB: tl.constexpr = 16, LBK: tl.constexpr = 64):
     # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
     # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
     # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
