@@ -139,14 +139,14 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                                         IEEE)
             xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
         else:
-            m2 = (sel & (ad >= 0))[:, None]
-            xa0 = tl.load(xa_rows[:, None] + rr[None, :], mask=m2, other=0.0)
+            mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
+            xa0 = tl.load(xa_rows[:, None] + rr[None, :], mask=mx, other=0.0)
             xa1 = xa0
             xa2 = xa0
             if S > 1:
-                xa1 = tl.load(xa_rows[:, None] + RB + rr[None, :], mask=m2, other=0.0)
+                xa1 = tl.load(xa_rows[:, None] + RB + rr[None, :], mask=mx, other=0.0)
             if S > 2:
-                xa2 = tl.load(xa_rows[:, None] + 2 * RB + rr[None, :], mask=m2, other=0.0)
+                xa2 = tl.load(xa_rows[:, None] + 2 * RB + rr[None, :], mask=mx, other=0.0)
         if not EXPAND:
             m2 = sel[:, None] & (rr < RB)[None, :]
             tl.store(xa_rows[:, None] + rr[None, :], xa0, mask=m2)
