@@ -55,15 +55,16 @@ class StreamingCodec(Protocol):
     def reset(self, rows: Tensor) -> None: ...
 
 
-def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -> np.ndarray:
+def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int, lora: bool = False) -> np.ndarray:
     """The chunks' tokens packed as rows [T, 2W + 4] int64: tokens, mask, head (1: keep the row's hidden state
     as its slot's h0: a head chunk's last row), LoRA pool slot (-1: none), position, slot; padding rows write the
-    scratch slot at position 0. Chunks in order of their adapter (the LoRA kernels' row tiles meet few)."""
+    scratch slot at position 0. lora (a runner with a pool): the chunks' pool slots, the chunks in order of them (the
+    LoRA kernels' row tiles meet few); else every row -1 and the chunks as given."""
     a = np.zeros((T, 2 * width + 4), np.int64)
     a[:, -1] = scratch
     a[:, 2 * width + 1] = -1
     i = 0
-    for c in sorted(chunks, key=lambda c: c.adapter) if len(chunks) > 1 else chunks:
+    for c in sorted(chunks, key=lambda c: c.adapter) if lora and len(chunks) > 1 else chunks:
         n = len(c.tokens)
         a[i:i + n, :width] = c.tokens
         a[i:i + n, width:2 * width] = c.mask
@@ -71,7 +72,8 @@ def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -
         a[i:i + n, -1] = c.slot
         if c.head:
             a[i + n - 1, 2 * width] = 1
-        a[i:i + n, 2 * width + 1] = c.adapter
+        if lora:
+            a[i:i + n, 2 * width + 1] = c.adapter
         i += n
     return a
 
@@ -231,7 +233,8 @@ class ModelRunner:
         if n > self.max_prefill_tokens:
             raise ValueError(f"{n} prefill tokens in one step > max_prefill_tokens={self.max_prefill_tokens}")
         T = n if self.prefill_graphs is None else self.prefill_graphs.bucket(n)
-        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch))
+        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch,
+                                                  self.lora is not None))
         if self.prefill_graphs is not None:
             self.prefill_graphs.run(packed)
             return
@@ -245,7 +248,7 @@ class ModelRunner:
         # the kernels (RoPE, K/V store, attention) index positions and slots as contiguous arrays
         pos, slot_tok = packed[:, -2:-1].contiguous(), packed[:, -1].contiguous()  # [T, 1], [T]
         self.kv.set_decode(slot_tok, kv_bound)
-        with self._lora_rows(packed[:, 2 * W + 1]):  # each token row's adapter
+        with self._lora_rows(None if self.lora is None else packed[:, 2 * W + 1]):  # each token row's pool slot
             h = self.model.forward_backbone(tokens, mask, pos, self.kv)  # [T, 1, D]
         # the head rows' hidden states -> their slots' h0 (every other row -> the scratch row)
         self.h0.index_copy_(0, torch.where(packed[:, 2 * W] != 0, slot_tok, self.scratch), h[:, 0])

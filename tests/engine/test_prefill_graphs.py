@@ -39,11 +39,15 @@ def test_pack_layout_and_padding():
     assert a[3, -1] == 4 and a[3, -2] == 0
     # padding rows write the scratch slot at position 0, with no LoRA adapter (-1)
     assert (a[4:, -1] == scratch).all() and (a[4:, :2 * W + 1] == 0).all() and (a[:, 2 * W + 1] == -1).all()
-    # chunks with LoRA adapters: each row carries its chunk's pool slot, the chunks in order of it
-    a = pack_prefill([PrefillChunk(2, 10, t1, m1, adapter=3), PrefillChunk(4, 0, t2, m2, adapter=-1)], T=6, width=W,
-                     scratch=scratch)
+    # chunks with LoRA adapters: each row carries its chunk's pool slot, the chunks in order of it (a runner with a
+    # pool); without one, the chunks as given and no adapter
+    chunks = [PrefillChunk(2, 10, t1, m1, adapter=3), PrefillChunk(4, 0, t2, m2, adapter=-1)]
+    a = pack_prefill(chunks, T=6, width=W, scratch=scratch, lora=True)
     np.testing.assert_array_equal(a[:, 2 * W + 1], [-1, 3, 3, 3, -1, -1])
     np.testing.assert_array_equal(a[:4, -1], [4, 2, 2, 2])
+    a = pack_prefill(chunks, T=6, width=W, scratch=scratch)
+    np.testing.assert_array_equal(a[:, 2 * W + 1], -1)
+    np.testing.assert_array_equal(a[:4, -1], [2, 2, 2, 4])
 
 
 def test_packed_prefill_of_many_prompts_equals_each_alone():
