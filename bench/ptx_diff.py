@@ -95,7 +95,8 @@ def lora_launches() -> list[tuple]:
     from csmserve.models.lora import LoraPool
 
     out, label = [], [""]
-    for mod, names in ((gemv, ("_gemv_kernel", "_gemv_mma_kernel")), (kl, ("_lora_small_kernel", "_lora_kernel"))):
+    for mod, names in ((gemv, ("_gemv_lora_kernel", "_gemv_mma_lora_kernel")),
+                       (kl, ("_lora_small_kernel", "_lora_kernel"))):
         for n in names:
             setattr(mod, n, _Recorder(getattr(mod, n), out, label))
     pdl.enabled = lambda: True

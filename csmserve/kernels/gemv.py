@@ -118,37 +118,39 @@ def _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0,
 def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF, eps,
                  NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
-                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False, LORA: tl.constexpr = False,
-                 AD=None, LA=None, LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=None, l_sal=None, l_sar=None,
-                 l_sbl=None, l_sbr=None, L_N0=None, L_N1=None, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1,
-                 LRB: tl.constexpr = 16, LBK: tl.constexpr = 64):
-    """1-2 rows: program pid's outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y. LORA: each row's LoRA
-    delta added before the store (and the GLU), its shrink in LS * LKSPLIT programs of the same grid
-    (kernels/lora.py: the ticketed pieces; a program's role and column block come from its ticket). The LoRA
-    arguments default to None (constexprs): without LORA the kernel's parameters and PTX are the plain GEMV's
-    (bench/ptx_diff.py)."""
-    if LORA:
-        t = tl.atomic_add(LCTR, 1)
-        n_pieces = LS * LKSPLIT
-        if t < n_pieces:
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
-            lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
-                       eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False)
-            tl.debug_barrier()  # every thread's sums stored before the count (release)
-            tl.atomic_add(LCTR + 1, 1, sem="release")
-        else:
-            _gemv_columns(t - n_pieces, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
-                          stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL,
-                          SCALED, IDX, GATHER, True, AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1,
-                          n_pieces, LKSPLIT, LRB)
-        lora_arrive(LCTR, tl.num_programs(0))
+                 SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    """1-2 rows: program pid's outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y."""
+    _gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
+                  stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL, SCALED, IDX,
+                  GATHER, False, None, None, None, None, None, None, None, None, None, None, 0, 1, 16)
+
+
+@triton.jit
+def _gemv_lora_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF,
+                      eps, AD, LA, LB, LRANKS, LWS, LCTR, l_per, l_sal, l_sar, l_sbl, l_sbr, L_N0, L_N1,
+                      NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
+                      LS: tl.constexpr, LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr,
+                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    """_gemv_kernel with each row's LoRA delta added before the store (and the GLU), its shrink in LS * LKSPLIT
+    programs of the same grid (kernels/lora.py: the ticketed pieces; a program's role and column block come from its
+    ticket). A kernel of its own: the plain GEMV's parameters and PTX stay as they were (bench/ptx_diff.py)."""
+    t = tl.atomic_add(LCTR, 1)
+    n_pieces = LS * LKSPLIT
+    if t < n_pieces:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
+                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(LCTR + 1, 1, sem="release")
     else:
-        _gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm,
-                      stride_wn, stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K,
-                      PDL, SCALED, IDX, GATHER, False, AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1,
-                      0, LKSPLIT, LRB)
+        _gemv_columns(t - n_pieces, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
+                      stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL,
+                      SCALED, IDX, GATHER, True, AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1,
+                      n_pieces, LKSPLIT, LRB)
+    lora_arrive(LCTR, tl.num_programs(0))
 
 
 @triton.jit
@@ -237,37 +239,40 @@ def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, 
 def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False,
-                     WS=None, CTR=None, SPLIT: tl.constexpr = 1, LORA: tl.constexpr = False, AD=None, LA=None,
-                     LB=None, LRANKS=None, LWS=None, LCTR=None, l_per=None, l_sal=None, l_sar=None, l_sbl=None,
-                     l_sbr=None, L_N0=None, L_N1=None, LS: tl.constexpr = 1, LKSPLIT: tl.constexpr = 1,
-                     LRB: tl.constexpr = 16, LBK: tl.constexpr = 64):
+                     WS=None, CTR=None, SPLIT: tl.constexpr = 1):
     # 3-16 rows: acc [BM, BN] += x [BM, BK] @ w^T [BK, BN] on the tensor cores (fp32 accumulation). SPLIT > 1: the
     # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
     # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
-    # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y. LORA: a 1-D grid,
-    # the LS * LKSPLIT shrink pieces first (tickets), then (pid, s) = divmod(ticket - pieces, SPLIT); the storing
-    # program adds the rows' LoRA deltas
-    if LORA:
-        t = tl.atomic_add(LCTR, 1)
-        n_pieces = LS * LKSPLIT
-        if t < n_pieces:
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
-            lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
-                       X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False)
-            tl.debug_barrier()  # every thread's sums stored before the count (release)
-            tl.atomic_add(LCTR + 1, 1, sem="release")
-        else:
-            b = t - n_pieces
-            _mma_columns(b // SPLIT, b % SPLIT, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, True, AD, LB,
-                         LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT, LRB)
-        lora_arrive(LCTR, tl.num_programs(0))
+    # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y
+    _mma_columns(tl.program_id(0), tl.program_id(1), X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, False, None, None, None,
+                 None, None, None, None, None, None, None, 0, 1, 16)
+
+
+@triton.jit
+def _gemv_mma_lora_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, AD, LA, LB, LRANKS, LWS, LCTR,
+                          l_per, l_sal, l_sar, l_sbl, l_sbr, L_N0, L_N1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr, LS: tl.constexpr,
+                          LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr, SCALED: tl.constexpr = False,
+                          IDX=None, GATHER: tl.constexpr = False, WS=None, CTR=None, SPLIT: tl.constexpr = 1):
+    # _gemv_mma_kernel with the rows' LoRA deltas: a 1-D grid, the LS * LKSPLIT shrink pieces first (tickets), then
+    # (pid, s) = divmod(ticket - pieces, SPLIT); the storing program adds the rows' deltas
+    t = tl.atomic_add(LCTR, 1)
+    n_pieces = LS * LKSPLIT
+    if t < n_pieces:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
+                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(LCTR + 1, 1, sem="release")
     else:
-        _mma_columns(tl.program_id(0), tl.program_id(1), X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, False, AD, LB, LRANKS,
-                     LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, 0, LKSPLIT, LRB)
+        b = t - n_pieces
+        _mma_columns(b // SPLIT, b % SPLIT, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, True, AD, LB,
+                     LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT, LRB)
+    lora_arrive(LCTR, tl.num_programs(0))
 
 
 @triton.jit
@@ -482,7 +487,7 @@ def _lora_args(lora, m: int) -> tuple[dict, int]:
     rb = kl.rank_block(lora)
     ws, ctr = lora.scratch(rb)
     a, b = lora.a, lora.b
-    kw = dict(LORA=True, AD=lora.rows, LA=a, LB=b, LRANKS=lora.pool.ranks, LWS=ws, LCTR=ctr,
+    kw = dict(AD=lora.rows, LA=a, LB=b, LRANKS=lora.pool.ranks, LWS=ws, LCTR=ctr,
               l_per=m // lora.rows.shape[0], l_sal=a.stride(0), l_sar=a.stride(1), l_sbl=b.stride(0),
               l_sbr=b.stride(1), L_N0=t.bounds[0], L_N1=t.bounds[1], LS=len(t.slices), LKSPLIT=ksplit, LRB=rb,
               LBK=kl.piece_block(t.k))
@@ -514,11 +519,13 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
             grid = (grid[0], split)
         if lora is not None:
             grid = (pieces + grid[0] * (split if bufs is not None else 1),)
-        _gemv_mma_kernel[grid](x, weight, s, y, M, N, K, sx, weight.stride(0), y.stride(0), N, BLOCK_M=MMA_TILE, **kw)
+        kernel = _gemv_mma_kernel if lora is None else _gemv_mma_lora_kernel
+        kernel[grid](x, weight, s, y, M, N, K, sx, weight.stride(0), y.stride(0), N, BLOCK_M=MMA_TILE, **kw)
     else:
         grid = (pieces + grid[0],)
-        _gemv_kernel[grid](x, delta, h, nw, weight, s, y, M, N, K, sx, sd, sh, weight.stride(0), y.stride(0), N, eps,
-                           NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
+        kernel = _gemv_kernel if lora is None else _gemv_lora_kernel
+        kernel[grid](x, delta, h, nw, weight, s, y, M, N, K, sx, sd, sh, weight.stride(0), y.stride(0), N, eps,
+                     NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
 
 
 def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None, lora=None) -> Tensor:
