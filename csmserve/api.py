@@ -9,6 +9,10 @@ aspeak, the server's WebSocket turns).
 
 Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
 `engine=False` keeps the plain reference generator (batch 1), the golden path the tests compare to.
+
+Fine-tuned voices: `CSM(model, adapters={"ann": "path/to/peft-adapter"})`, `load_adapter` / `unload_adapter` at run
+time; every generating method takes `adapter="ann"` (None: the base model), `generate` with a list of texts one
+adapter per text; rows of different adapters (and none) run in the same batch (models/lora.py, engine/adapters.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from csmserve.engine.request import AudioChunk, Request
 from csmserve.sampling import SamplingParams
 from csmserve.models.codec import load_codec
 from csmserve.models.loader import DUMMY_MODELS, load_csm
+from csmserve.engine.adapters import UnknownAdapterError
 from csmserve.prompt.segments import SentenceSplitter
 from csmserve.prompt.tokenizer import (FRAME_MS, PromptPart, PromptSegment, assemble, load_tokenizer, prompt_part,
                                        segment_ids, text_frames)
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
     from csmserve.engine.client import EngineClient
 
 log = logging.getLogger("csmserve")
+_START = threading.Lock()  # CSM.client: the engine is started once
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -95,18 +101,22 @@ class CSM:
     codec: None = the Mimi weights beside the model (`codec_model.*`, a moshi/kyutai file in the same
     directory, or random weights for dummy models); a path = a kyutai/mimi dir or moshi safetensors;
     "none" = no codec (codes only).
+    adapters: LoRA fine-tunes to serve beside the base, name -> PEFT / unsloth adapter directory (read and checked
+    here: LoraError); without max_loras in engine_config the pool is sized for them (one slot each, their
+    largest rank).
     """
 
     def __init__(self, model: str = "sesame/csm-1b", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, codec: str | Path | None = None,
                  codec_dtype: str | torch.dtype | None = None, engine: bool = True,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, adapters: dict[str, str] | None = None) -> None:
         self.model_name = model
         self.sample_rate = SAMPLE_RATE
         self.use_engine = engine
         self.engine_config = engine_config
         self._engine = None
         self._client = None
+        self._pending: dict = {}  # adapters read before the engine starts: registered when it does
         self._paced = model == PACED_MODEL
         if self._paced:  # no model: the engine's steps take the GPU's measured time (engine/paced.py)
             from csmserve.models.csm import CSMConfig
@@ -126,6 +136,8 @@ class CSM:
         self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
         self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
         self._has_codec = self.mimi is not None
+        if adapters:
+            self._read_adapters(dict(adapters))
 
     @classmethod
     def attach(cls, client) -> "CSM":
@@ -145,6 +157,7 @@ class CSM:
         self.frame_size, self.sample_rate = info.frame_size, SAMPLE_RATE
         self.use_engine, self.engine_config = True, info.engine
         self._engine, self._client = None, client
+        self._pending = {}
         self._has_codec, self._paced = info.has_codec, False
         return self
 
@@ -173,10 +186,16 @@ class CSM:
     @property
     def client(self) -> "EngineClient":
         if self._client is None:
-            from csmserve.engine.client import EngineClient
+            with _START:  # one engine, even when threads ask for it at once
+                if self._client is None:
+                    from csmserve.engine.client import EngineClient
 
-            self._engine = self.build_engine(self.engine_config or EngineConfig())
-            self._client = EngineClient(self._engine)
+                    engine = self.build_engine(self.engine_config or EngineConfig())
+                    client = EngineClient(engine)
+                    for name, adapter in self._pending.items():  # served before any request can reach it
+                        client.load_adapter(name, adapter)
+                    self._engine, self._pending = engine, {}
+                    self._client = client
         return self._client
 
     @property
@@ -201,6 +220,57 @@ class CSM:
         elif self._client is not None and hasattr(self._client, "shutdown"):
             self._client.shutdown()
             self._client = None
+
+    # ---- LoRA adapters
+    def _read_adapters(self, paths: dict[str, str]) -> None:
+        import dataclasses
+
+        from csmserve.models.lora import read_adapter
+
+        cfg = self.engine_config or EngineConfig()
+        rank = cfg.max_lora_rank if cfg.max_loras else None
+        read = {name: read_adapter(path, self.config, self.dtype, rank) for name, path in paths.items()}
+        if not cfg.max_loras:  # a pool for these: one slot each, their largest rank
+            cfg = dataclasses.replace(cfg, max_loras=len(read),
+                                      max_lora_rank=max(cfg.max_lora_rank, *(a.rank for a in read.values())))
+        self.engine_config = cfg
+        self._pending = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
+
+    def load_adapter(self, name: str, path: str | Path) -> dict:
+        """Serve the PEFT / unsloth LoRA adapter directory `path` as `name` from now on (other streams go on) ->
+        its info. LoraError: it cannot be served right (another base, DoRA, a rank over the pool's, ...);
+        ValueError: the name is taken, or the engine has no adapter pool (EngineConfig.max_loras = 0)."""
+        self._need_engine()
+        return self.client.load_adapter(name, str(path))
+
+    def unload_adapter(self, name: str) -> dict:
+        """Stop serving `name`: new requests for it are refused at once (UnknownAdapterError), the ones in flight
+        finish with it, then its pool slot is freed."""
+        self._need_engine()
+        return self.client.unload_adapter(name)
+
+    @property
+    def adapters(self) -> dict[str, dict]:
+        """name -> info (rank, bytes, resident, running, queued, requests, loads, load_s) of each adapter served."""
+        if self._client is None:
+            return {n: {"name": n, "rank": a.rank, "bytes": a.nbytes, "path": a.path, "resident": False}
+                    for n, a in self._pending.items()}
+        return self._client.adapters()
+
+    def _need_engine(self) -> None:
+        if not self.use_engine:
+            raise ValueError("LoRA adapters run on the engine: CSM(..., engine=True)")
+
+    def _check_adapter(self, name: str | None) -> None:
+        """An unknown adapter is the caller's error here, before anything is submitted (in this process; an API
+        worker's engine refuses it at submit)."""
+        if name is None:
+            return
+        self._need_engine()
+        known = self._pending if self._client is None else (self._engine.adapters() if self._engine is not None
+                                                             else None)
+        if known is not None and name not in known:
+            raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(known)) or 'none'})")
 
     # ---- prompts
     def encode_audio(self, audio: np.ndarray) -> np.ndarray:
@@ -263,12 +333,14 @@ class CSM:
     def request(self, text: str, speaker: int = 0, context: Sequence[Segment] = (), temperature: float = 0.9,
                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
                 max_audio_length_ms: int | None = 10_000, max_segment_length_ms: int | None = None,
-                fit_cap: bool = False) -> Request:
+                fit_cap: bool = False, adapter: str | None = None) -> Request:
         """A request speaking `text` as `speaker` after the `context` turns. max_audio_length_ms caps the
         whole request (None: no cap); max_segment_length_ms one segment of a long-form request. The prompt
         must leave room for one segment's audio: its cap, unless that cap is past the slot's positions
         (the engine stops at the slot's end); fit_cap=True: its cap whatever it is (the server refuses a
-        cap the slot cannot hold). ValueError: a prompt that does not fit, codes out of range."""
+        cap the slot cannot hold). adapter: a LoRA adapter's name (None: the base model). ValueError: a prompt
+        that does not fit, codes out of range; UnknownAdapterError."""
+        self._check_adapter(adapter)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
         room = self._room(params, fit_cap)
@@ -279,7 +351,8 @@ class CSM:
         # only its own text, and one whose context grew by a turn only that turn and its text. The turn
         # boundaries before the last are its shorter candidates (the last one is the prefix itself)
         prefix = bounds[-1] if bounds else 0
-        return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]))
+        return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]),
+                       adapter=adapter)
 
     def _room(self, params: SamplingParams, fit_cap: bool) -> int | None:
         """Frames the prompt must leave for one segment's audio (None: none checked, see `request`)."""
@@ -314,20 +387,27 @@ class CSM:
     # ---- generation
     def generate(self, text: str | Sequence[str] | Sequence[Request], speaker: int = 0,
                  context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
-                 seed: int | None = None, max_audio_length_ms: int = 10_000
-                 ) -> GenerationResult | list[GenerationResult]:
+                 seed: int | None = None, max_audio_length_ms: int = 10_000,
+                 adapter: str | None | Sequence[str | None] = None) -> GenerationResult | list[GenerationResult]:
         """Speech for `text` as `speaker`, after `context`. temperature 0 = greedy; seed None = a random seed.
+        adapter: a LoRA adapter's name (None: the base model).
 
-        A list of texts (same keyword arguments for all) or of `Request`s runs together on the engine
-        and returns a list of results in the same order.
+        A list of texts (same keyword arguments for all; `adapter` one name for all, or a list of one per text)
+        or of `Request`s runs together on the engine and returns a list of results in the same order.
         """
         kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   max_audio_length_ms=max_audio_length_ms)
         if isinstance(text, str):
+            if not isinstance(adapter, (str, type(None))):
+                raise ValueError("one text takes one adapter (a name or None), not a list")
             if not self.use_engine:
-                return self._reference(self.request(text, **kw))
-            return self._results([self.request(text, **kw)])[0]
-        reqs = [t if isinstance(t, Request) else self.request(t, **kw) for t in text]
+                return self._reference(self.request(text, adapter=adapter, **kw))
+            return self._results([self.request(text, adapter=adapter, **kw)])[0]
+        text = list(text)
+        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(text)
+        if len(adapters) != len(text):
+            raise ValueError(f"{len(text)} texts but {len(adapters)} adapters")
+        reqs = [t if isinstance(t, Request) else self.request(t, adapter=a, **kw) for t, a in zip(text, adapters)]
         return self._results(reqs)
 
     def stream(self, text: str | Request, **kw) -> Iterator[AudioChunk]:
@@ -349,7 +429,7 @@ class CSM:
                      open: bool = False, temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0,
                      seed: int | None = None, max_audio_length_ms: int | None = None,
                      max_segment_length_ms: int | None = 20_000, speakers: Sequence[int] | None = None,
-                     fit_cap: bool = False) -> Request:
+                     fit_cap: bool = False, adapter: str | None = None) -> Request:
         """One request speaking `segments` in order in one slot (max_audio_length_ms caps the whole,
         max_segment_length_ms each segment; fit_cap: see `request`); open=True: more may be appended
         (EngineClient.append, as TextFeed does) until EngineClient.close. speakers: each segment's speaker
@@ -361,7 +441,7 @@ class CSM:
         if len(spk) != len(segments):
             raise ValueError(f"{len(segments)} segments but {len(spk)} speakers")
         req = self.request(segments[0], spk[0], context, temperature, top_k, top_p, seed, max_audio_length_ms,
-                           max_segment_length_ms, fit_cap)
+                           max_segment_length_ms, fit_cap, adapter)
         req.context_len = req.prefix_len  # the context turns: everything before the first segment's text
         req.segments = deque(self.segment_frames(t, s) for t, s in zip(segments[1:], spk[1:]))
         req.open = open
@@ -370,7 +450,7 @@ class CSM:
     def speak(self, text: str | Iterable[str], speaker: int = 0, context: Sequence[Segment] = (),
               temperature: float = 0.9, top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
               max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = 20_000,
-              max_words: int = 25, max_chars: int = 250) -> Iterator[AudioChunk]:
+              max_words: int = 25, max_chars: int = 250, adapter: str | None = None) -> Iterator[AudioChunk]:
         """Long-form speech as one stream of AudioChunks (chunk.segment / chunk.text: which sentence).
 
         `text`: a string (cut into sentences, clauses when long) or an iterable of pieces (text streamed
@@ -380,7 +460,7 @@ class CSM:
         the same audio) whole or in pieces."""
         speech = _Speech(self, max_words, max_chars, dict(
             speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms))
+            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms, adapter=adapter))
         pieces = iter([text] if isinstance(text, str) else text)
         for piece in pieces:
             if speech.take(piece):
@@ -406,13 +486,13 @@ class CSM:
     async def aspeak(self, text: str | Iterable[str] | AsyncIterable[str], speaker: int = 0,
                      context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
                      top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
-                     max_segment_length_ms: int | None = 20_000, max_words: int = 25, max_chars: int = 250
-                     ) -> AsyncIterator[AudioChunk]:
+                     max_segment_length_ms: int | None = 20_000, max_words: int = 25, max_chars: int = 250,
+                     adapter: str | None = None) -> AsyncIterator[AudioChunk]:
         """`speak` for asyncio; `text` may also be an async iterable of pieces (the rest of it is read in a
         task of this loop). A string is one piece of text streamed in."""
         speech = _Speech(self, max_words, max_chars, dict(
             speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms))
+            max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms, adapter=adapter))
         if isinstance(text, str):
             text = [text]
         pieces = text.__aiter__() if isinstance(text, AsyncIterable) else _aiter(text)
@@ -442,7 +522,7 @@ class CSM:
 
     def dialogue(self, lines: Sequence[tuple[int, str]], context: Sequence[Segment] = (), temperature: float = 0.9,
                  top_k: int = 50, top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
-                 max_segment_length_ms: int | None = 20_000) -> Iterator[AudioChunk]:
+                 max_segment_length_ms: int | None = 20_000, adapter: str | None = None) -> Iterator[AudioChunk]:
         """A multi-speaker script, `[(speaker, text), ...]`, as one stream of AudioChunks: every line (cut
         into sentences) in one slot, each seeing the earlier lines' text and generated audio with their
         speaker ids. `context` goes first (e.g. each speaker's voice clip). chunk.text: its sentence."""
@@ -452,7 +532,7 @@ class CSM:
         texts = [t for _, _, t in segs]
         req = self.long_request(texts, context=context, speakers=[s for _, s, _ in segs], temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed, max_audio_length_ms=max_audio_length_ms,
-                                max_segment_length_ms=max_segment_length_ms)
+                                max_segment_length_ms=max_segment_length_ms, adapter=adapter)
         for chunk in self.client.stream(req):
             yield label(chunk, texts)
 
@@ -465,6 +545,8 @@ class CSM:
         return out
 
     def _reference(self, req: Request) -> GenerationResult:
+        if req.adapter is not None:
+            raise ValueError("LoRA adapters run on the engine: CSM(..., engine=True)")
         out = reference.generate(self.model, req.tokens, req.mask, req.params)
         return GenerationResult(out.codes, self.decode(out.codes), out.finish_reason, out.seed)
 

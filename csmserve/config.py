@@ -72,6 +72,12 @@ class EngineConfig:
     # engine steps and GC pauses to its own file there (engine/trace.py; bench/trace_report.py joins
     # them); None: off, nothing recorded
     trace_requests: str | None = None
+    # LoRA fine-tunes served beside the base in the same batches (models/lora.py, engine/adapters.py): GPU pool
+    # slots, the adapters resident at once (LRU; each A and B of every projection padded to max_lora_rank: ~1.7 MB
+    # per rank per slot on CSM-1B, 64 slots x rank 16 = 1.7 GB); 0: no pool, no LoRA kernels in the graphs
+    max_loras: int = 0
+    max_lora_rank: int = 32  # the largest rank an adapter may have (unsloth's CSM recipe: 32); a larger one is refused
+    max_cpu_loras: int = 256  # adapters loaded (by name, their weights in pinned host memory) at most
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
@@ -87,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
         if self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
+            raise ValueError(f"EngineConfig needs max_loras >= 0, max_lora_rank >= 1 and max_cpu_loras >= 1, got "
+                             f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 

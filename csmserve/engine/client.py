@@ -4,8 +4,9 @@
 `EngineClient` is the engine on a thread of this process (the `CSM` Python API, tests);
 remote.py's `RemoteEngineClient` is an API worker's door to the engine-core process (the same surface).
 That surface is all its callers (CSM, the server) use of the engine: submit through stream/astream/run,
-abort, append, close, `stats()` (the counters: running, waiting, the prefix cache's), `fatal`; a stream
-the engine cannot queue raises `SchedulerBusy` (imported from here).
+abort, append, close, `stats()` (the counters: running, waiting, the prefix cache's), `fatal`; LoRA adapters:
+`load_adapter(name, path)`, `unload_adapter(name)`, `adapters()` (blocking calls); a stream the engine cannot
+queue raises `SchedulerBusy` (imported from here).
 """
 from __future__ import annotations
 
@@ -49,6 +50,21 @@ class ClientBase:
 
     def close(self, request_id: str) -> None:
         """No more segments for an open long-form request."""
+        raise NotImplementedError
+
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Serve the PEFT adapter directory `path` as `name` (Request.adapter) -> its info (name, rank, bytes, ...).
+        LoraError: an adapter that cannot be served right; ValueError: a name taken, an engine without adapters;
+        AdapterLimitError: max_cpu_loras adapters loaded already."""
+        raise NotImplementedError
+
+    def unload_adapter(self, name: str) -> dict:
+        """Stop serving `name`: refused for new requests at once; its requests in flight finish with it.
+        UnknownAdapterError."""
+        raise NotImplementedError
+
+    def adapters(self) -> dict[str, dict]:
+        """name -> info (rank, bytes, resident, running, queued, requests, loads, load_s) of every adapter served."""
         raise NotImplementedError
 
     # ---- shared
@@ -152,6 +168,16 @@ class EngineClient(ClientBase):
 
     def close(self, request_id: str) -> None:
         self.engine.close(request_id)
+
+    def load_adapter(self, name: str, path) -> dict:
+        """path: a directory, or a LoraAdapter read already (engine.read_adapter)."""
+        return self.engine.load_adapter(name, path).result()
+
+    def unload_adapter(self, name: str) -> dict:
+        return self.engine.unload_adapter(name).result()
+
+    def adapters(self) -> dict[str, dict]:
+        return self.engine.adapters()
 
     def stats(self) -> EngineStats:
         return self.engine.engine_stats()

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 
 from csmserve.config import EngineConfig
 from csmserve.engine import messages as m
-from csmserve.engine.engine import ABORT, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
+from csmserve.engine.engine import ABORT, ADAPTERS, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
 from csmserve.engine.outputs import EngineStats, EngineStep
 from csmserve.engine.output_ring import StepOutput
 
@@ -67,6 +68,7 @@ class Connections(Inbox):
     def __init__(self, listener: Listener, welcome: m.Welcome, encoder: "_Encoder") -> None:
         super().__init__()
         self.listener, self.welcome, self.encoder = listener, welcome, encoder
+        self.adapter_calls: _AdapterCalls | None = None
         self.conns: dict[Connection, int] = {}  # connection -> client id
         self.by_client: dict[int, Connection] = {}
         self.locks: dict[int, threading.Lock] = {}
@@ -134,6 +136,9 @@ class Connections(Inbox):
         if isinstance(msg, m.Encode):
             self.encoder.put(client, msg)
             return []
+        if isinstance(msg, (m.LoadAdapter, m.UnloadAdapter, m.ListAdapters)) and self.adapter_calls is not None:
+            self.adapter_calls.put(client, msg)
+            return []
         log.warning("unknown message from worker %d: %r", client, type(msg).__name__)
         return []
 
@@ -160,6 +165,36 @@ class _Encoder:
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 reply = m.Encoded(msg.call_id, None, (type(e).__name__, str(e)))
             self.conns.send(client, reply)
+
+
+class _AdapterCalls:
+    """The workers' adapter calls: a load's directory is read on this helper thread (seconds for a large one, never
+    on the loop), then the engine loop registers it (or unloads, or lists); its Future's result goes back as an
+    AdapterReply."""
+
+    def __init__(self, engine: Engine, conns: "Connections") -> None:
+        self.engine, self.conns, self.q = engine, conns, queue.SimpleQueue()
+        threading.Thread(target=self._run, name="csmserve-adapters", daemon=True).start()
+
+    def put(self, client: int, msg: object) -> None:
+        self.q.put((client, msg))
+
+    def _run(self) -> None:
+        while True:
+            client, msg = self.q.get()
+            if isinstance(msg, m.LoadAdapter):
+                fut = self.engine.load_adapter(msg.name, msg.path)  # read here, registered by the loop
+            elif isinstance(msg, m.UnloadAdapter):
+                fut = self.engine.unload_adapter(msg.name)
+            else:
+                fut = Future()
+                self.engine.inbox.put((ADAPTERS, None, fut))
+            fut.add_done_callback(lambda f, c=client, i=msg.call_id: self._reply(c, i, f))
+
+    def _reply(self, client: int, call_id: int, fut: Future) -> None:
+        e = fut.exception()
+        self.conns.send(client, m.AdapterReply(call_id, None if e else fut.result(),
+                                               (type(e).__name__, str(e)) if e else None))
 
 
 class _nullctx:
@@ -268,6 +303,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     encoder = _Encoder(csm)
     conns = Connections(listener, welcome, encoder)
     encoder.conns = conns
+    conns.adapter_calls = _AdapterCalls(engine, conns)
     engine.inbox = conns
     log.info("engine ready: %d slots, max_seq_len %d, listening on %s", engine.scheduler.max_slots,
              config.max_seq_len, spec.address)

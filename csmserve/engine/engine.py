@@ -10,6 +10,10 @@ alone in the engine-core process (engine/core.py), where the inbox is the API wo
 and `emit` writes one message per worker. A client is named by the high bits of each request's
 handle (`client_of`).
 
+LoRA adapters (EngineConfig.max_loras): `load_adapter` / `unload_adapter` reach the loop through the inbox and
+answer through a Future; the loop starts each adapter's copy into its pool slot on the runner's side stream when
+the scheduler asks for one, and tells the scheduler when a copy is done (a request for it is admitted then).
+
 A failed step fails the requests it held and the engine goes on, except after an error that leaves
 the device unusable (a CUDA device-side assert, an illegal address: `device_lost`): then `fatal`
 names it, every later request is refused at once with that reason, and the server's /ready and
@@ -22,12 +26,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from csmserve.config import EngineConfig
 from csmserve.engine import trace
+from csmserve.engine.adapters import AdapterSlots
 from csmserve.engine.outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
                                      CLIENT_SHIFT, client_of, error_payload)
 from csmserve.engine.pacing import LaunchPacer
@@ -48,8 +54,9 @@ def device_lost(error: BaseException) -> bool:
     return (accel is not None and isinstance(error, accel)) or any(s in str(error) for s in DEVICE_LOST)
 
 
-# inbox messages: (kind, request_id | Request, payload)
+# inbox messages: (kind, request_id | Request | adapter name, payload)
 ADD, ABORT, APPEND, CLOSE, WAKE = "add", "abort", "append", "close", "wake"
+LOAD, UNLOAD, ADAPTERS = "load", "unload", "adapters"  # payload: (LoraAdapter, Future) / Future / Future
 Emit = Callable[[int, EngineStep, "StepOutput | None"], None]
 
 
@@ -84,7 +91,12 @@ class Engine:
             if runner.device.type == "cuda":
                 cache_bytes = max(cache_bytes, torch.cuda.mem_get_info(runner.device)[0] // 2)
         self.prefix_cache = PrefixCache(cache_bytes, runner.kv.bytes_per_position) if cache_bytes > 0 else None
-        self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache)
+        # the LoRA pool's policy, where the runner has a pool (the paced stand-in has none: it serves no adapters)
+        adapters = (AdapterSlots(config.max_loras, config.max_cpu_loras)
+                    if config.max_loras and getattr(runner, "lora", None) is not None else None)
+        self.scheduler = Scheduler(config, runner.cfg.num_codebooks, self.prefix_cache, adapters)
+        self._adapter_info: dict[str, dict] = {}  # adapters(): a snapshot the loop refreshes
+        self._adapter_info_t = 0.0
         self.num_codebooks = runner.cfg.num_codebooks
         self.inbox = inbox or Inbox()
         self.emit = emit  # None: outputs go to the sinks given to submit(), through self.router
@@ -126,6 +138,41 @@ class Engine:
     def close(self, request_id: str) -> None:
         """No more segments for an open request: it ends after the ones it has."""
         self.inbox.put((CLOSE, request_id, None))
+
+    def read_adapter(self, path: str):
+        """A PEFT adapter directory read and checked for this engine's model and pool (models/lora.py LoraAdapter;
+        LoraError): any thread, before `load_adapter`."""
+        from csmserve.models.lora import read_adapter
+
+        if self.scheduler.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with max_loras >= 1 (--max-loras)")
+        p = next(self.runner.model.parameters())
+        adapter = read_adapter(path, self.runner.cfg, p.dtype, self.config.max_lora_rank)
+        return adapter.pin() if p.is_cuda else adapter
+
+    def load_adapter(self, name: str, adapter) -> Future:
+        """Serve `adapter` (a path, or a LoraAdapter from read_adapter) as `name` -> a Future of its info dict
+        (ValueError: a name taken, max_cpu_loras reached, an engine without adapters; LoraError: a bad adapter)."""
+        fut: Future = Future()
+        try:
+            adapter = self.read_adapter(adapter) if isinstance(adapter, str) else adapter
+        except Exception as e:  # noqa: BLE001 - the caller's error, through the future
+            fut.set_exception(e)
+            return fut
+        self.inbox.put((LOAD, name, (adapter, fut)))
+        return fut
+
+    def unload_adapter(self, name: str) -> Future:
+        """Stop serving `name` -> a Future (UnknownAdapterError): refused for new requests now; its requests in
+        flight finish with it, and its pool slot is freed after them."""
+        fut: Future = Future()
+        self.inbox.put((UNLOAD, name, fut))
+        return fut
+
+    def adapters(self) -> dict[str, dict]:
+        """name -> info (rank, bytes, resident, running, queued, requests, loads, load_s) as of the loop's last
+        refresh (at once after a load or unload, else at most every 0.5 s)."""
+        return self._adapter_info
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -183,6 +230,9 @@ class Engine:
                     self.router.open(a.handle, a.request_id, *b)
                 self._event(a.handle, EV_ERROR, error_payload(RuntimeError(
                     f"the engine is down after a device error ({self.fatal}); the process must be restarted")))
+            elif kind in (LOAD, UNLOAD, ADAPTERS):
+                (b[1] if kind == LOAD else b).set_exception(RuntimeError(
+                    f"the engine is down after a device error ({self.fatal}); the process must be restarted"))
         self._emit_events()
 
     def step(self, block: bool = False) -> None:
@@ -201,7 +251,17 @@ class Engine:
         t_idle = t_awake - t_in
         drained = self._drain(block)
         t0 = time.perf_counter()
+        adapters = self.scheduler.adapters
+        if adapters is not None:  # copies done since the last step: their requests can be admitted now
+            for slot, a in self.runner.lora_loads_done():
+                adapters.loaded(slot, a)
         batch = self.scheduler.schedule()
+        if adapters is not None:
+            loads = adapters.take_loads()
+            if loads:  # on the runner's side stream, after the steps launched so far (they may read the slots)
+                self.runner.load_loras(loads)
+            if loads or t0 - self._adapter_info_t > 0.5:
+                self._refresh_adapters(t0)
         tr = self.tracer
         if tr is not None and (self._traced or batch.admissions):
             self._trace_admitted(batch)
@@ -286,6 +346,8 @@ class Engine:
                 req = self.scheduler.close(a)
                 if req is not None:
                     self._ended(req, EV_FINAL, req.status.finish_reason, segment=max(0, req.segment - 1))
+            elif kind in (LOAD, UNLOAD, ADAPTERS):
+                self._adapter_call(kind, a, b)
         return len(msgs)
 
     # ---- EngineConfig.trace_requests (only requests that start touch Python)
@@ -318,6 +380,32 @@ class Engine:
                     rec["fstep"] = batch.step
                 self.tracer.request(rec)
         self._trace_prefilling = left
+
+    def _adapter_call(self, kind: str, name: str | None, payload) -> None:
+        fut = payload[1] if kind == LOAD else payload
+        try:
+            adapters = self.scheduler.adapters
+            if kind == ADAPTERS:
+                result = {} if adapters is None else adapters.info()
+            elif adapters is None:
+                raise ValueError("this engine serves no LoRA adapters: start it with max_loras >= 1 (--max-loras)")
+            elif kind == LOAD:
+                w = payload[0]
+                result = adapters.add(name, w, w.rank, w.nbytes, w.path).info()
+                log.info("adapter %r loaded: rank %d, %.1f MB, from %s", name, w.rank, w.nbytes / 2**20, w.path)
+            else:
+                a = adapters.remove(name)
+                result = a.info()
+                log.info("adapter %r unloaded (%d requests still finish with it)", name, a.refs)
+        except Exception as e:  # noqa: BLE001 - the caller's error
+            fut.set_exception(e)
+            return
+        self._refresh_adapters(time.perf_counter())
+        fut.set_result(result)
+
+    def _refresh_adapters(self, now: float) -> None:
+        self._adapter_info = self.scheduler.adapters.info() if self.scheduler.adapters is not None else {}
+        self._adapter_info_t = now
 
     def _add(self, request: Request, local: tuple | None) -> None:
         if local is not None:  # an in-process consumer: the router delivers its chunks
@@ -434,14 +522,20 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
 
     device = next(model.parameters()).device
     cfg = config
-    if cfg.max_slots is None:  # as many slots as fit beside the prefix cache
+    if cfg.max_slots is None:  # as many slots as fit beside the prefix cache and the LoRA pool
         cache = cfg.prefix_cache_bytes
         cache = default_prefix_cache_bytes(device.type) if cache is None else cache
+        if cfg.max_loras:
+            from csmserve.models.lora import LoraLayout
+
+            cache += (cfg.max_loras * cfg.max_lora_rank * LoraLayout(model.cfg).width
+                      * next(model.parameters()).element_size())
         cfg = dataclasses.replace(cfg, max_slots=size_slots(model, mimi, cfg.max_seq_len, reserve_bytes=cache))
     fs = mimi.cfg.frame_size if mimi is not None else 0
     ring = OutputRing(ring_slots, cfg.max_slots, model.cfg.num_codebooks, fs, cuda=device.type == "cuda",
                       path=ring_path)
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
-                         weights=cfg.weights, codec_stream=cfg.codec_stream)
+                         weights=cfg.weights, codec_stream=cfg.codec_stream, max_loras=cfg.max_loras,
+                         max_lora_rank=cfg.max_lora_rank)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

@@ -1,8 +1,8 @@
 """The typed messages between API workers and the engine-core process (pickled, one per send).
 
-Worker -> engine: Hello (once), Submit, Abort, Append, Close, Encode.
+Worker -> engine: Hello (once), Submit, Abort, Append, Close, Encode, LoadAdapter, UnloadAdapter, ListAdapters.
 Engine -> worker: Welcome (once), outputs.EngineStep (one per step with rows or events for that
-worker, or a heartbeat), Encoded (the reply to an Encode).
+worker, or a heartbeat), Encoded (the reply to an Encode), AdapterReply (to the three adapter calls).
 """
 from __future__ import annotations
 
@@ -78,4 +78,31 @@ class Encode:
 class Encoded:
     call_id: int
     codes: np.ndarray | None  # [frames, K] int64
+    error: tuple[str, str] | None  # (exception class name, message)
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Serve the PEFT adapter directory at `path` (on the engine's machine) as `name` (a request's Request.adapter)."""
+
+    call_id: int
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    call_id: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ListAdapters:
+    call_id: int
+
+
+@dataclass(frozen=True)
+class AdapterReply:
+    call_id: int
+    result: dict | None  # LoadAdapter / UnloadAdapter: the adapter's info; ListAdapters: name -> info
     error: tuple[str, str] | None  # (exception class name, message)

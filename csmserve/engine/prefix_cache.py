@@ -25,12 +25,15 @@ def default_prefix_cache_bytes(device_type: str) -> int:
     return DEFAULT_BYTES.get(device_type, DEFAULT_BYTES["cpu"])
 
 
-def prefix_keys(tokens: np.ndarray, mask: np.ndarray, lengths: list[int]) -> dict[int, bytes]:
+def prefix_keys(tokens: np.ndarray, mask: np.ndarray, lengths: list[int], adapter: int = 0) -> dict[int, bytes]:
     """The keys of the prefixes tokens[:n] / mask[:n] (frames [P, K+1]) for each n in `lengths`, hashed
-    in one pass (a conversation's turn boundaries: the prompt is hashed once, not once per boundary)."""
+    in one pass (a conversation's turn boundaries: the prompt is hashed once, not once per boundary).
+    adapter: the LoRA adapter's id (engine/adapters.py; 0: the base model), part of every key."""
     rows = np.concatenate([tokens.astype(np.int64, copy=False), mask.astype(np.int64)], axis=1)  # [P, 2(K+1)]
     h = hashlib.blake2b(digest_size=16)
     h.update(int(tokens.shape[1]).to_bytes(8, "little"))
+    if adapter:
+        h.update(b"lora" + int(adapter).to_bytes(8, "little"))
     out, done = {}, 0
     for n in sorted(set(lengths)):
         h.update(np.ascontiguousarray(rows[done:n]).tobytes())

@@ -115,6 +115,29 @@ class RemoteEngineClient(ClientBase):
         except EngineGone:
             pass
 
+    def _call(self, msg_of, timeout: float):
+        call = next(self._call_ids)
+        fut: Future = Future()
+        self._calls[call] = fut
+        try:
+            self._send(msg_of(call))
+            return fut.result(timeout)
+        finally:
+            self._calls.pop(call, None)
+
+    def load_adapter(self, name: str, path: str, timeout: float = 300.0) -> dict:
+        """Serve the PEFT adapter directory `path` (read by the engine process) as `name` -> its info. LoraError /
+        ValueError / AdapterLimitError as the engine raised them."""
+        return self._call(lambda c: m.LoadAdapter(c, name, str(path)), timeout)
+
+    def unload_adapter(self, name: str, timeout: float = 60.0) -> dict:
+        """Stop serving `name` (its requests in flight finish with it) -> its info. UnknownAdapterError."""
+        return self._call(lambda c: m.UnloadAdapter(c, name), timeout)
+
+    def adapters(self, timeout: float = 60.0) -> dict[str, dict]:
+        """name -> info of every adapter the engine serves."""
+        return self._call(m.ListAdapters, timeout)
+
     def encode(self, audio: np.ndarray, timeout: float = 120.0) -> np.ndarray:
         """Mimi codes [frames, K] of a 24 kHz waveform, encoded by the engine process (blocking)."""
         call = next(self._call_ids)
@@ -147,6 +170,13 @@ class RemoteEngineClient(ClientBase):
                             fut.set_exception(error_from(msg.error))
                         else:
                             fut.set_result(msg.codes)
+                elif isinstance(msg, m.AdapterReply):
+                    fut = self._calls.get(msg.call_id)
+                    if fut is not None:
+                        if msg.error is not None:
+                            fut.set_exception(adapter_error(msg.error))
+                        else:
+                            fut.set_result(msg.result)
         except (EOFError, OSError) as e:
             if self._closing:  # our own shutdown(): nothing was lost
                 return
@@ -199,6 +229,16 @@ class RemoteEngineClient(ClientBase):
             self.conn.close()
         except OSError:
             pass
+
+
+def adapter_error(payload: tuple[str, str]) -> BaseException:
+    """An adapter call's error from the engine process, as the same class."""
+    from csmserve.engine.adapters import AdapterLimitError, UnknownAdapterError
+    from csmserve.models.lora import LoraError
+
+    name, message = payload
+    kinds = {c.__name__: c for c in (UnknownAdapterError, AdapterLimitError, LoraError, ValueError)}
+    return kinds.get(name, RuntimeError)(message)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -60,7 +60,9 @@ class Request:
     # shorter cacheable prefixes (the context's turn boundaries, each in [1, prefix_len)): on a miss of
     # prefix_len the longest cached one is used and the rest of the prefix prefilled
     prefix_boundaries: tuple[int, ...] = ()
+    adapter: str | None = None  # the LoRA adapter it speaks with (a name the engine serves); None: the base model
     # engine-owned state
+    lora: object | None = None  # the registered adapter (engine/adapters.py Adapter) `adapter` names
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     num_prefilled: int = 0  # prompt positions whose KV is written (prefill stops at P-1)
@@ -105,6 +107,7 @@ class PrefillChunk:
     tokens: np.ndarray  # [n, 33]
     mask: np.ndarray  # [n, 33]
     head: bool = False  # tokens[-1] is the prompt's last frame: its hidden state is kept (runner.h0) for the first frame
+    adapter: int = -1  # the LoRA pool slot of its request's adapter; -1: none
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class Admission:
     top_p: float
     seed: int
     prefix_hit: bytes | None = None  # prefix-cache key whose KV is copied into the slot's first positions
+    adapter: int = -1  # the LoRA pool slot its rows read; -1: none
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ class Batch:
 
     admissions: list[Admission] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [B] sorted
+    # [B] sorted (with LoRA adapters: by adapter pool slot, then slot: a kernel's row tile meets few adapters)
+    decode_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     resumes: list[Admission] = field(default_factory=list)
     step: int = 0  # scheduler step id; hand it back with this step's codes to Scheduler.update
     prefix_stores: list[PrefixStore] = field(default_factory=list)  # run after the prefills, in order

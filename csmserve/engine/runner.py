@@ -9,9 +9,17 @@ asynchronous copy per kind per step, no host sync, nothing allocated. A prefill 
 the packed tokens of every chunk of the step, each token a row with its own slot and position (the
 frame step's attention kernel: each row reads its slot's keys up to its position), graphed by token
 count (engine/prefill_graphs.py) up to `prefill_token_budget`.
+
+LoRA (max_loras > 0): the model's LoRA pool (models/lora.py LoraPool) and each slot's pool slot (SlotState.adapter,
+loaded with the admission); the frame step gathers its rows' pool slots, a prefill's rows carry theirs (a column of
+the packed rows), and the LoRA'd projections read them (data in the graphs: one graph per bucket, whatever the
+adapters). An adapter is copied into its pool slot on a side stream that first waits for the work launched so far
+(the steps that may still read the slot's last adapter); its event says when requests for it may be admitted.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -20,6 +28,7 @@ from torch import Tensor
 
 from csmserve.models.csm import CSMModel
 from csmserve.models.fp8 import quantize_weights
+from csmserve.models.lora import LoraPool, detach
 from csmserve.models.mimi import Mimi, MimiStream
 from csmserve.engine.buckets import bucket_sizes
 from csmserve.engine.output_ring import OutputRing, StepOutput
@@ -34,7 +43,8 @@ if TYPE_CHECKING:
 # the first frame from the prefill's hidden state (EngineConfig.first_frame_from_prefill) is graphed up to this many rows
 FIRST_ROWS = 8
 # admission staging columns: tokens [W], mask [W], then these
-_POS, _TOPK, _SEED, _SLOT, _RESET, _TEMP, _TOPP = range(7)
+_POS, _TOPK, _SEED, _SLOT, _RESET, _ADAPTER = range(6)
+_INTS = 6
 
 
 class StreamingCodec(Protocol):
@@ -45,13 +55,16 @@ class StreamingCodec(Protocol):
     def reset(self, rows: Tensor) -> None: ...
 
 
-def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -> np.ndarray:
-    """The chunks' tokens packed as rows [T, 2W + 3] int64: tokens, mask, head (1: keep the row's hidden state
-    as its slot's h0: a head chunk's last row), position, slot; padding rows write the scratch slot at position 0."""
-    a = np.zeros((T, 2 * width + 3), np.int64)
+def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int, lora: bool = False) -> np.ndarray:
+    """The chunks' tokens packed as rows [T, 2W + 4] int64: tokens, mask, head (1: keep the row's hidden state
+    as its slot's h0: a head chunk's last row), LoRA pool slot (-1: none), position, slot; padding rows write the
+    scratch slot at position 0. lora (a runner with a pool): the chunks' pool slots, the chunks in order of them (the
+    LoRA kernels' row tiles meet few); else every row -1 and the chunks as given."""
+    a = np.zeros((T, 2 * width + 4), np.int64)
     a[:, -1] = scratch
+    a[:, 2 * width + 1] = -1
     i = 0
-    for c in chunks:
+    for c in sorted(chunks, key=lambda c: c.adapter) if lora and len(chunks) > 1 else chunks:
         n = len(c.tokens)
         a[i:i + n, :width] = c.tokens
         a[i:i + n, width:2 * width] = c.mask
@@ -59,6 +72,8 @@ def pack_prefill(chunks: list[PrefillChunk], T: int, width: int, scratch: int) -
         a[i:i + n, -1] = c.slot
         if c.head:
             a[i + n - 1, 2 * width] = 1
+        if lora:
+            a[i:i + n, 2 * width + 1] = c.adapter
         i += n
     return a
 
@@ -67,8 +82,14 @@ class ModelRunner:
     def __init__(self, model: CSMModel, num_slots: int, max_seq_len: int, mimi: "Mimi | None" = None,
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
                  max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
-                 max_prefill_chunk: int | None = None, weights: str = "bf16", codec_stream: bool = True) -> None:
+                 max_prefill_chunk: int | None = None, weights: str = "bf16", codec_stream: bool = True,
+                 max_loras: int = 0, max_lora_rank: int = 32) -> None:
         quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
+        # the LoRA adapters' pool (EngineConfig.max_loras), attached to the model's projections (FP8Linear's too)
+        self.lora = LoraPool(model, max_loras, max_lora_rank) if max_loras else None
+        if self.lora is None:
+            detach(model)  # an earlier runner's pool on the same model: never read, never kept
+        self._lora_loads: list[tuple[object, int, object]] = []  # copies in flight: (event | None, slot, adapter)
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         cuda = self.device.type == "cuda"
@@ -98,9 +119,10 @@ class ModelRunner:
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
         W = self.cfg.frame_width
         self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
-        self.admit_ints = Staging(num_slots + 1, 2 * W + 5, self.device)  # tokens, mask, pos, top_k, seed, slot, reset
+        # tokens, mask, pos, top_k, seed, slot, reset, adapter
+        self.admit_ints = Staging(num_slots + 1, 2 * W + _INTS, self.device)
         self.admit_floats = Staging(num_slots + 1, 2, self.device, torch.float32)  # temperature, top_p
-        self.prefill_in = Staging(self.max_prefill_tokens, 2 * W + 3, self.device)  # pack_prefill rows
+        self.prefill_in = Staging(self.max_prefill_tokens, 2 * W + 4, self.device)  # pack_prefill rows
         # [N+1, D] each slot's prompt's last hidden state, kept by the prefill (PrefillChunk.head) for a first frame
         # step from_prefill (EngineConfig.first_frame_from_prefill); the scratch row takes every other row's
         self.h0 = torch.zeros(num_slots + 1, self.cfg.backbone.dim, dtype=self.dtype, device=self.device)
@@ -114,6 +136,7 @@ class ModelRunner:
         self.codec_stream = (torch.cuda.Stream(priority=-1)
                              if graphs and codec_stream and self.codec is not None else None)
         self.codec_resets = Staging(num_slots + 1, 1, self.device) if self.codec_stream is not None else None
+        self.lora_stream = torch.cuda.Stream() if cuda and self.lora is not None else None
         if graphs:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
@@ -174,11 +197,11 @@ class ModelRunner:
         if not admissions:
             return
         W, n = self.cfg.frame_width, len(admissions)
-        ints = np.empty((n, 2 * W + 5), np.int64)
+        ints = np.empty((n, 2 * W + _INTS), np.int64)
         floats = np.empty((n, 2), np.float32)
         for i, a in enumerate(admissions):  # rows that start: the only per-row Python here
             ints[i, :W], ints[i, W:2 * W] = a.first_tokens, a.first_mask
-            ints[i, 2 * W:] = (a.first_pos, a.top_k, a.seed, a.slot, int(reset))
+            ints[i, 2 * W:] = (a.first_pos, a.top_k, a.seed, a.slot, int(reset), a.adapter)
             floats[i] = (a.temperature, a.top_p)
             self.host_pos[a.slot] = a.first_pos
         d, f = self.admit_ints.put(ints), self.admit_floats.put(floats)
@@ -191,6 +214,8 @@ class ModelRunner:
         s.seed.index_copy_(0, slots, d[:, c + _SEED])
         s.temperature.index_copy_(0, slots, f[:, 0])
         s.top_p.index_copy_(0, slots, f[:, 1])
+        if self.lora is not None:
+            s.adapter.index_copy_(0, slots, d[:, c + _ADAPTER])
         if reset:
             s.frame.index_fill_(0, slots, 0)
             if self.codec_stream is not None:  # after the decode of the slot's last stream, before its next
@@ -208,7 +233,8 @@ class ModelRunner:
         if n > self.max_prefill_tokens:
             raise ValueError(f"{n} prefill tokens in one step > max_prefill_tokens={self.max_prefill_tokens}")
         T = n if self.prefill_graphs is None else self.prefill_graphs.bucket(n)
-        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch))
+        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch,
+                                                  self.lora is not None))
         if self.prefill_graphs is not None:
             self.prefill_graphs.run(packed)
             return
@@ -216,13 +242,14 @@ class ModelRunner:
         self.prefill_forward(packed, bound)
 
     def prefill_forward(self, packed: Tensor, kv_bound: int) -> None:
-        """packed [T, 2W + 2] (pack_prefill) -> KV of each token written at its slot and position."""
+        """packed [T, 2W + 4] (pack_prefill) -> KV of each token written at its slot and position."""
         W = self.cfg.frame_width
         tokens, mask = packed[:, None, :W], packed[:, None, W:2 * W].bool()  # [T, 1, W]
         # the kernels (RoPE, K/V store, attention) index positions and slots as contiguous arrays
         pos, slot_tok = packed[:, -2:-1].contiguous(), packed[:, -1].contiguous()  # [T, 1], [T]
         self.kv.set_decode(slot_tok, kv_bound)
-        h = self.model.forward_backbone(tokens, mask, pos, self.kv)  # [T, 1, D]
+        with self._lora_rows(None if self.lora is None else packed[:, 2 * W + 1]):  # each token row's pool slot
+            h = self.model.forward_backbone(tokens, mask, pos, self.kv)  # [T, 1, D]
         # the head rows' hidden states -> their slots' h0 (every other row -> the scratch row)
         self.h0.index_copy_(0, torch.where(packed[:, 2 * W] != 0, slot_tok, self.scratch), h[:, 0])
 
@@ -245,17 +272,18 @@ class ModelRunner:
             x = None if from_prefill else m.embed_frames(s.next_tokens[slot_ids][:, None], s.next_mask[slot_ids][:, None])
             temp, top_k, top_p = s.temperature[slot_ids], s.top_k[slot_ids], s.top_p[slot_ids]
             seed, frame = s.seed[slot_ids], s.frame[slot_ids]
-        if from_prefill:
-            h = self.h0[slot_ids]  # [B, D]
-        else:
-            self.kv.set_decode(slot_ids, kv_bound, lengths)
-            h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
         n = self.cfg.sampleable_codes
 
         def sampler(logits: Tensor, codebook: int) -> Tensor:
             return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
-        codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
+        with self._lora_rows(None if self.lora is None else s.adapter[slot_ids]):  # [B] each row's pool slot
+            if from_prefill:
+                h = self.h0[slot_ids]  # [B, D]
+            else:
+                self.kv.set_decode(slot_ids, kv_bound, lengths)
+                h = m.backbone(x, pos[:, None], self.kv)[:, 0]  # [B, D]
+            codes = m.decode_frame(h, sampler, self.depth_kv, self.depth_pos)  # [B, K]
         if self.frame_io:
             from csmserve.kernels.frame_io import epilogue_triton
 
@@ -269,6 +297,44 @@ class ModelRunner:
         # float32 here, inside the graph: the host ring's dtype, no cast allocated per step outside it
         pcm = None if self.codec is None or not with_codec else self.codec_step(codes, slot_ids)
         return codes, pcm
+
+    @contextmanager
+    def _lora_rows(self, rows: Tensor | None) -> Iterator[None]:
+        """The LoRA'd projections read these rows' pool slots [B] (-1: none) inside; outside, no LoRA at all."""
+        if self.lora is None or rows is None:
+            yield
+            return
+        self.lora.rows = rows.contiguous()
+        try:
+            yield
+        finally:
+            self.lora.rows = None
+
+    # ---- LoRA adapters' copies ----
+    def load_loras(self, loads: list[tuple[int, object]]) -> None:
+        """(pool slot, engine/adapters.py Adapter) copies, started now: on the side stream after every step launched
+        so far (they may read the slot's last adapter), before any step that reads the new one (its requests are
+        admitted once `lora_loads_done` says so)."""
+        for slot, a in loads:
+            if self.lora_stream is None:  # CPU: at once
+                self.lora.write(slot, a.weights)
+                self._lora_loads.append((None, slot, a))
+                continue
+            self.lora_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.lora_stream):
+                self.lora.write(slot, a.weights)
+                ev = torch.cuda.Event()
+                ev.record()
+            self._lora_loads.append((ev, slot, a))
+
+    def lora_loads_done(self) -> list[tuple[int, object]]:
+        """The copies finished since the last call (a query of their events: no host sync)."""
+        if not self._lora_loads:
+            return []
+        finished = [ev is None or ev.query() for ev, _, _ in self._lora_loads]
+        done = [(slot, a) for (_, slot, a), f in zip(self._lora_loads, finished) if f]
+        self._lora_loads = [x for x, f in zip(self._lora_loads, finished) if not f]
+        return done
 
     def codec_step(self, codes: Tensor, slot_ids: Tensor) -> Tensor:
         """codes [B, K] of one frame -> pcm [B, frame_size] float32 (the host ring's dtype, cast inside the graph)."""

@@ -37,7 +37,14 @@ prefix_len positions, or failing that the longest of its Request.prefix_boundari
 `Admission.prefix_hit` (the runner copies that KV into the slot) and its prefill starts there. Unless
 all of prefix_len was cached, once the prefill has written positions [0, prefix_len), the same batch
 carries a `PrefixStore` (the runner copies the slot's KV[:, :prefix_len] out, after the evictions that
-made room). A prefix never covers the prompt's last position.
+made room). A prefix never covers the prompt's last position. With a LoRA adapter the key is the adapter's and the
+prompt's: its KV is the adapter's.
+
+LoRA adapters (Request.adapter, engine/adapters.py): a request names a registered adapter (unknown: refused at add);
+it is admitted only once that adapter sits in a GPU pool slot and its copy is done. Until then it is parked (it still
+counts as waiting), and the adapter's copy is started as soon as a pool slot is free or idle; requests behind it with
+another adapter, or none, go on. Its rows carry the pool slot (Admission.adapter, PrefillChunk.adapter), and a step's
+rows are ordered by it (then by slot), so that the LoRA kernels' row tiles meet few adapters each.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from csmserve.config import EngineConfig
+from csmserve.engine.adapters import Adapter, AdapterSlots
 from csmserve.engine.prefix_cache import PrefixCache, prefix_keys
 from csmserve.engine.request import Admission, Batch, PrefillChunk, PrefixStore, Request, RequestStatus
 
@@ -142,10 +150,13 @@ class _History:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_codebooks: int = 32, prefix_cache: PrefixCache | None = None
-                 ) -> None:
+    def __init__(self, config: EngineConfig, num_codebooks: int = 32, prefix_cache: PrefixCache | None = None,
+                 adapters: AdapterSlots | None = None) -> None:
         self.num_codebooks = K = num_codebooks
         self.prefix_cache = prefix_cache  # None: no prefix caching
+        self.adapters = adapters  # None: no LoRA adapters served
+        self._parked: dict[Adapter, deque[Request]] = {}  # requests waiting for their adapter's slot, oldest first
+        self._n_parked = 0
         self._pending_stores: dict[str, tuple[bytes, int]] = {}  # request id -> prefix to store once prefilled
         self._stores: list[PrefixStore] = []  # this step's
         if config.max_slots is None:
@@ -176,12 +187,13 @@ class Scheduler:
         self._num_frames = np.zeros(N, np.int64)  # frames back in the request (EOS excluded)
         self._segment = np.zeros(N, np.int64)
         self._owner = np.full(N, None, object)  # the Request of each slot (gathered per step without a loop)
+        self._lora_slot = np.full(N, -1, np.int64)  # the LoRA pool slot each slot's rows read (-1: none)
         self._seg_codes = np.zeros((N, config.max_seq_len, K), np.int16)  # this segment's frames (long-form)
 
     # ---- counts (metrics, idle checks)
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self._n_parked
 
     @property
     def num_prefilling(self) -> int:
@@ -214,7 +226,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Something to schedule (idle long-form requests waiting for text are not work)."""
-        return bool(self.waiting or self.prefilling or self._stepping.any() or self._resumes)
+        return bool(self.waiting or self._parked or self.prefilling or self._stepping.any() or self._resumes)
 
     def frames_generated(self, req: Request) -> int:
         """Frames req has generated so far (Request.num_frames is only kept up to date when it ends)."""
@@ -227,8 +239,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request. Raises SchedulerBusy past max_waiting, ValueError for a bad request."""
         self._validate(req)
-        if len(self.waiting) - len(self._free) >= self.max_waiting:  # those with a free slot are not queued
-            raise SchedulerBusy(f"server busy: {len(self.waiting)} requests already waiting (max_waiting)")
+        if self.num_waiting - len(self._free) >= self.max_waiting:  # those with a free slot are not queued
+            raise SchedulerBusy(f"server busy: {self.num_waiting} requests already waiting (max_waiting)")
+        if req.lora is not None:
+            self.adapters.ref(req.lora)
         self.waiting.append(req)
         self._requests[req.request_id] = req
 
@@ -238,7 +252,15 @@ class Scheduler:
         if req is None:
             return None
         if req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
+            parked = self._parked.get(req.lora) if req.lora is not None else None
+            if parked is not None and req in parked:
+                parked.remove(req)
+                self._n_parked -= 1
+                req.lora.waiting -= 1
+                if not parked:
+                    del self._parked[req.lora]
+            else:
+                self.waiting.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
@@ -270,11 +292,13 @@ class Scheduler:
     # ---- policy
     def schedule(self) -> Batch:
         self._step += 1
-        admissions = [self._admit(self.waiting.popleft()) for _ in range(min(len(self.waiting), len(self._free)))]
+        admissions = [self._admit(req) for req in self._admissible(len(self._free))]
         resumes, self._resumes = self._resumes, []
         prefills, done = self._schedule_prefills()
         stores, self._stores = self._stores, []
         slots = np.flatnonzero(self._stepping)  # [B] sorted
+        if self.adapters is not None and len(slots) > 1:  # by adapter pool slot (-1 first), then slot
+            slots = slots[np.argsort(self._lora_slot[slots], kind="stable")]
         first = False
         if len(slots):
             sched = self._seg_scheduled[slots] + 1
@@ -287,6 +311,36 @@ class Scheduler:
             prefills, from_prefill = self._with_last_frames(prefills, slots, {r.slot: r for r in done})
         return Batch(admissions, prefills, slots, resumes, step=self._step, prefix_stores=stores, first_frames=first,
                      from_prefill=from_prefill)
+
+    def _admissible(self, n: int) -> list[Request]:
+        """Up to n requests to admit now, oldest first: the parked ones whose adapter became ready, then the queue's
+        (each one's adapter pinned as it is taken); a queued request whose adapter is not ready is parked (its copy
+        started when a pool slot can be had)."""
+        out: list[Request] = []
+        if n == 0:
+            return out
+        for a in list(self._parked):
+            q = self._parked[a]
+            if len(out) < n and self.adapters.want(a):
+                while q and len(out) < n:
+                    out.append(q.popleft())
+                    self._n_parked -= 1
+                    a.waiting -= 1
+                    self.adapters.pin(a)  # now: not idle for the wants below
+                if not q:
+                    del self._parked[a]
+        while self.waiting and len(out) < n:
+            req = self.waiting.popleft()
+            a = req.lora
+            if a is None or self.adapters.want(a):
+                out.append(req)
+                if a is not None:
+                    self.adapters.pin(a)
+            else:
+                self._parked.setdefault(a, deque()).append(req)
+                self._n_parked += 1
+                a.waiting += 1
+        return out
 
     def _with_last_frames(self, chunks: list[PrefillChunk], slots: np.ndarray, finals: dict[int, Request]
                           ) -> tuple[list[PrefillChunk], bool]:
@@ -301,7 +355,7 @@ class Scheduler:
             req = finals.get(c.slot)
             if req is not None and c.start + len(c.tokens) == req.seg_start_pos:  # the prompt's final chunk
                 j = c.start - req.prompt_start
-                c = PrefillChunk(c.slot, c.start, req.tokens[j:], req.mask[j:], head=True)
+                c = PrefillChunk(c.slot, c.start, req.tokens[j:], req.mask[j:], head=True, adapter=c.adapter)
             out.append(c)
         return out, True
 
@@ -321,6 +375,8 @@ class Scheduler:
         start = self._num_frames[s]
         fs = self._seg_frames[s]
         f = s[has]
+        if self.adapters is not None:  # frames per adapter (its metrics): a count per pool slot
+            self.adapters.count_frames(self._lora_slot[f])
         self._seg_codes[f, fs[has]] = codes[has]
         self._num_frames[f] += 1
         self._seg_frames[f] += 1
@@ -351,6 +407,10 @@ class Scheduler:
         if not 0 <= req.prefix_len < req.prompt_len:
             raise ValueError(f"prefix_len {req.prefix_len} must be in [0, prompt_len)")
         req.params.check()  # a value that cannot sample is this request's error, not the step's
+        if req.adapter is not None:
+            if self.adapters is None:
+                raise ValueError(f"adapter {req.adapter!r}: this engine serves no LoRA adapters (max_loras = 0)")
+            req.lora = self.adapters.get(req.adapter)  # UnknownAdapterError
         for tokens, mask in req.segments:
             self._check_segment(tokens, mask)
 
@@ -374,6 +434,8 @@ class Scheduler:
             c = req.context_len
             ctx = (req.tokens[:c], req.mask[:c]) if c else None
             self._history[req.request_id] = _History(ctx, [_SegmentFrames(req.tokens[c:], req.mask[c:])])
+        if req.lora is not None:  # pinned by _admissible
+            self._lora_slot[slot] = req.lora.slot
         if req.params.seed is None:  # never share a noise stream with another unseeded request
             req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
         hit = self._lookup_prefix(req)
@@ -393,7 +455,8 @@ class Scheduler:
             self._start_running(req)
         p = req.params
         return Admission(s, req.tokens[-1], req.mask[-1], req.seg_start_pos,
-                         p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=prefix_hit)
+                         p.temperature, p.top_k, p.top_p, p.seed, prefix_hit=prefix_hit,
+                         adapter=int(self._lora_slot[s]))
 
     def _lookup_prefix(self, req: Request) -> bytes | None:
         """The longest cached prefix (prefix_len, else a turn boundary): skip its prefill (the admission
@@ -402,7 +465,7 @@ class Scheduler:
         if self.prefix_cache is None or n < 1 or req.prompt_start != 0 or req.num_prefilled != 0:
             return None
         lengths = sorted({b for b in req.prefix_boundaries if 0 < b < n} | {n}, reverse=True)
-        keys = prefix_keys(req.tokens, req.mask, lengths)
+        keys = prefix_keys(req.tokens, req.mask, lengths, 0 if req.lora is None else req.lora.id)
         hit = self.prefix_cache.longest([(keys[m], m) for m in lengths])
         if hit is None or hit[1] < n:  # store the whole prefix once prefilled
             self._pending_stores[req.request_id] = (keys[n], n)
@@ -430,7 +493,7 @@ class Scheduler:
             n = min(req.num_to_prefill, budget, self.max_prefill_chunk)
             start = req.num_prefilled
             chunks.append(PrefillChunk(req.slot, req.prompt_start + start, req.tokens[start:start + n],
-                                       req.mask[start:start + n]))
+                                       req.mask[start:start + n], adapter=int(self._lora_slot[req.slot])))
             req.num_prefilled += n
             budget -= n
             if self._pending_stores:
@@ -563,12 +626,15 @@ class Scheduler:
             self.prefilling.remove(req)
         self._history.pop(req.request_id, None)
         self._pending_stores.pop(req.request_id, None)
+        if req.lora is not None:
+            self.adapters.unref(req.lora, pinned=req.slot is not None)
         if req.slot is not None:
             s = req.slot
             req.num_frames = int(self._num_frames[s])
             self._resumes = [r for r in self._resumes if r.slot != s]
             self._stop_running(s)
             self._handle[s] = -1
+            self._lora_slot[s] = -1
             self.slots[s] = self._owner[s] = None
             heapq.heappush(self._free, s)
             req.slot = None

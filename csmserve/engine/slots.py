@@ -136,6 +136,7 @@ class SlotState:
         self.top_k = torch.zeros(n, dtype=torch.long, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = torch.zeros(n, dtype=torch.long, device=device)
+        self.adapter = torch.full((n,), -1, dtype=torch.long, device=device)  # LoRA pool slot (-1: none)
 
 
 def size_slots(model: torch.nn.Module, mimi: torch.nn.Module | None, max_seq_len: int,

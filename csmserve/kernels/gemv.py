@@ -40,12 +40,14 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve.kernels import pdl, tuning
+from csmserve.kernels.lora import lora_arrive, lora_piece, lora_row, lora_tile, lora_wait
 
 ELEMENTWISE_ROWS = 2  # 1-2 rows: _gemv_kernel; 3..MAX_ROWS: _gemv_mma_kernel (bench/gemv.py: the elementwise
 # tiles lose to cuBLAS from 4 rows, the 16-row tensor-core tiles do not)
 # the tensor-core kernel's row tile and its most rows, bf16/fp16 and e4m3 weights alike (past it cuBLAS, or FP8Linear's
 # own GEMM; 32- and 64-row tiles lost to both: docs/tried-and-dropped.md)
 MMA_TILE = 16
+_LORA_TILE = tl.constexpr(16)  # the LoRA shrink pieces' row tile inside these kernels (kernels/lora.py)
 MAX_ROWS = MMA_TILE
 _PROGRAMS = 512  # the grid to aim at: ~4 programs per SM on an H100/H200 (132 SMs)
 _ELEMS = 8192  # weights per program per chunk (16 KB bf16)
@@ -81,9 +83,13 @@ def _rstd(X, DELTA, H, K, mask_row, write_h, eps, dt, HAS_DELTA: tl.constexpr, P
 
 
 @triton.jit
-def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr):
+def _store(Y, rn, mask, g, u, sg, su, GLU: tl.constexpr, dg, du, LORA: tl.constexpr):
     y = tl.sum(g, axis=1) * sg  # [BN]
-    if GLU:
+    if LORA:  # the row's LoRA deltas (fp32), gate's and up's before the SiLU
+        y += dg
+        if GLU:
+            y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su + du)
+    elif GLU:
         y = y / (1.0 + tl.exp(-y)) * (tl.sum(u, axis=1) * su)
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -114,13 +120,54 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
                  BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
                  SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
     """1-2 rows: program pid's outputs at columns pid * BLOCK_N + [0, BLOCK_N), stored to Y."""
-    pid = tl.program_id(0)
+    _gemv_columns(tl.program_id(0), X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
+                  stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL, SCALED, IDX,
+                  GATHER, False, None, None, None, None, None, None, None, None, None, None, 0, 1, 16)
+
+
+@triton.jit
+def _gemv_lora_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym, UP_OFF,
+                      eps, AD, LA, LB, LRANKS, LWS, LCTR, l_per, l_sal, l_sar, l_sbl, l_sbr, L_N0, L_N1,
+                      NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
+                      LS: tl.constexpr, LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr,
+                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
+    """_gemv_kernel with each row's LoRA delta added before the store (and the GLU), its shrink in LS * LKSPLIT
+    programs of the same grid (kernels/lora.py: the ticketed pieces; a program's role and column block come from its
+    ticket). A kernel of its own: the plain GEMV's parameters and PTX stay as they were (bench/ptx_diff.py)."""
+    t = tl.atomic_add(LCTR, 1)
+    n_pieces = LS * LKSPLIT
+    if t < n_pieces:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
+                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(LCTR + 1, 1, sem="release")
+    else:
+        _gemv_columns(t - n_pieces, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
+                      stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL,
+                      SCALED, IDX, GATHER, True, AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1,
+                      n_pieces, LKSPLIT, LRB)
+    lora_arrive(LCTR, tl.num_programs(0))
+
+
+@triton.jit
+def _gemv_columns(pid, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn, stride_ym,
+                  UP_OFF, eps, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr,
+                  PDL: tl.constexpr, SCALED: tl.constexpr, IDX, GATHER: tl.constexpr, LORA: tl.constexpr, AD, LB,
+                  LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT: tl.constexpr,
+                  LRB: tl.constexpr):
     # products accumulate elementwise in [BN, BK] fp32 tiles (one per row, and per gate/up), reduced once at the end
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
     rk0 = tl.arange(0, BLOCK_K)
     dt = X.dtype.element_ty
-    two = M > 1
+    # row 1 exists: M > 1 as vectors (Triton's interpreter fails on a scalar mask broadcast into a vector's); the
+    # same PTX for sm_90 as the scalar (bench/ptx_diff.py)
+    two = (rk0 * 0 + 1) < M  # [BK]
     w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
     # the first chunk of weights depends on no kernel: read while the kernel before still runs (kernels/pdl.py)
     w = tl.load(w_rows + rk0[None, :], mask=mn[:, None], other=0.0)  # [BN, BK]
@@ -138,14 +185,15 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
         gdc_launch_dependents()
     X1 = X + stride_xm
     if GATHER:  # the rows are X's (a table [R, K]) rows IDX [M], written by the kernel before: read after the wait
-        X1 = X + tl.load(IDX + 1, mask=two, other=0) * stride_xm
+        X1 = X + tl.load(IDX + 1, mask=M > 1, other=0) * stride_xm
         X = X + tl.load(IDX) * stride_xm
     rstd0 = 1.0
     rstd1 = 1.0
     if NORM:  # program 0 writes h, the residual stream
         rstd0 = _rstd(X, DELTA, H, K, True, pid == 0, eps, dt, HAS_DELTA, PRE_K)
         if TWO_ROWS:
-            rstd1 = _rstd(X1, DELTA + stride_dm, H + stride_hm, K, two, pid == 0, eps, dt, HAS_DELTA, PRE_K)
+            rstd1 = _rstd(X1, DELTA + stride_dm, H + stride_hm, K, (tl.arange(0, PRE_K) * 0 + 1) < M, pid == 0, eps,
+                          dt, HAS_DELTA, PRE_K)
     g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     g1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     u0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -160,9 +208,31 @@ def _gemv_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride
             u = tl.load(w_rows + UP_OFF * stride_wn + rk[None, :], mask=mn[:, None], other=0.0)
         g0, g1, u0, u1 = _accumulate(X, X1, DELTA, NW, stride_dm, w, u, rk, K, two, rstd0, rstd1, g0, g1, u0,
                                      u1, dt, NORM, HAS_DELTA, TWO_ROWS, GLU)
-    _store(Y, rn, mn, g0, u0, sg, su, GLU)
+    dg0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dg1 = dg0
+    du0 = dg0
+    du1 = dg0
+    if LORA:  # the rows' deltas of these columns (gate's and up's), once the shrink pieces are in
+        rm = tl.arange(0, _LORA_TILE)
+        ad = tl.load(AD + rm // l_per, mask=rm < M, other=-1)
+        if tl.max(ad, axis=0) >= 0:
+            lora_wait(LCTR, n_pieces)
+            n0 = pid * BLOCK_N
+            n_all = N * (2 if GLU else 1)  # B's columns: [gate; up] for the GLU
+            dg0 = lora_row(LWS, AD, LB, LRANKS, 0, M, l_per, n0, rn, n_all, L_N0, L_N1, l_sbl, l_sbr, dt, LKSPLIT,
+                           LRB, _LORA_TILE)
+            if GLU:
+                du0 = lora_row(LWS, AD, LB, LRANKS, 0, M, l_per, n0 + UP_OFF, rn + UP_OFF, n_all, L_N0, L_N1, l_sbl,
+                               l_sbr, dt, LKSPLIT, LRB, _LORA_TILE)
+            if TWO_ROWS:
+                dg1 = lora_row(LWS, AD, LB, LRANKS, 1, M, l_per, n0, rn, n_all, L_N0, L_N1, l_sbl, l_sbr, dt,
+                               LKSPLIT, LRB, _LORA_TILE)
+                if GLU:
+                    du1 = lora_row(LWS, AD, LB, LRANKS, 1, M, l_per, n0 + UP_OFF, rn + UP_OFF, n_all, L_N0, L_N1,
+                                   l_sbl, l_sbr, dt, LKSPLIT, LRB, _LORA_TILE)
+    _store(Y, rn, mn, g0, u0, sg, su, GLU, dg0, du0, LORA)
     if TWO_ROWS:
-        _store(Y + stride_ym, rn, mn & two, g1, u1, sg, su, GLU)
+        _store(Y + stride_ym, rn, mn & ((rn * 0 + 1) < M), g1, u1, sg, su, GLU, dg1, du1, LORA)
 
 
 @triton.jit
@@ -174,8 +244,43 @@ def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OF
     # program (pid, s) takes K's s-th 1/SPLIT; its partial sums go to WS [SPLIT, BM, 2N] (fp32, up's at column N), and
     # the last of the column block's SPLIT programs to arrive (CTR [tiles]: arrivals) adds them in the order s = 0,
     # 1, ... (the same bits every run, whichever arrives last), resets the counter and writes y
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    _mma_columns(tl.program_id(0), tl.program_id(1), X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, False, None, None, None,
+                 None, None, None, None, None, None, None, 0, 1, 16)
+
+
+@triton.jit
+def _gemv_mma_lora_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, AD, LA, LB, LRANKS, LWS, LCTR,
+                          l_per, l_sal, l_sar, l_sbl, l_sbr, L_N0, L_N1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr, LS: tl.constexpr,
+                          LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr, SCALED: tl.constexpr = False,
+                          IDX=None, GATHER: tl.constexpr = False, WS=None, CTR=None, SPLIT: tl.constexpr = 1):
+    # _gemv_mma_kernel with the rows' LoRA deltas: a 1-D grid, the LS * LKSPLIT shrink pieces first (tickets), then
+    # (pid, s) = divmod(ticket - pieces, SPLIT); the storing program adds the rows' deltas
+    t = tl.atomic_add(LCTR, 1)
+    n_pieces = LS * LKSPLIT
+    if t < n_pieces:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
+                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(LCTR + 1, 1, sem="release")
+    else:
+        b = t - n_pieces
+        _mma_columns(b // SPLIT, b % SPLIT, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GLU, PDL, SCALED, IDX, GATHER, WS, CTR, SPLIT, True, AD, LB,
+                     LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT, LRB)
+    lora_arrive(LCTR, tl.num_programs(0))
+
+
+@triton.jit
+def _mma_columns(pid, pid_k, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr,
+                 SCALED: tl.constexpr, IDX, GATHER: tl.constexpr, WS, CTR, SPLIT: tl.constexpr, LORA: tl.constexpr,
+                 AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT: tl.constexpr,
+                 LRB: tl.constexpr):
     k_per = K // SPLIT  # a multiple of BLOCK_K (mma_split() checks)
     k_lo = pid_k * k_per
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -212,7 +317,8 @@ def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OF
             u = tl.load(w_cols + UP_OFF * stride_wn + rk[:, None], mask=mn[None, :], other=0.0)
             acc_u = tl.dot(x, u.to(dt), acc_u)
     if SPLIT == 1:
-        _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED, GLU)
+        _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, M, stride_ym, UP_OFF, SCALED, GLU, LORA, AD, LB, LRANKS, LWS,
+                   LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT, LRB, BLOCK_M, BLOCK_N, pid * BLOCK_N, N)
     else:
         ws_rows = WS + (pid_k * BLOCK_M + rm).to(tl.int64)[:, None] * (2 * N) + rn[None, :]  # [BM, BN]
         tl.store(ws_rows, acc, mask=mn[None, :])
@@ -229,18 +335,33 @@ def _gemv_mma_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OF
                 if GLU:
                     acc_u += tl.load(part + N, mask=mn[None, :], other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(CTR + pid, 0)  # for the next call (which reads it only after its PDL wait)
-            _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED, GLU)
+            _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, M, stride_ym, UP_OFF, SCALED, GLU, LORA, AD, LB, LRANKS,
+                       LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT, LRB, BLOCK_M, BLOCK_N,
+                       pid * BLOCK_N, N)
 
 
 @triton.jit
-def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, stride_ym, UP_OFF, SCALED: tl.constexpr, GLU: tl.constexpr):
+def _mma_store(S, Y, acc, acc_u, rm, rn, mm, mn, M, stride_ym, UP_OFF, SCALED: tl.constexpr, GLU: tl.constexpr,
+               LORA: tl.constexpr, AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces,
+               LKSPLIT: tl.constexpr, LRB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n0, N):
     y = acc
     if SCALED:  # FP8 weights: a float32 scale per output channel (gate's, then up's at UP_OFF)
         y = y * tl.load(S + rn, mask=mn, other=0.0)[None, :]
+    yu = acc_u
     if GLU:
-        yu = acc_u
         if SCALED:
             yu = yu * tl.load(S + UP_OFF + rn, mask=mn, other=0.0)[None, :]
+    if LORA:  # the rows' LoRA deltas of these columns (gate's and up's), once the shrink pieces are in
+        ad = tl.load(AD + rm // l_per, mask=mm, other=-1)
+        if tl.max(ad, axis=0) >= 0:
+            lora_wait(LCTR, n_pieces)
+            n_all = N * (2 if GLU else 1)
+            y += lora_tile(LWS, AD, LB, LRANKS, M, l_per, n0, rn, n_all, L_N0, L_N1, l_sbl, l_sbr,
+                           Y.dtype.element_ty, LKSPLIT, LRB, BLOCK_M, BLOCK_N, False)
+            if GLU:
+                yu += lora_tile(LWS, AD, LB, LRANKS, M, l_per, n0 + UP_OFF, rn + UP_OFF, n_all, L_N0, L_N1, l_sbl,
+                                l_sbr, Y.dtype.element_ty, LKSPLIT, LRB, BLOCK_M, BLOCK_N, False)
+    if GLU:
         y = y / (1.0 + tl.exp(-y)) * yu
     tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
@@ -331,19 +452,50 @@ def _split_bufs(device: torch.device, split: int, n: int, tiles: int) -> tuple[T
     return bufs
 
 
-def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None) -> bool:
-    """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3."""
+def applies(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, lora=None) -> bool:
+    """scale: FP8 weights' [N] (or [1, N]) float32 per-channel scales; then weight is e4m3. lora: the layer's LoRA
+    weights in this forward (models/lora.py LoraLayer): fused into the kernel (its column blocks never straddle two
+    of the projection's slices)."""
     m = x.numel() // x.shape[-1]
     n = weight.shape[0] // (2 if glu else 1)
     wdt = x.dtype if scale is None else torch.float8_e4m3fn
+    k = x.shape[-1]
+    bk = blocks(m, n, k, glu)
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == wdt
             and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()
                                    and scale.numel() == weight.shape[0]))
-            and weight.stride(-1) == 1 and blocks(m, n, x.shape[-1], glu) is not None)
+            and weight.stride(-1) == 1 and bk is not None
+            and (lora is None or _lora_applies(x, lora, {bk[0]} | {config(m, n, k, glu, norm, scale is not None)[0]
+                                                                    for norm in (False, True)})))
+
+
+def _lora_applies(x: Tensor, lora, block_ns: set[int]) -> bool:
+    """The LoRA fits the kernel: its dtype, column blocks (the rule's and the tuned ones) inside one slice each."""
+    from csmserve.kernels import lora as kl
+
+    t = lora.target
+    return kl.applies(x, lora) and all(b % bn == 0 for b in t.bounds if b < t.n for bn in block_ns) and \
+        kl.piece_block(t.k) >= 16
+
+
+def _lora_args(lora, m: int) -> tuple[dict, int]:
+    """The kernels' LoRA arguments for a LoraLayer at m rows, and its shrink pieces (programs before the others)."""
+    from csmserve.kernels import lora as kl
+
+    t = lora.target
+    ksplit = kl.pieces(t.k)
+    rb = kl.rank_block(lora)
+    ws, ctr = lora.scratch(rb)
+    a, b = lora.a, lora.b
+    kw = dict(AD=lora.rows, LA=a, LB=b, LRANKS=lora.pool.ranks, LWS=ws, LCTR=ctr,
+              l_per=m // lora.rows.shape[0], l_sal=a.stride(0), l_sar=a.stride(1), l_sbl=b.stride(0),
+              l_sbr=b.stride(1), L_N0=t.bounds[0], L_N1=t.bounds[1], LS=len(t.slices), LKSPLIT=ksplit, LRB=rb,
+              LBK=kl.piece_block(t.k))
+    return kw, len(t.slices) * ksplit
 
 
 def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,
-            idx=None, cfg=None) -> None:
+            idx=None, cfg=None, lora=None) -> None:
     """One launch of the kernel for M rows: _gemv_kernel at 1-2, _gemv_mma_kernel at 3..MAX_ROWS (no norm
     there). strides: (x, delta, h) row strides; cfg: (BLOCK_N, BLOCK_K, warps, stages[, splits]) in place of
     config()'s (and mma_split()'s)."""
@@ -355,19 +507,28 @@ def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, no
     if idx is not None:
         kw.update(IDX=idx, GATHER=True)
     grid = (triton.cdiv(N, bn),)
+    pieces = 0
+    if lora is not None:  # one 1-D grid: the shrink pieces' tickets first, then the column blocks' (and splits')
+        lkw, pieces = _lora_args(lora, M)
+        kw.update(lkw)
     if M > ELEMENTWISE_ROWS:
         split = cfg[4] if len(cfg) > 4 else mma_split(N, K, bn, bk)
         bufs = _split_bufs(x.device, split, N, grid[0]) if split > 1 else None
         if bufs is not None:
             kw.update(WS=bufs[0], CTR=bufs[1], SPLIT=split)
             grid = (grid[0], split)
-        _gemv_mma_kernel[grid](x, weight, s, y, M, N, K, sx, weight.stride(0), y.stride(0), N, BLOCK_M=MMA_TILE, **kw)
+        if lora is not None:
+            grid = (pieces + grid[0] * (split if bufs is not None else 1),)
+        kernel = _gemv_mma_kernel if lora is None else _gemv_mma_lora_kernel
+        kernel[grid](x, weight, s, y, M, N, K, sx, weight.stride(0), y.stride(0), N, BLOCK_M=MMA_TILE, **kw)
     else:
-        _gemv_kernel[grid](x, delta, h, nw, weight, s, y, M, N, K, sx, sd, sh, weight.stride(0), y.stride(0), N, eps,
-                           NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
+        grid = (pieces + grid[0],)
+        kernel = _gemv_kernel if lora is None else _gemv_lora_kernel
+        kernel[grid](x, delta, h, nw, weight, s, y, M, N, K, sx, sd, sh, weight.stride(0), y.stride(0), N, eps,
+                     NORM=norm, HAS_DELTA=has_delta, PRE_K=pre_k if pre_k else bk, TWO_ROWS=M > 1, **kw)
 
 
-def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = None, cfg=None, lora=None) -> Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] (glu: weight [2I, K] -> silu(gate) * up [..., I]); scale: FP8
     weights (e4m3 weight, [N] float32 scales). The caller checks `applies` (else F.linear / FP8Linear).
     cfg: a launch configuration to try (bench/gemv.py)."""
@@ -378,16 +539,17 @@ def gemv(x: Tensor, weight: Tensor, glu: bool = False, scale: Tensor | None = No
     M = x2.shape[0]
     N = weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _launch(x2, x2, x2, x2, weight, scale, y, M, N, K, (x2.stride(0), 0, 0), 0.0, glu=glu, norm=False, cfg=cfg)
+    _launch(x2, x2, x2, x2, weight, scale, y, M, N, K, (x2.stride(0), 0, 0), 0.0, glu=glu, norm=False, cfg=cfg,
+            lora=lora)
     return y.reshape(*x.shape[:-1], N)
 
 
-def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
-    return (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
+def gather_applies(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None, lora=None) -> bool:
+    return lora is None and (idx.dim() == 1 and idx.dtype == torch.int64 and idx.is_cuda and table.dim() == 2
             and table.stride(-1) == 1 and len(idx) <= len(table) and applies(table[:len(idx)], weight, False, scale))
 
 
-def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None = None, lora=None) -> Tensor:
     """table[idx] @ weight^T without the gathered rows in memory: idx [M] int64 (rows of table [R, K]) -> [M, N].
     The embedding before the depth decoder's projection, in the projection's kernel: one launch less per depth
     step, and none of torch's between two PDL kernels. The caller checks `gather_applies`."""
@@ -395,13 +557,13 @@ def gather_gemv(idx: Tensor, table: Tensor, weight: Tensor, scale: Tensor | None
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=table.dtype, device=table.device)
     _launch(table, table, table, table, weight, scale, y, M, N, K, (table.stride(0), 0, 0), 0.0, glu=False,
-            norm=False, idx=idx)
+            norm=False, idx=idx, lora=lora)
     return y
 
 
 def norm_applies(x: Tensor, norm_weight: Tensor, weight: Tensor, glu: bool = False,
-                 scale: Tensor | None = None) -> bool:
-    return (applies(x, weight, glu, scale) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+                 scale: Tensor | None = None, lora=None) -> bool:
+    return (applies(x, weight, glu, scale, lora) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and x.numel() // x.shape[-1] <= ELEMENTWISE_ROWS)
 
 
@@ -416,7 +578,7 @@ def pre_k(m: int, k: int, block_k: int) -> int:
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-              glu: bool = False, scale: Tensor | None = None, cfg=None) -> tuple[Tensor, Tensor]:
+              glu: bool = False, scale: Tensor | None = None, cfg=None, lora=None) -> tuple[Tensor, Tensor]:
     """(h, gemv(rms_norm(h) * norm_weight, weight)) with h = x + delta (or x): add_rms_norm and the GEMM
     after it in one kernel at 1-2 rows. x/delta [..., K]; the caller checks `norm_applies`."""
     K = x.shape[-1]
@@ -430,5 +592,5 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     cfg = cfg or config(M, N, K, glu, True, fp8=scale is not None)
     _launch(x2, d2, h, norm_weight, weight, scale, y, M, N, K, (x2.stride(0), d2.stride(0), h.stride(0)), eps,
-            glu=glu, norm=True, has_delta=delta is not None, pre_k=pre_k(M, K, cfg[1]), cfg=cfg)
+            glu=glu, norm=True, has_delta=delta is not None, pre_k=pre_k(M, K, cfg[1]), cfg=cfg, lora=lora)
     return h.reshape(x.shape), y.reshape(*x.shape[:-1], N)

@@ -126,22 +126,57 @@ def _gemv_weight(x: Tensor, layer: nn.Module) -> tuple[Tensor, Tensor | None] | 
     return None
 
 
+def _lora(layer: nn.Module):
+    """The layer's LoRA weights (models/lora.py LoraLayer) when this forward runs LoRA rows (its pool's rows set:
+    the runner's), else None."""
+    lora = getattr(layer, "lora", None)
+    return lora if lora is not None and lora.pool.rows is not None else None
+
+
+def _lora_kernels():
+    from csmserve.kernels import lora  # Triton: imported only for CUDA tensors
+
+    return lora
+
+
+def _plus_lora(x: Tensor, y: Tensor, lora) -> Tensor:
+    """y (x's base projection, a fresh tensor) + each row's LoRA delta: kernels/lora.py on CUDA (in place), the
+    torch math elsewhere."""
+    if y.is_cuda and _lora_kernels().applies(x, lora):
+        return _lora_kernels().lora_add_(x, y, lora)
+    from csmserve.models.lora import delta_torch
+
+    return y + delta_torch(x, lora)
+
+
+def _base(x: Tensor, layer: nn.Module) -> Tensor:
+    return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
+
+
 def _linear_gemv(x: Tensor, layer: nn.Module) -> Tensor:
-    ws = _gemv_weight(x, layer)
-    if ws is not None and _gemv().applies(x, ws[0], False, ws[1]):
-        return _gemv().gemv(x, ws[0], scale=ws[1])
+    ws, lora = _gemv_weight(x, layer), _lora(layer)
+    if ws is not None and _gemv().applies(x, ws[0], False, ws[1], lora):
+        return _gemv().gemv(x, ws[0], scale=ws[1], lora=lora)
     return _linear(x, layer)
 
 
 def _glu_gemv(x: Tensor, layer: nn.Module) -> Tensor:
-    ws = _gemv_weight(x, layer)
-    if ws is not None and _gemv().applies(x, ws[0], True, ws[1]):
-        return _gemv().gemv(x, ws[0], glu=True, scale=ws[1])
-    return silu_mul(linear(x, layer))
+    ws, lora = _gemv_weight(x, layer), _lora(layer)
+    if ws is not None and _gemv().applies(x, ws[0], True, ws[1], lora):
+        return _gemv().gemv(x, ws[0], glu=True, scale=ws[1], lora=lora)
+    return _glu(x, layer)
 
 
 def _glu(x: Tensor, layer: nn.Module) -> Tensor:
-    return silu_mul(linear(x, layer))
+    lora = _lora(layer)
+    if lora is None:
+        return silu_mul(_base(x, layer))
+    gate_up = _base(x, layer)  # the deltas go in before the SiLU: kernels/lora.py's lora_glu is silu_mul's kernel
+    if gate_up.is_cuda and _lora_kernels().applies(x, lora):
+        return _lora_kernels().lora_glu(gate_up, x, lora)
+    from csmserve.models.lora import delta_torch
+
+    return silu_mul(gate_up + delta_torch(x, lora))
 
 
 def _norm_then(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Module, gated: bool
@@ -152,9 +187,9 @@ def _norm_then(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Modul
 
 def _norm_then_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", layer: nn.Module, gated: bool
                     ) -> tuple[Tensor, Tensor]:
-    ws = _gemv_weight(x, layer)
-    if ws is not None and _gemv().norm_applies(x, norm.weight, ws[0], gated, ws[1]):
-        return _gemv().norm_gemv(x, delta, norm.weight, norm.eps, ws[0], gated, ws[1])
+    ws, lora = _gemv_weight(x, layer), _lora(layer)
+    if ws is not None and _gemv().norm_applies(x, norm.weight, ws[0], gated, ws[1], lora):
+        return _gemv().norm_gemv(x, delta, norm.weight, norm.eps, ws[0], gated, ws[1], lora=lora)
     return _norm_then(x, delta, norm, layer, gated)
 
 
@@ -163,9 +198,9 @@ def _embed_linear(idx: Tensor, table: Tensor, layer: nn.Module) -> Tensor:
 
 
 def _embed_linear_gemv(idx: Tensor, table: Tensor, layer: nn.Module) -> Tensor:
-    ws = _gemv_weight(table, layer)
-    if ws is not None and _gemv().gather_applies(idx, table, ws[0], ws[1]):
-        return _gemv().gather_gemv(idx, table, ws[0], ws[1])
+    ws, lora = _gemv_weight(table, layer), _lora(layer)
+    if ws is not None and _gemv().gather_applies(idx, table, ws[0], ws[1], lora):
+        return _gemv().gather_gemv(idx, table, ws[0], ws[1], lora=lora)
     return _embed_linear(idx, table, layer)
 
 
@@ -180,14 +215,17 @@ def _norm_matmul_t_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", weight
 
 
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    return matmul_t(x, layer.weight) if type(layer) is nn.Linear else layer(x)
+    y = _base(x, layer)
+    lora = _lora(layer)
+    return y if lora is None else _plus_lora(x, y, lora)
 
 
 def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """layer(x) for a bias-free nn.Linear through `matmul_t` (a GEMV kernel at a few rows, once
     `fuse_gemv()`), an FP8Linear through the same kernel at a few rows (weight-only: its e4m3 weights
     times the activations as they are; FP8Linear's own forward at more rows: models/fp8.py); any other
-    layer as it is."""
+    layer as it is. A layer with LoRA weights (`layer.lora`, models/lora.py) in a forward with LoRA rows adds each
+    row's delta: inside the GEMV at 1-16 rows, kernels/lora.py after the GEMM above, the torch math on the CPU."""
     return linear_impl(x, layer)
 
 

@@ -29,7 +29,7 @@ def test_pack_layout_and_padding():
     t1, m1 = np.arange(3 * W).reshape(3, W), np.ones((3, W), bool)
     t2, m2 = np.full((1, W), 7), np.eye(1, W, 4, dtype=bool)
     a = pack_prefill([PrefillChunk(2, 10, t1, m1), PrefillChunk(4, 0, t2, m2)], T=6, width=W, scratch=scratch)
-    assert a.shape == (6, 2 * W + 3)
+    assert a.shape == (6, 2 * W + 4)
     assert (a[:, 2 * W] == 0).all()  # no head chunk: no hidden state kept
     np.testing.assert_array_equal(a[:3, :W], t1)
     np.testing.assert_array_equal(a[:3, W:2 * W], m1)
@@ -37,8 +37,17 @@ def test_pack_layout_and_padding():
     np.testing.assert_array_equal(a[:3, -1], 2)
     np.testing.assert_array_equal(a[3, W:2 * W], m2[0])
     assert a[3, -1] == 4 and a[3, -2] == 0
-    # padding rows write the scratch slot at position 0
-    assert (a[4:, -1] == scratch).all() and (a[4:, :-1] == 0).all()
+    # padding rows write the scratch slot at position 0, with no LoRA adapter (-1)
+    assert (a[4:, -1] == scratch).all() and (a[4:, :2 * W + 1] == 0).all() and (a[:, 2 * W + 1] == -1).all()
+    # chunks with LoRA adapters: each row carries its chunk's pool slot, the chunks in order of it (a runner with a
+    # pool); without one, the chunks as given and no adapter
+    chunks = [PrefillChunk(2, 10, t1, m1, adapter=3), PrefillChunk(4, 0, t2, m2, adapter=-1)]
+    a = pack_prefill(chunks, T=6, width=W, scratch=scratch, lora=True)
+    np.testing.assert_array_equal(a[:, 2 * W + 1], [-1, 3, 3, 3, -1, -1])
+    np.testing.assert_array_equal(a[:4, -1], [4, 2, 2, 2])
+    a = pack_prefill(chunks, T=6, width=W, scratch=scratch)
+    np.testing.assert_array_equal(a[:, 2 * W + 1], -1)
+    np.testing.assert_array_equal(a[:4, -1], [2, 2, 2, 4])
 
 
 def test_packed_prefill_of_many_prompts_equals_each_alone():

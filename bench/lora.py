@@ -1,0 +1,163 @@
+"""LoRA adapters' cost (issue 42): the frame step with 0, 1, 8 and 64 distinct random adapters (every projection of
+the backbone and the depth decoder, rank 16 and 64) at several batch sizes, beside the base (a runner without a pool)
+in the same run; then one stream through the engine with an adapter and without. Random full-size weights
+(`--model dummy`'s); each runner is built, measured and freed in turn (at 2,048 slots one holds ~25 GB of KV).
+
+python bench/lora.py --batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64
+
+A row's adapters are contiguous runs of slots (the scheduler orders a step's rows by adapter); "0" is the pool's
+runner with every row on the base (the LoRA kernels run, read no adapter), "base" a runner without a pool.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+import torch
+
+from csmserve.engine.request import Admission
+from csmserve.engine.runner import ModelRunner
+
+
+def dummy_model() -> torch.nn.Module:
+    from csmserve.models.loader import load_csm
+
+    return load_csm("dummy", "cuda", torch.bfloat16)[0]
+
+
+class _Adapter:  # what the runner reads of engine/adapters.py's Adapter
+    def __init__(self, weights) -> None:
+        self.weights = weights
+
+
+def load_pool(runner: ModelRunner, model, rank: int, n: int) -> None:
+    from csmserve.models.lora import random_adapter
+
+    for slot in range(n):
+        runner.load_loras([(slot, _Adapter(random_adapter(model.cfg, rank, seed=slot).pin()))])
+    torch.cuda.synchronize()
+    assert len(runner.lora_loads_done()) == n
+
+
+def frame_step_ms(runner: ModelRunner, b: int, adapters: int, context: int, steps: int, W: int) -> float:
+    """Mean frame step (ms) of b rows, the first `adapters` pool slots spread over them in contiguous runs."""
+    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
+    mask[-1] = True
+    slots = list(range(b))
+    ad = [s * adapters // b if adapters else -1 for s in slots]
+    runner.admit([Admission(s, tok, mask, context, 0.9, 50, 1.0, s, adapter=a) for s, a in zip(slots, ad)])
+    for _ in range(3):
+        runner.step(slots).wait()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        out = runner.step(slots)
+        if prev is not None:
+            prev.wait()
+        prev = out
+    prev.wait()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def step_table(model, args) -> list[tuple]:
+    batches = [int(b) for b in args.batches.split(",")]
+    counts = [int(a) for a in args.adapters.split(",")]
+    W, n = model.cfg.frame_width, max(batches)
+    rows = []
+    runs = [("base", None)] + [(f"r{r}", int(r)) for r in args.ranks.split(",")]
+    for label, rank in runs:
+        t0 = time.perf_counter()
+        runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches,
+                             max_loras=max(counts) if rank else 0, max_lora_rank=rank or 16)
+        if rank:
+            load_pool(runner, model, rank, max(counts))
+        print(f"{label}: graphs captured, pool loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        for b in batches:
+            for a in (counts if rank else [0]):
+                if a > b:
+                    continue
+                ms = frame_step_ms(runner, b, a, args.context, args.steps, W)
+                rows.append((label, b, a if rank else "-", ms))
+                print(f"| {label} | {b} | {rows[-1][2]} | {ms:.2f} |", flush=True)
+        del runner
+        _free(model)
+    return rows
+
+
+def one_stream(model, args) -> list[tuple]:
+    """One stream through the engine (frames/s after its first chunk): the base, and an adapter of each rank with
+    max(adapters) adapters loaded in the pool."""
+    from csmserve.apps.bench import engine as bench_engine
+    from csmserve.apps.bench.engine import one_stream as measure
+    from csmserve.config import EngineConfig
+    from csmserve.engine.engine import build_engine
+    from csmserve.models.lora import random_adapter
+
+    bench_engine.TEXT_VOCAB[0] = model.cfg.text_vocab_size
+    out = []
+    for rank in [None] + [int(r) for r in args.ranks.split(",")]:
+        n = max(int(a) for a in args.adapters.split(","))
+        cfg = EngineConfig(max_slots=8, max_seq_len=args.max_seq_len, max_loras=n if rank else 0,
+                           max_lora_rank=rank or 16)
+        engine = build_engine(model, None, cfg)
+        if rank:
+            for i in range(n):
+                engine.load_adapter(f"a{i}", random_adapter(model.cfg, rank, seed=i).pin()).result()
+            _adapter_for(engine, "a0")
+        r = measure(engine, args.stream_frames)
+        out.append(("base" if rank is None else f"r{rank} adapter", r["fps"], r["ttfa_p50_ms"]))
+        print(f"| {out[-1][0]} | {r['fps']:.1f} | {r['ttfa_p50_ms']:.1f} |", flush=True)
+        engine.shutdown()
+        del engine
+        _free(model)
+    return out
+
+
+def _free(model) -> None:
+    from csmserve.models.lora import detach
+
+    detach(model)  # the pool goes with the runner
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _adapter_for(engine, name: str) -> None:
+    """Every request the benchmark submits (apps/bench/engine.py's) speaks with adapter `name`."""
+    submit = engine.submit
+
+    def with_adapter(req, *a, **kw):
+        req.adapter = name
+        return submit(req, *a, **kw)
+
+    engine.submit = with_adapter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64,2048")
+    ap.add_argument("--adapters", default="0,1,8,64", help="distinct adapters spread over a batch's rows")
+    ap.add_argument("--ranks", default="16,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--max-seq-len", type=int, default=320)
+    ap.add_argument("--stream-frames", type=int, default=300)
+    ap.add_argument("--no-stream", action="store_true", help="the frame step only")
+    args = ap.parse_args()
+    model = dummy_model()
+    print("| runner | batch | adapters | frame step ms |\n|---|---|---|---|", flush=True)
+    rows = step_table(model, args)
+    base = {b: ms for label, b, _, ms in rows if label == "base"}
+    print("\n| rank | batch | adapters | frame step ms | vs base |\n|---|---|---|---|---|")
+    for label, b, a, ms in rows:
+        if label != "base":
+            print(f"| {label[1:]} | {b} | {a} | {ms:.2f} | {100 * (ms / base[b] - 1):+.1f}% |")
+    if not args.no_stream:
+        print("\n| one stream | frames/s | TTFA p50 ms |\n|---|---|---|", flush=True)
+        one_stream(model, args)
+
+
+if __name__ == "__main__":
+    main()

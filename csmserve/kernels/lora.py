@@ -1,0 +1,503 @@
+"""Batched LoRA over a batch's rows, each row its own adapter (or none): y += B_a (A_a x) for row adapter a.
+
+The pool (models/lora.py LoraPool) holds `L` adapters: per projection A [L, R, S, K] (S slices: q,k,v / gate,up /
+one) and B [L, R, N] (scales folded in; column n belongs to slice s(n)); RANKS [L] each slot's rank (no row past it is
+read); AD [B] int32 each batch row's slot, -1: none (data: the CUDA graphs hold one buffer). x has M = B * rows_per
+rows, a batch row's positions consecutive. Rows are walked in tiles of BM; a tile takes the adapters of its rows one
+at a time (the smallest index first, its rows masked in), so rows sorted by adapter (the scheduler orders a step's
+rows so) read each adapter's A and B once per tile, not once per row; a tile of rows without adapters does nothing.
+
+    shrink:  xa [M, S, R] = x A_a^T per slice (rounded to the model dtype, as PEFT's lora_A(x) is)
+    expand:  y[:, slice s] += xa[:, s] B_a[:, slice s]   (in place)  | GLU: h = silu(g + dg) * (u + du)
+
+Above the GEMV's rows (kernels/gemv.py, 1-16 rows, where the LoRA is fused into the GEMV itself) the base GEMM is
+cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink and expand in one program per (row
+tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it, xa through
+memory) and `lora_glu` (the MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's
+kernel, the expand costs no pass over the [M, 2I] output).
+
+Predicted cost per frame step (rank 16 on every projection: the backbone's 16 layers x q,k,v,o,gate,up,down at
+2,048-d, the depth decoder's 4 x 1,024-d run 31 times, and the projection between them: 591 LoRA'd projections a
+frame; an adapter is ~13.4 M parameters, 27 MB in bf16, 22.5 MB of it the backbone's), against the base's H200 step
+of ~4.6 ms (batch 1), ~8.3 ms (64), ~60 ms (2,048); HBM at ~3.5 TB/s, a launch on the chain ~1.5 us:
+
+    batch  adapters  launches  bytes (adapters' A+B, activations)   predicted
+        1       1-64         0  0.16 GB (27 MB from HBM: a depth      +2-8%: no launch of its own (fused into the
+                                adapter's 4.4 MB stays in L2)          GEMV); its shrink pieces run beside the GEMV,
+                                                                       the wait at its end is the cost
+       64          1      +451  0.53 GB (x for the pieces, y's RMW)  ~+10-17%  (the launches: ~0.7 ms)
+       64          8      +451  1.7 GB                               ~+14-20%
+       64         64      +451  10.7 GB (64 adapters' depth A+B       ~+45%    (read once per depth step: 31 x
+                                read 31 times)                                  282 MB; inherent to 64 at 64 rows)
+    2,048          1     +1042  11.9 GB (x re-read by the shrink,     ~+8%
+                                y read and written by the expand)
+    2,048          8     +1042  13.0 GB                               ~+9%
+    2,048         64     +1042  22 GB (+ 64 adapters' A+B: 10 GB)    ~+11-13%  (the acceptance asks <= 10%: the
+                                                                                 levers are below)
+
+1,042 = 2 launches (shrink, expand) for q,k,v / o / down / the projection and 1 for gate,up (its expand is the
+SiLU*up kernel) above 256 rows; 451 = one ticketed launch each, gate,up none, at 17-64 rows. With a pool and no
+adapter rows (the "0" column) the launches stay (they find no adapter and exit): ~+0.5-1.5 ms above 16 rows, ~0 at
+1-16. Levers if the 2,048-row number passes 10%: FUSED_ROWS (one launch, the shrink per column group), the down
+projection's shrink in lora_glu (its input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool
+of max_lora_rank 16 (RB 16: no padded rank in the tiles).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from csmserve.kernels import pdl
+
+FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column group), past it shrink and expand apart
+_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
+_BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 operands: exact products, not TF32 (the CPU-parity dtype)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def shrink_rows(x_rows, sel, a_base, stride_ar, rank, K, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+                BK: tl.constexpr, IEEE: tl.constexpr):
+    """xa [BM, RB] per slice (fp32) = x[sel rows] A^T: x_rows [BM] row pointers, a_base the adapter's A [R, S, K]
+    (slices K apart, rank rows stride_ar apart); rows outside sel and ranks >= rank are zero."""
+    rr = tl.arange(0, RB)
+    xa0 = tl.zeros([BM, RB], dtype=tl.float32)
+    xa1 = tl.zeros([BM, RB], dtype=tl.float32)
+    xa2 = tl.zeros([BM, RB], dtype=tl.float32)
+    a_cols = a_base + rr.to(tl.int64)[None, :] * stride_ar  # [1, RB]
+    ma = (rr < rank)[None, :]
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        x = tl.load(x_rows[:, None] + rk[None, :], mask=sel[:, None] & mk[None, :], other=0.0)  # [BM, BK]
+        m = mk[:, None] & ma
+        xa0 = _dot(x, tl.load(a_cols + rk[:, None], mask=m, other=0.0), xa0, IEEE)  # A^T tile [BK, RB]
+        if S > 1:
+            xa1 = _dot(x, tl.load(a_cols + K + rk[:, None], mask=m, other=0.0), xa1, IEEE)
+        if S > 2:
+            xa2 = _dot(x, tl.load(a_cols + 2 * K + rk[:, None], mask=m, other=0.0), xa2, IEEE)
+    return xa0, xa1, xa2
+
+
+@triton.jit
+def expand_tile(xa, b_base, stride_br, rank, rn, N, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                IEEE: tl.constexpr):
+    """xa [BM, RB] (model dtype) @ B[:, rn] [RB, BN] -> [BM, BN] fp32 (columns rn of the adapter's B [R, N])."""
+    rr = tl.arange(0, RB)
+    b = tl.load(b_base + rr.to(tl.int64)[:, None] * stride_br + rn[None, :],
+                mask=(rr < rank)[:, None] & (rn < N)[None, :], other=0.0)
+    return _dot(xa, b, tl.zeros([BM, BN], dtype=tl.float32), IEEE)
+
+
+@triton.jit
+def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
+                 stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, EXPAND: tl.constexpr, GLU: tl.constexpr,
+                 IEEE: tl.constexpr, PDL: tl.constexpr):
+    # program (row tile, column group g of G): SHRINK and EXPAND: xa computed, then y's column blocks g, g + G, ...
+    # updated; SHRINK only: xa stored to XA [M, S, RB] (model dtype); EXPAND only: xa read from XA.
+    # GLU (EXPAND): GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    G = tl.num_programs(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = pid_m * BM + tl.arange(0, BM)
+    mm = rm < M
+    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)  # [BM] each row's adapter slot
+    if GLU:  # the rows without an adapter take the loop too (a = -1: no delta)
+        todo = mm
+    else:
+        todo = ad >= 0
+    rr = tl.arange(0, RB)
+    x_rows = X + rm.to(tl.int64) * stride_xm
+    g_rows = GU + rm.to(tl.int64) * stride_gm
+    y_rows = Y + rm.to(tl.int64) * stride_ym
+    xa_rows = XA + rm.to(tl.int64) * (S * RB)
+    dt = Y.dtype.element_ty
+    n_blocks = tl.cdiv(N, BN)
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)  # the tile's next adapter (rows sorted: usually one or two)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        has = a >= 0
+        a_l = tl.maximum(a, 0).to(tl.int64)
+        rank = tl.load(RANKS + a_l) * has.to(tl.int32)  # 0 for rows without an adapter: nothing read past it
+        if SHRINK:
+            xa0, xa1, xa2 = shrink_rows(x_rows, sel & (ad >= 0), A + a_l * stride_al, stride_ar, rank, K, S, RB, BM, BK,
+                                        IEEE)
+            xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
+        else:
+            mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
+            xa0 = tl.load(xa_rows[:, None] + rr[None, :], mask=mx, other=0.0)
+            xa1 = xa0
+            xa2 = xa0
+            if S > 1:
+                xa1 = tl.load(xa_rows[:, None] + RB + rr[None, :], mask=mx, other=0.0)
+            if S > 2:
+                xa2 = tl.load(xa_rows[:, None] + 2 * RB + rr[None, :], mask=mx, other=0.0)
+        if not EXPAND:
+            m2 = sel[:, None] & (rr < RB)[None, :]
+            tl.store(xa_rows[:, None] + rr[None, :], xa0, mask=m2)
+            if S > 1:
+                tl.store(xa_rows[:, None] + RB + rr[None, :], xa1, mask=m2)
+            if S > 2:
+                tl.store(xa_rows[:, None] + 2 * RB + rr[None, :], xa2, mask=m2)
+        else:
+            b_base = B + a_l * stride_bl
+            for nb in range(pid_g, n_blocks, G):
+                n0 = nb * BN
+                rn = n0 + tl.arange(0, BN)
+                m2 = sel[:, None] & (rn < N)[None, :]
+                if GLU:
+                    g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                    u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                    if has:  # the deltas rounded to the model dtype before the add, as the torch path's
+                        g = g + expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(tl.float32)
+                        u = u + expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(
+                            tl.float32)
+                    g = g.to(dt).to(tl.float32)
+                    u = u.to(dt).to(tl.float32)
+                    tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m2)
+                else:
+                    # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
+                    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+                    xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
+                    d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
+                    y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
+                    tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+
+
+# ---------------------------------------------------------------------------------- 1-16 rows: the ticketed kernel
+# At a few rows the shrink is a reduction over K of a few rows: one program per column block (the expand) would each
+# read all of A again, and one program per row reads A [R, K] alone (a latency of microseconds for K = 8,192). So
+# the shrink is cut into pieces (slice s, a K range of PIECE_K), each a program of its own, and the programs that
+# update y's column blocks wait for them. Programs take their role from a ticket (an atomic counter: the first NP
+# tickets are the pieces), so a program that waits only waits for programs that are already running (the ordering
+# CUB's decoupled look-back relies on): no deadlock whatever order the GPU starts them in. The pieces' partial sums
+# [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
+# finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
+# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
+TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
+PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
+
+
+@triton.jit
+def x_rows_of(X, IDX, rm, mm, stride_xm, GATHER: tl.constexpr):
+    """Row pointers [BM] of x: X's rows, or (GATHER) the rows IDX[m] of the table X (the depth step's embedding)."""
+    if GATHER:
+        return X + tl.load(IDX + rm, mask=mm, other=0).to(tl.int64) * stride_xm
+    return X + rm.to(tl.int64) * stride_xm
+
+
+@triton.jit
+def norm_rstd(x_rows, d_rows, mm, K, eps, dt, HAS_DELTA: tl.constexpr, BK: tl.constexpr):
+    """1 / rms [BM] of each row of h = x + delta (the sum rounded to dt, as `x + delta` rounds it)."""
+    ss = tl.zeros([x_rows.shape[0], BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        m2 = mm[:, None] & (rk < K)[None, :]
+        h = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
+        ss += h.to(tl.float32) * h.to(tl.float32)
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def x_chunk(x_rows, d_rows, NW, rk, m2, rstd, dt, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """The rows' input chunk [BM, BK] in dt: x, or rms_norm(x + delta) * nw rounded as kernels/gemv.py's is."""
+    x = tl.load(x_rows[:, None] + rk[None, :], mask=m2, other=0.0)
+    if NORM:
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_rows[:, None] + rk[None, :], mask=m2, other=0.0).to(tl.float32)).to(dt)
+        nw = tl.load(NW + rk).to(tl.float32)
+        x = (nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
+def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, M, K, rows_per, stride_xm, stride_dm, stride_al, stride_ar,
+               eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+               NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr):
+    """Shrink piece t = (slice s, K range kp): WS[t] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's range]^T, each
+    row with its adapter (rows without one: zeros). x as the GEMV sees it (NORM: normed x + delta; GATHER: rows of
+    a table)."""
+    s = t // KSPLIT
+    kp = t % KSPLIT
+    rm = tl.arange(0, BM)
+    mm = rm < M
+    rr = tl.arange(0, RB)
+    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
+    x_rows = x_rows_of(X, IDX, rm, mm, stride_xm, GATHER)
+    d_rows = DELTA + rm.to(tl.int64) * stride_dm
+    rstd = tl.full([BM], 1.0, dtype=tl.float32)
+    todo = ad >= 0
+    if NORM:
+        if tl.max(todo.to(tl.int32), axis=0) > 0:
+            rstd = norm_rstd(x_rows, d_rows, mm & todo, K, eps, dt, HAS_DELTA, BK)
+    acc = tl.zeros([BM, RB], dtype=tl.float32)
+    k_per = K // KSPLIT
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        a_l = a.to(tl.int64)
+        rank = tl.load(RANKS + a_l)
+        a_cols = A + a_l * stride_al + rr.to(tl.int64)[None, :] * stride_ar + s * K  # [1, RB]
+        for k0 in range(kp * k_per, (kp + 1) * k_per, BK):
+            rk = k0 + tl.arange(0, BK)
+            x = x_chunk(x_rows, d_rows, NW, rk, sel[:, None] & (rk < K)[None, :], rstd, dt, NORM, HAS_DELTA)
+            w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
+            acc = _dot(x, w.to(dt), acc, IEEE)
+    tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
+
+
+@triton.jit
+def lora_wait(CTR, n):
+    """Until the n shrink pieces have stored their sums (acquire: their stores are visible then)."""
+    done = tl.atomic_add(CTR + 1, 0, sem="acquire")
+    while done < n:
+        done = tl.atomic_add(CTR + 1, 0, sem="acquire")
+
+
+@triton.jit
+def lora_arrive(CTR, total):
+    """This program is done with the counters; the last of `total` resets them for the next launch."""
+    if tl.atomic_add(CTR + 2, 1, sem="acq_rel") == total - 1:
+        tl.atomic_xchg(CTR, 0)
+        tl.atomic_xchg(CTR + 1, 0)
+        tl.atomic_xchg(CTR + 2, 0)
+
+
+@triton.jit
+def lora_xa(WS, s, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr):
+    """Slice s's xa [BM, RB] (fp32): its KSPLIT pieces' sums added in order."""
+    rm = tl.arange(0, BM)
+    rr = tl.arange(0, RB)
+    xa = tl.zeros([BM, RB], dtype=tl.float32)
+    for kp in range(KSPLIT):
+        xa += tl.load(WS + (s * KSPLIT + kp) * (BM * RB) + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")
+    return xa
+
+
+@triton.jit
+def lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
+              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """The delta [BM, BN] (fp32, rounded to dt as PEFT's is) of columns rn = n0 + [0, BN) (one slice), every row
+    with its adapter's B; after lora_wait."""
+    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+    xa = lora_xa(WS, s, KSPLIT, RB, BM).to(dt)
+    rm = tl.arange(0, BM)
+    ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
+    d = tl.zeros([BM, BN], dtype=tl.float32)
+    todo = ad >= 0
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        a_l = a.to(tl.int64)
+        b = expand_tile(tl.where(sel[:, None], xa, 0.0).to(dt), B + a_l * stride_bl, stride_br,
+                        tl.load(RANKS + a_l), rn, N, RB, BM, BN, IEEE)
+        d += b.to(dt).to(tl.float32)
+    return d
+
+
+@triton.jit
+def lora_row(WS, AD, B, RANKS, m, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
+             RB: tl.constexpr, BM: tl.constexpr):
+    """Row m's delta [BN] (fp32, rounded to dt) of columns rn (any BN: no tensor cores): the 1-2-row GEMV's (a row
+    m >= M, or without an adapter: zeros)."""
+    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+    rr = tl.arange(0, RB)
+    a = tl.load(AD + m // rows_per, mask=m < M, other=-1)
+    a_l = tl.maximum(a, 0).to(tl.int64)
+    rank = tl.load(RANKS + a_l) * (a >= 0).to(tl.int32)
+    xa = tl.zeros([RB], dtype=tl.float32)
+    for kp in range(KSPLIT):
+        xa += tl.load(WS + (s * KSPLIT + kp) * (BM * RB) + m * RB + rr, cache_modifier=".cg")
+    b = tl.load(B + a_l * stride_bl + rr.to(tl.int64)[:, None] * stride_br + rn[None, :],
+                mask=(rr < rank)[:, None] & (rn < N)[None, :], other=0.0)  # [RB, BN]
+    return tl.sum(xa.to(dt).to(tl.float32)[:, None] * b.to(tl.float32), axis=0).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_gm, stride_ym,
+                       stride_al, stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr,
+                       RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
+                       IEEE: tl.constexpr, PDL: tl.constexpr):
+    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks: y += delta (rows without an adapter untouched), or
+    # GLU: Y = silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul)
+    t = tl.atomic_add(CTR, 1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    NP = S * KSPLIT
+    dt = Y.dtype.element_ty
+    if t < NP:
+        lora_piece(t, X, X, X, X, AD, A, RANKS, WS, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0, dt,
+                   S, KSPLIT, RB, BM, BK, False, False, False, IEEE)
+        tl.debug_barrier()  # every thread's sums stored before the count (release)
+        tl.atomic_add(CTR + 1, 1, sem="release")
+    else:
+        rm = tl.arange(0, BM)
+        ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
+        live = ad >= 0
+        any_live = tl.max(live.to(tl.int32), axis=0) > 0
+        n0 = (t - NP) * BN
+        rn = n0 + tl.arange(0, BN)
+        if GLU:
+            m2 = (rm < M)[:, None] & (rn < N)[None, :]
+            g_ptr = GU + rm.to(tl.int64)[:, None] * stride_gm + rn[None, :]
+            g = tl.load(g_ptr, mask=m2, other=0.0).to(tl.float32)
+            u = tl.load(g_ptr + N, mask=m2, other=0.0).to(tl.float32)
+            if any_live:
+                lora_wait(CTR, NP)
+                g += lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
+                               KSPLIT, RB, BM, BN, IEEE)
+                u += lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
+                               dt, KSPLIT, RB, BM, BN, IEEE)
+            g = g.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt),
+                     mask=m2)
+        elif any_live:
+            lora_wait(CTR, NP)
+            d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
+                          BM, BN, IEEE)
+            y_ptr = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+            m2 = live[:, None] & (rn < N)[None, :]
+            y = tl.load(y_ptr, mask=m2, other=0.0)
+            tl.store(y_ptr, (y.to(tl.float32) + d).to(dt), mask=m2)
+    lora_arrive(CTR, tl.num_programs(0))
+
+
+def piece_block(k: int) -> int:
+    """The shrink pieces' K chunk: a power of two (<= 64) dividing each piece's range."""
+    return _pow2_divisor(k // pieces(k), 64)
+
+
+def rank_block(lora) -> int:
+    """The rank tile: the pool's max rank, at least 16 (tl.dot's), a power of two."""
+    return max(16, triton.next_power_of_2(lora.a.shape[1]))
+
+
+def pieces(k: int) -> int:
+    """K ranges per slice of the shrink pieces (K // PIECE_K where it divides, else 1)."""
+    return k // PIECE_K if k % PIECE_K == 0 and k > PIECE_K else 1
+
+
+def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
+    m, n = y.shape
+    t = lora.target
+    _, _, bn, rb = _blocks(lora, m, n)
+    ksplit = pieces(t.k)
+    bk = piece_block(t.k)  # divides each piece's K range
+    ws, ctr = lora.scratch(rb)
+    gu = y if gu is None else gu
+    grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
+    _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
+                             m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
+                             lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
+                             KSPLIT=ksplit, RB=rb, BM=small_tile(m), BK=bk, BN=bn, GLU=gu is not y,
+                             IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+
+
+def small_tile(m: int) -> int:
+    """The ticketed kernel's row tile: 16 rows (the GEMV's), 32 or 64."""
+    return 16 if m <= 16 else triton.next_power_of_2(m)
+
+
+def _pow2_divisor(n: int, most: int) -> int:
+    d = 1
+    while d < most and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _blocks(lora, m: int, n: int) -> tuple[int, int, int, int]:
+    """(BM, BK, BN, RB) for m rows of a projection's n output columns (BN divides its slice bounds)."""
+    t = lora.target
+    bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
+    rb = rank_block(lora)
+    bm = 16 if m <= 64 else 32
+    return bm, 64, bn, rb
+
+
+def applies(x: Tensor, lora) -> bool:
+    """x in the pool's dtype, column blocks of >= 16 that never straddle two slices (CSM's are 128), shrink
+    chunks of >= 16 (tl.dot's least)."""
+    t = lora.target
+    return (x.dtype == lora.a.dtype and all(_pow2_divisor(b, 16) == 16 for b in t.bounds if b < t.n)
+            and piece_block(t.k) >= 16 and t.k % 16 == 0)
+
+
+def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,
+            groups: int = 1, gu: Tensor | None = None) -> None:
+    m = y.shape[0]
+    gu = y if gu is None else gu
+    bm, bk, bn, rb = _blocks(lora, m, n)
+    rows = lora.rows
+    t = lora.target
+    a, b = lora.a, lora.b
+    grid = (triton.cdiv(m, bm), groups)
+    _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
+                       gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
+                       S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
+                       IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+
+
+def _groups(m: int, n: int, lora, fused: bool) -> int:
+    """Column groups: ~_PROGRAMS programs in all; with the shrink in the program, at most 8 (each recomputes it)."""
+    bm, _, bn, _ = _blocks(lora, m, n)
+    return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else 1 << 30))
+
+
+def lora_shrink(x: Tensor, lora) -> Tensor:
+    """xa [M, S, RB] (model dtype; rows without an adapter unset) of x [M, K]."""
+    t = lora.target
+    rb = _blocks(lora, x.shape[0], t.n)[3]
+    xa = torch.empty(x.shape[0], len(t.slices), rb, dtype=x.dtype, device=x.device)
+    _launch(x, xa, xa, lora, t.n, shrink=True, expand=False, glu=False)
+    return xa
+
+
+def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
+    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    m, n = x2.shape[0], y2.shape[1]
+    if m <= TICKET_ROWS:
+        _small(x2, y2, lora, None)
+    elif m <= FUSED_ROWS:
+        _launch(x2, y2, y2, lora, n, shrink=True, expand=True, glu=False, groups=_groups(m, n, lora, True))
+    else:
+        xa = lora_shrink(x2, lora)
+        _launch(xa, y2, xa, lora, n, shrink=False, expand=True, glu=False, groups=_groups(m, n, lora, False))
+    return y
+
+
+def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
+    """silu(gate + dg) * (up + du) [M, I] from the base gate_up [M, 2I] (cuBLAS') and its input x [M, K]: the MLP's
+    SiLU*up with each row's LoRA deltas of gate and up added first (every row written)."""
+    x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
+    m, i = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+    if m <= TICKET_ROWS:
+        _small(x2, h, lora, gu)
+    elif m <= FUSED_ROWS:
+        _launch(x2, h, h, lora, i, shrink=True, expand=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
+    else:
+        xa = lora_shrink(x2, lora)
+        _launch(xa, h, xa, lora, i, shrink=False, expand=True, glu=True, groups=_groups(m, i, lora, False), gu=gu)
+    return h.reshape(*gate_up.shape[:-1], i)

@@ -1,0 +1,64 @@
+"""GPU (`pytest -m gpu`): the runner's frame step and prefill with LoRA rows (a batch mixing adapters and the base)
+graphed == eager, every bucket, greedy and sampled; with no adapter rows the codes are the base's."""
+import numpy as np
+import pytest
+import torch
+
+from csmserve.engine.request import Admission, PrefillChunk
+from csmserve.engine.runner import ModelRunner
+from csmserve.models.lora import random_adapter
+
+from test_runner_gpu import prompts, tiny_model  # same folder
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def runner(model, graphs: bool) -> ModelRunner:
+    r = ModelRunner(model, num_slots=16, max_seq_len=128, use_graphs=graphs, max_loras=4, max_lora_rank=16)
+    for slot, rank in enumerate([16, 4, 8, 16]):
+        r.load_loras([(slot, _Adapter(random_adapter(model.cfg, rank, seed=slot, std=0.05).pin()))])
+    torch.cuda.synchronize()
+    assert len(r.lora_loads_done()) == 4
+    return r
+
+
+class _Adapter:  # engine/adapters.py's Adapter, as far as the runner reads it
+    def __init__(self, weights):
+        self.weights = weights
+
+
+def run(r, ps, seeds, adapters, temperature, steps):
+    for slot, ((tok, mask), a) in enumerate(zip(ps, adapters)):
+        P = len(tok)
+        r.prefill([PrefillChunk(slot, 0, tok[: P - 1], mask[: P - 1], adapter=a)])
+        r.admit([Admission(slot, tok[-1], mask[-1], P - 1, temperature, 20, 1.0, seeds[slot], adapter=a)])
+    out = []
+    for _ in range(steps):
+        out.append(r.step(list(range(len(ps)))).wait()[0].copy())
+    return np.stack(out, 1)  # [slots, steps, K]
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 2, 3, 9, 16])
+def test_lora_graphs_equal_eager_with_mixed_adapters(n):
+    model = tiny_model(torch.bfloat16)
+    ps, seeds = prompts(n), list(range(300, 300 + n))
+    adapters = [i % 5 - 1 for i in range(n)]  # -1 (the base), 0..3
+    graphed, eager = runner(model, True), runner(model, False)
+    for temperature in (0.0, 0.9):
+        a = run(graphed, ps, seeds, adapters, temperature, 10)
+        b = run(eager, ps, seeds, adapters, temperature, 10)
+        np.testing.assert_array_equal(a, b)
+    if n >= 2:  # the adapters change the codes
+        base = run(graphed, ps, seeds, [-1] * n, 0.0, 10)
+        assert not np.array_equal(base, run(graphed, ps, seeds, adapters, 0.0, 10))
+
+
+@cuda
+def test_a_pool_with_no_adapter_rows_gives_the_base_codes():
+    model = tiny_model(torch.bfloat16)
+    ps, seeds = prompts(4), [1, 2, 3, 4]
+    plain = ModelRunner(model, num_slots=16, max_seq_len=128, use_graphs=True)
+    np.testing.assert_array_equal(run(runner(model, True), ps, seeds, [-1] * 4, 0.0, 10),
+                                  run(plain, ps, seeds, [-1] * 4, 0.0, 10))

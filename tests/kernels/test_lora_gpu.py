@@ -1,0 +1,156 @@
+"""GPU (`pytest -m gpu`): kernels/lora.py on CSM-1B's shapes (bf16) against the torch reference (models/lora.py): every
+mode (the ticketed kernel at 1-64 rows, row tiles with the shrink per program, shrink and expand apart), ragged and
+mixed rows with rows without an adapter, ranks below the pool's; the same bits every run; inside a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODULES = ["backbone.layers.0.self_attn.qkv_proj", "backbone.layers.3.self_attn.o_proj",
+           "backbone.layers.5.mlp.gate_up_proj", "backbone.layers.7.mlp.down_proj",
+           "decoder.layers.1.self_attn.qkv_proj", "decoder.layers.2.mlp.gate_up_proj",
+           "decoder.layers.3.mlp.down_proj", "projection"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from csmserve.models.loader import load_csm
+    from csmserve.models.lora import LoraPool
+
+    model, cfg, _ = load_csm("dummy", "cuda", torch.bfloat16)
+    p = LoraPool(model, max_loras=8, max_rank=64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for slot, r in enumerate([16, 64, 16, 8, 32, 16, 64, 16]):
+        p.weights[slot, :r] = (torch.randn(r, p.layout.width, generator=g, device="cuda") * 0.02).bfloat16()
+        p.ranks[slot] = r
+    yield model, p
+    p.rows = None
+
+
+def rows_of(m: int, kind: str) -> torch.Tensor:
+    if kind == "sorted":  # ragged runs, rows without an adapter first (the scheduler's order)
+        r = torch.sort(torch.randint(-1, 8, (m,), generator=torch.Generator().manual_seed(m))).values
+    else:
+        r = torch.randint(-1, 8, (m,), generator=torch.Generator().manual_seed(m + 1))
+    return r.to(torch.int32).cuda()
+
+
+def _delta_err(got, y0, want) -> float:
+    d, w = (got.float() - y0.float()), (want.float() - y0.float())
+    return ((d - w).abs().max() / w.abs().max().clamp(min=1e-6)).item()
+
+
+@cuda
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("m, kind", [(1, "sorted"), (2, "mixed"), (7, "mixed"), (16, "sorted"), (40, "mixed"),
+                                     (64, "sorted"), (200, "sorted"), (2048, "sorted"), (300, "mixed")])
+def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
+    from csmserve.kernels import lora as kl
+    from csmserve.models.lora import delta_torch
+
+    model, p = pool
+    layer = model.get_submodule(module).lora
+    p.rows = rows_of(m, kind)
+    t = layer.target
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, t.k, generator=g, device="cuda").bfloat16()
+    y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
+    ref = (y0.float() + delta_torch(x, layer).float()).bfloat16()
+    modes = ["ticketed"] if m <= kl.TICKET_ROWS else []
+    modes += ["fused", "split"]
+    for mode in modes:
+        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 0)
+        monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
+        if "gate_up" in module:
+            got = kl.lora_glu(y0, x, layer)
+            a, b = ref.float().chunk(2, -1)
+            want = F.silu(a) * b
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        else:
+            got = kl.lora_add_(x, y0.clone(), layer)
+            err = _delta_err(got, y0, ref)
+            none = (p.rows < 0).repeat_interleave(m // len(p.rows))
+            assert torch.equal(got[none], y0[none]), mode  # rows without an adapter untouched
+        assert err < 2e-2, f"{mode}: relative error {err:.2e}"
+        again = kl.lora_glu(y0, x, layer) if "gate_up" in module else kl.lora_add_(x, y0.clone(), layer)
+        assert torch.equal(again, got), f"{mode}: not the same bits twice"
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
+def test_lora_in_a_cuda_graph(pool, m):
+    """Captured once, replayed with other rows' adapters written into the same buffer: equal to eager each time (the
+    ticketed kernel's counters reset by its last program)."""
+    from csmserve.kernels import lora as kl
+
+    model, p = pool
+    layer = model.get_submodule("backbone.layers.2.self_attn.qkv_proj").lora
+    rows = rows_of(m, "mixed")
+    p.rows = rows
+    x = torch.randn(m, layer.target.k, device="cuda").bfloat16()
+    y = torch.zeros(m, layer.target.n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        kl.lora_add_(x, y.zero_(), layer)  # warm up: compiled, scratch made
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kl.lora_add_(x, y.zero_(), layer)
+    for seed in range(3):
+        rows.copy_(rows_of(m, "sorted" if seed % 2 else "mixed").roll(seed))
+        graph.replay()
+        eager = kl.lora_add_(x, torch.zeros_like(y), layer)
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("module, kind", [("backbone.layers.0.self_attn.qkv_proj", "norm"),
+                                          ("backbone.layers.1.self_attn.o_proj", "plain"),
+                                          ("backbone.layers.2.mlp.gate_up_proj", "norm-glu"),
+                                          ("backbone.layers.3.mlp.down_proj", "plain"),
+                                          ("decoder.layers.0.self_attn.qkv_proj", "norm"),
+                                          ("decoder.layers.3.mlp.gate_up_proj", "glu"),
+                                          ("decoder.layers.1.mlp.down_proj", "plain"),
+                                          ("projection", "gather")])
+def test_gemv_with_lora_matches_reference(pool, m, kind, module):
+    """The LoRA inside kernels/gemv.py (1-16 rows: its shrink pieces in the GEMV's grid, the deltas before the store
+    and the GLU) == F.linear + the torch delta, with the norm (1-2 rows) and the gather; twice the same bits."""
+    from csmserve.kernels import gemv
+    from csmserve.models.llama import _add_rms_norm
+    from csmserve.models.lora import delta_torch
+
+    model, p = pool
+    mod = model.get_submodule(module)
+    layer, w = mod.lora, mod.weight
+    glu = "glu" in kind
+    norm = kind.startswith("norm") and m <= gemv.ELEMENTWISE_ROWS
+    p.rows = rows_of(m, "mixed")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    k = layer.target.k
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    assert gemv.applies(x, w, glu, None, layer)
+    if kind == "gather":
+        table = torch.randn(64, k, generator=g, device="cuda").bfloat16()
+        idx = torch.randint(0, 64, (m,), generator=g, device="cuda")
+        x = table[idx]
+        run = lambda: gemv.gather_gemv(idx, table, w, lora=layer)  # noqa: E731
+    elif norm:
+        d = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+        nw = (1 + 0.1 * torch.randn(k, generator=g, device="cuda")).bfloat16()
+        run = lambda: gemv.norm_gemv(x, d, nw, 1e-5, w, glu, lora=layer)[1]  # noqa: E731
+        x = _add_rms_norm(x, d, nw, 1e-5)[1]
+    else:
+        run = lambda: gemv.gemv(x, w, glu, lora=layer)  # noqa: E731
+    ref = F.linear(x.float(), w.float()) + delta_torch(x, layer).float()
+    if glu:
+        a, b = ref.chunk(2, -1)
+        ref = F.silu(a) * b
+    got = run()
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, f"relative error {err:.2e}"
+    assert torch.equal(run(), got)
+    assert layer.scratch(layer._scratch[0].shape[2])[1].tolist() == [0, 0, 0, 0]  # counters reset
