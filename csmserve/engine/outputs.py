@@ -342,11 +342,11 @@ def error_payload(e: BaseException) -> tuple[str, str]:
 
 def error_from(payload: tuple[str, str]) -> BaseException:
     """An engine-side error, rebuilt on the client side as the same kind (busy / bad request / failure)."""
+    from csmserve.engine.adapters import AdapterLimitError, UnknownAdapterError
     from csmserve.engine.scheduler import SchedulerBusy
+    from csmserve.models.lora import LoraError
 
     name, message = payload
-    if name == "SchedulerBusy":
-        return SchedulerBusy(message)
-    if name == "ValueError":
-        return ValueError(message)
-    return RuntimeError(message)
+    kind = {"SchedulerBusy": SchedulerBusy, "ValueError": ValueError, "UnknownAdapterError": UnknownAdapterError,
+            "AdapterLimitError": AdapterLimitError, "LoraError": LoraError}.get(name, RuntimeError)
+    return kind(message)

@@ -216,7 +216,7 @@ def test_adapter_calls_through_the_engine_core_process_messages(dirs, tmp_path, 
         client.unload_adapter("a1")
         with pytest.raises(UnknownAdapterError):
             client.unload_adapter("a1")
-        with pytest.raises(Exception, match="unknown adapter 'a1'"):  # refused at submit by the engine
+        with pytest.raises(UnknownAdapterError, match="unknown adapter 'a1'"):  # refused at submit, same kind
             worker.generate(TEXTS[0], adapter="a1", max_audio_length_ms=FRAMES * 80)
     finally:
         client.shutdown()
