@@ -1,6 +1,6 @@
 """The API worker's share of one WebSocket turn (CPU): from the message carrying `flush` to the engine
 request ready to submit, through the server's own objects (ServerState, Sessions, Connection.handle,
-Connection._request: session lookup, settings, TextFeed, voice, context, truncation, CSM's builder),
+ServerState.plan_turn: session lookup, settings, TextFeed, voice, context, truncation, CSM's builder),
 with a session that holds N earlier turns (~10 s each: 125 frames of 32 codes, plus their text). Then
 what the worker does once the turn is spoken (the turn added to the session).
 
@@ -86,7 +86,8 @@ async def turn(conn: Connection, cid: str, msg: str, rng: np.random.Generator) -
     t0 = time.perf_counter()
     await conn.handle(WsRequest.model_validate_json(msg))
     job = conn.jobs.popleft()
-    request, speaker = await conn._request(job)
+    plan = await state.plan_turn(job.session, job.text_feed)
+    request, speaker = plan.request, plan.args.speaker
     t1 = time.perf_counter()
     spoken = Segment(speaker, job.texts[0], codes=rng.integers(0, 2048, (FRAMES, 32)))
     state.sessions.add_turn(job.session, SessionTurn("assistant", [spoken], request_id=request.request_id))

@@ -1,5 +1,7 @@
-"""The `serve` flags: one for every ServerConfig and EngineConfig field, each mirrored by a
-CSMSERVE_<FIELD> environment variable (flag > environment > default).
+"""The `serve` flags: one for every ServerConfig, EngineConfig and RayConfig field, each mirrored by a
+CSMSERVE_<FIELD> environment variable (flag > environment > default). Every flag's help says what it does
+and its real default (`_HELP`; where the field's default is None, `_UNSET` says what None means);
+tests/server/test_serve_cli.py checks that each has one.
 
     csmserve serve --model sesame/csm-1b --port 8000 --api-key secret --max-slots 64
     CSMSERVE_API_KEY=secret CSMSERVE_MAX_SLOTS=64 csmserve serve
@@ -16,72 +18,157 @@ from typing import Any
 from csmserve.config import EngineConfig, RayConfig, ServerConfig
 
 ENV_PREFIX = "CSMSERVE_"
-_MODEL_FLAGS = {  # name -> (default, help)
-    "model": ("sesame/csm-1b", "hub id, local directory, dummy / dummy-tiny (random weights, no download), or "
-                               "paced (no model: a stand-in engine at the H200's measured step times, to measure "
-                               "the server's data path on a CPU)"),
-    "device": (None, "cpu or cuda (default: cuda if available)"),
-    "dtype": (None, "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)"),
-    "codec": (None, "Mimi weights: a kyutai/mimi dir or moshi safetensors (default: beside the model)"),
-    "codec_dtype": (None, "Mimi's dtype: float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu; "
-                          "docs/benchmarks.md compares them)"),
-    "log_level": ("info", "debug, info, warning, error"),
-}
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+BOOLS = "true/false, 1/0, yes/no or on/off"
+
+_MODEL_FLAGS = {  # name -> default (None: _UNSET says what it means)
+    "model": "sesame/csm-1b", "device": None, "dtype": None, "codec": None, "codec_dtype": None, "log_level": "info"}
 _HELP = {
-    "host": "address to listen on", "port": "port to listen on",
-    "api_key": "require 'Authorization: Bearer <key>' on /v1 routes and the WebSocket",
-    "model_name": "model id reported by /v1/models (default: --model)",
-    "voices_db": "stored voices: an SQLite file, or postgresql://user:pass@host/db shared by a cluster "
-                 "(default: $XDG_DATA_HOME/csmserve/voices.db)",
-    "cors_origins": "comma-separated origins whose pages may call this server (CORS; * any): a request from "
-                    "another site's page (its Origin) is refused with 403, this server's own page is allowed",
-    "default_audio_length_ms": "a request that names no length gets at least this much audio, or its text's "
-                               "length at --audio-ms-per-char if longer; None: 30000 on real weights, 1000 on "
-                               "random ones (dummy / dummy-tiny never end a sentence)",
-    "ray_address": "Ray cluster to join ('auto': the running one; default: start a Ray instance of our own)",
-    "num_replicas": "replicas (engines) when not autoscaling",
-    "min_replicas": "autoscale: fewest replicas", "max_replicas": "autoscale: most replicas",
-    "target_ongoing_requests": "autoscale: active streams per replica to aim at; None: 3/4 of --max-slots",
-    "gpus_per_replica": "GPUs per replica, fractions share one; None: 1 (0 with --device cpu)",
+    # the model
+    "model": "hub id, local directory, dummy / dummy-tiny (random weights, no download), or paced (no model: a "
+             "stand-in engine at the H200's measured step times, to measure the server's data path on a CPU)",
+    "device": "cpu or cuda",
+    "dtype": "the model's dtype: float32 or bfloat16",
+    "codec": "Mimi's weights: a kyutai/mimi directory or moshi safetensors",
+    "codec_dtype": "Mimi's dtype: float32 or bfloat16 (docs/benchmarks.md compares them)",
+    "log_level": "debug, info, warning or error",
+    # ServerConfig: listening and access
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "require 'Authorization: Bearer KEY' on the /v1 routes and the WebSocket",
+    "model_name": "the model id /v1/models reports",
+    "voices_db": "stored voices: an SQLite file, or a postgresql:// URL shared by every replica",
+    "cors_origins": "comma-separated origins whose pages may call this server (* any); a page of another site "
+                    "gets 403, this server's own page is always served",
+    "api_workers": "API worker processes beside the engine-core process; 0: one process, the engine on a thread",
+    # request limits
+    "max_input_chars": "characters of a request's `input` (OpenAI's limit)",
+    "max_body_bytes": "bytes of any request body (JSON with base64 context audio, multipart)",
+    "max_upload_bytes": "bytes of one audio file (a voice sample, a context turn)",
+    "max_clip_seconds": "seconds of one decoded reference or context clip",
+    "max_context_turns": "context turns of one request (and of a WebSocket session's fixed context)",
+    "max_context_chars": "characters of one context turn's text",
+    "max_context_total_chars": "characters of all of one request's context turns",
+    "max_audio_length_ms": "the most max_audio_length_ms a request may ask for: no request holds a slot longer",
+    "default_audio_length_ms": "a request that names no length gets --audio-ms-per-char of audio per character "
+                               "of its text, at least this much",
+    "audio_ms_per_char": "a request that names no length gets this much audio per character of its text "
+                         "(speech is ~15 characters/s)",
+    "max_segment_ms": "cap on each sentence of a long input or a WebSocket turn, unless the request sets "
+                      "max_segment_length_ms",
+    "max_concurrent_requests": "generations in flight, HTTP and WebSocket; past it 429",
+    # audio encoding
+    "mp3_compression_level": "LAME's quality: 0 (best, slowest) .. 9",
+    "opus_complexity": "libopus' complexity: 0 .. 10 (most CPU)",
+    "native_codecs": "mp3 and opus through libmp3lame and libopus called directly (less CPU per stream); "
+                     "false: through PyAV / libav",
+    "encode_threads": "threads per API worker encoding a compressed stream's chunks after its first (libav "
+                      "releases the GIL); 0: on the event loop",
+    "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of real "
+                  "time waits before its next chunk is encoded, so first chunks go first; 0: never",
+    "max_reader_lag_s": "a client reading this many seconds behind real time is dropped (its slot freed); also "
+                        "the longest one response write may stall",
+    # slow clients
+    "header_timeout_s": "seconds for a request's headers to arrive (408)",
+    "body_timeout_s": "seconds for a request's body, plus 1 s per --body-min-rate bytes received (408)",
+    "body_min_rate": "bytes/s a slow body earns an extra second of --body-timeout-s with",
+    "keep_alive_s": "an idle keep-alive connection is closed after this many seconds",
+    "max_header_bytes": "bytes of a request's headers (past them 400)",
+    # WebSocket sessions
+    "session_idle_s": "a WebSocket session (context_id) unused this many seconds is forgotten",
+    "max_sessions": "WebSocket sessions kept; past it the least recently used idle one is forgotten",
+    "max_session_turns": "turns kept per session, both sides; the oldest are dropped",
+    "max_session_frames": "audio frames kept per session; the oldest turns are dropped",
+    "max_ws_message_bytes": "bytes of one WebSocket message: past it an error, past twice it the connection "
+                            "is closed (1009)",
+    "ws_turn_idle_s": "a WebSocket turn with text but no flush is flushed after this many seconds without "
+                      "new text (its slot freed)",
+    # EngineConfig
+    "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
+    "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
+    "max_seq_len": "positions per slot: prompt frames + generated frames",
+    "prefill_token_budget": "prompt positions prefilled per engine step over all slots (docs/benchmarks.md: "
+                            "first audio of 1,024 conversations at 2048 / 4096 / 8192)",
+    "max_prefill_chunk": "prompt positions prefilled per step for one slot",
+    "first_chunk_frames": "80 ms frames in a request's first audio chunk",
+    "chunk_frames": "80 ms frames in each later chunk (until the stream is --chunk-grow-lead-ms ahead)",
+    "max_chunk_ms": "a stream well ahead of real time gets chunks of up to this much audio (fewer messages "
+                    "and encoder calls); <= chunk frames x 80: never larger",
+    "chunk_grow_lead_ms": "chunks grow only while a stream's audio is this far ahead of real time; a chunk then "
+                          "holds half the lead beyond it, at most --max-chunk-ms",
+    "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first "
+                                "frame runs from its hidden state (one backbone pass less before first audio)",
+    "prefix_cache_bytes": "bytes of backbone KV kept for voices' and conversations' prompt prefixes (LRU); "
+                          "0: no prefix cache",
+    "weights": "the GEMMs' weights: bf16, fp8 (the depth decoder in FP8) or fp8-all (the backbone too)",
+    "codec_stream": "CUDA: Mimi's decode of a frame on a stream of its own, beside the next frame's "
+                    "generation; false: one after the other in one graph",
+    "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results before "
+                     "reusing their buffer (a busy worker slows the engine instead of losing streams)",
+    "trace_requests": "a directory: each server process writes per-request timelines, engine steps and GC "
+                      "pauses there; python bench/trace_report.py DIR joins them",
+    # RayConfig
+    "ray_address": "the Ray cluster to join: 'auto' (the running one) or an address",
+    "app_name": "the Ray Serve application's name",
+    "num_replicas": "replicas (each a whole `serve` unit: an engine and its API workers) when not autoscaling",
+    "min_replicas": "autoscale: fewest replicas (this or --max-replicas turns autoscaling on)",
+    "max_replicas": "autoscale: most replicas",
+    "target_ongoing_requests": "autoscale: active streams per replica to aim at",
+    "gpus_per_replica": "GPUs per replica; fractions share one",
+    "cpus_per_replica": "CPUs Ray reserves per replica",
+    "health_check_period_s": "seconds between Ray's health checks of a replica",
+    "health_check_timeout_s": "seconds a replica's health check may take before it counts as failed",
     "affinity_load_factor": "a voice / first turn / adapter stays on its replica while that one's connections "
                             "are under this x the mean (HAProxy's hash-balance-factor)",
     "report_interval_s": "seconds between a replica's reports to the directory (/ready, /metrics, the ingress)",
     "ingress_replicas": "HAProxy ingresses on --host:--port, at most one per node (the nodes that take traffic)",
-    "ingress_cpus": "CPUs Ray reserves for each ingress (HAProxy)",
-    "ingress_body_bytes": "request body bytes the ingress reads for a routing key (HAProxy's tune.bufsize; a key "
-                          "past them: least loaded)",
-    "first_frame_from_prefill": "on an idle engine the prefill takes the prompt's last frame too and the first frame "
-                                "runs from its hidden state (one backbone pass less before the first audio)",
-    "max_chunk_ms": "a stream well ahead of real time gets chunks of up to this much audio (fewer messages and "
-                    "encoder calls); its first chunk stays first_chunk_frames (0: chunk_frames always)",
-    "chunk_grow_lead_ms": "chunks grow only while a stream's audio is this far ahead of real time (its lead); "
-                          "a chunk then holds half the lead beyond it, at most max_chunk_ms",
-    "reader_wait_s": "seconds the engine waits for an API worker that has not read its previous results "
-                     "before reusing their buffer (a busy worker slows the engine instead of losing streams)",
-    "max_lead_s": "while an API worker's CPU is saturated, a response this many seconds of audio ahead of "
-                  "real time waits before its next chunk is encoded, so first chunks go first (0: never)",
-    "encode_threads": "threads per API worker encoding mp3/opus/aac/flac chunks after a stream's first one "
-                      "(libav releases the GIL), so the event loop stays free for first chunks; 0: on the loop (default)",
-    "native_codecs": "mp3 and opus through libmp3lame and libopus called directly (the default; less CPU per "
-                     "stream); false: through PyAV / libav",
-    "trace_requests": "a directory: each server process writes a per-request timeline (stamps from HTTP "
-                      "receipt to the first chunk written), engine steps and GC pauses there; "
-                      "python bench/trace_report.py DIR joins them (default: off)",
+    "ingress_cpus": "CPUs Ray reserves per ingress (HAProxy)",
+    "ingress_body_bytes": "request body bytes the ingress reads for a routing key (HAProxy's tune.bufsize; a "
+                          "key past them: least loaded)",
 }
+_UNSET = {  # what a None default means
+    "device": "cuda if available", "dtype": "bfloat16 on cuda, float32 on cpu", "codec": "beside the model",
+    "codec_dtype": "bfloat16 on cuda, float32 on cpu",
+    "api_key": "none: open to all", "model_name": "--model", "voices_db": "$XDG_DATA_HOME/csmserve/voices.db",
+    "api_workers": "every core but three, 1 to 32",
+    "default_audio_length_ms": "30000 on real weights, 1000 on random ones, which never end a sentence",
+    "max_concurrent_requests": "no limit but the engine's: --max-slots + --max-waiting, then 503",
+    "max_slots": "as many as fit in free GPU memory; 8 on the CPU",
+    "prefix_cache_bytes": "half the GPU memory the slots and graphs leave free, at least 2 GiB; 64 MiB on the CPU",
+    "trace_requests": "off",
+    "ray_address": "a Ray instance of our own",
+    "min_replicas": "1 when autoscaling", "max_replicas": "--min-replicas, at least 1",
+    "target_ongoing_requests": "3/4 of --max-slots",
+    "gpus_per_replica": "1, or 0 with --device cpu",
+}
+# the server's flags in groups (the rest of a config's fields: its class's group)
+_GROUPS = {
+    "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db", "api_workers"),
+    "request limits": ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_clip_seconds",
+                       "max_context_turns", "max_context_chars", "max_context_total_chars", "max_audio_length_ms",
+                       "default_audio_length_ms", "audio_ms_per_char", "max_segment_ms", "max_concurrent_requests"),
+    "audio encoding": ("mp3_compression_level", "opus_complexity", "native_codecs", "encode_threads", "max_lead_s",
+                       "max_reader_lag_s"),
+    "slow clients": ("header_timeout_s", "body_timeout_s", "body_min_rate", "keep_alive_s", "max_header_bytes"),
+    "WebSocket sessions": ("session_idle_s", "max_sessions", "max_session_turns", "max_session_frames",
+                           "max_ws_message_bytes", "ws_turn_idle_s"),
+}
+_METAVARS = {"model": "ID|PATH", "codec": "PATH", "codec_dtype": "DTYPE", "log_level": "LEVEL", "host": "HOST",
+             "port": "PORT", "api_key": "KEY", "model_name": "NAME", "voices_db": "PATH|URL", "cors_origins": "ORIGINS",
+             "weights": "bf16|fp8|fp8-all", "trace_requests": "DIR", "ray_address": "ADDRESS", "app_name": "NAME"}
+_SUFFIXES = (("_ms", "MS"), ("_s", "SECONDS"), ("_seconds", "SECONDS"), ("_bytes", "BYTES"), ("_rate", "BYTES/S"))
 
 
-def _bool(s: str) -> bool:
-    v = s.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{s!r} is not a boolean (true/false)")
+def parse_bool(s: str) -> bool:
+    v = str(s).strip().lower()
+    if v in TRUE or v in FALSE:
+        return v in TRUE
+    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean: use {BOOLS}")
 
 
 def _parser_for(type_name: str) -> Callable[[str], Any]:
     if type_name.startswith("bool"):
-        return _bool
+        return parse_bool
     if type_name.startswith("int"):
         return int
     if type_name.startswith("float"):
@@ -97,30 +184,63 @@ def _env_default(name: str, default: Any, parse: Callable[[str], Any]) -> Any:
         return default
     try:
         return parse(raw)
-    except ValueError:
-        raise SystemExit(f"csmserve serve: {ENV_PREFIX}{name.upper()}={raw!r} is not a valid value") from None
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        why = f": {e}" if isinstance(e, argparse.ArgumentTypeError) else ""
+        raise SystemExit(f"csmserve serve: {ENV_PREFIX}{name.upper()}={raw!r} is not a valid value{why}") from None
+
+
+def _shown(value: Any) -> str:
+    """A default as the command line writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value} = {value >> 20} MiB"
+    return str(value)
+
+
+def _add(group: argparse._ArgumentGroup, name: str, default: Any, parse: Callable[[str], Any]) -> None:
+    shown = _UNSET.get(name, "not set") if default is None else _shown(default)
+    env = os.environ.get(ENV_PREFIX + name.upper())
+    if env:
+        shown += f"; {ENV_PREFIX}{name.upper()} is set"
+    kw: dict[str, Any] = dict(dest=name, type=parse, default=_env_default(name, default, parse),
+                              help=f"{_HELP.get(name, name.replace('_', ' '))} (default: {shown})")
+    if parse is parse_bool:
+        kw.update(nargs="?", const=True, metavar="BOOL")
+    else:
+        kw["metavar"] = _METAVARS.get(name) or next((m for suffix, m in _SUFFIXES if name.endswith(suffix)),
+                                                    {int: "N", float: "X"}.get(parse, name.upper()))
+    group.add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP/WebSocket server",
-                              description="Every flag also reads CSMSERVE_<FLAG> (e.g. CSMSERVE_API_KEY).")
-    for name, (default, help_) in _MODEL_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=_env_default(name, default, str),
-                       help=f"{help_} [env {ENV_PREFIX}{name.upper()}]")
-    p.add_argument("--ray", action="store_true", default=_env_default("ray", False, _bool),
-                   help="serve on Ray Serve: replicas of the engine behind one port (the 'ray' flags; "
-                        f"pip install 'csmserve[ray]'; docs/scale-out.md) [env {ENV_PREFIX}RAY]")
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP/WebSocket server", usage="%(prog)s [--FLAG VALUE ...]",
+        description=f"Every flag also reads {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}API_KEY=secret); a flag given "
+                    f"wins. BOOL: {BOOLS}; the flag alone is true. docs/api.md and docs/reliability.md say more.")
+    model = p.add_argument_group("model")
+    for name, default in _MODEL_FLAGS.items():
+        _add(model, name, default, str)
+    model.add_argument("--ray", action="store_true", default=_env_default("ray", False, parse_bool),
+                       help="serve on Ray Serve: replicas behind HAProxy on one port (the 'ray' flags; "
+                            "pip install 'csmserve[ray]'; docs/scale-out.md)")
+    group_of = {name: title for title, names in _GROUPS.items() for name in names}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for title in _GROUPS:
+        groups[title] = p.add_argument_group(title)
     for title, cls in (("server", ServerConfig), ("engine", EngineConfig), ("ray (with --ray)", RayConfig)):
-        group = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
-            parse = _parser_for(str(f.type))
             default = f.default if f.default is not dataclasses.MISSING else None
             if f.name == "model_name":
                 default = None  # not given: --model
-            help_ = _HELP.get(f.name, f.name.replace("_", " "))
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse,
-                               default=_env_default(f.name, default, parse),
-                               help=f"{help_} (default: {default}) [env {ENV_PREFIX}{f.name.upper()}]")
+            key = group_of.get(f.name, title)
+            if key not in groups:
+                groups[key] = p.add_argument_group(key)
+            _add(groups[key], f.name, default, _parser_for(str(f.type)))
     return p
 
 
@@ -134,7 +254,3 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     if server["model_name"] is None:  # not set: report --model
         server["model_name"] = args.model
     return ServerConfig(**server), EngineConfig(**pick(EngineConfig))
-
-
-def _default(cls: type, name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -21,17 +21,15 @@ from starlette.requests import ClientDisconnect
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from csmserve.audio import MEDIA_TYPES, Encoder, make_encoder
+from csmserve.audio import MEDIA_TYPES, Encoder
 from csmserve.config import FRAME_SAMPLES, SAMPLE_RATE
 from csmserve.engine import trace
 from csmserve.engine.request import AudioChunk
 from csmserve.server import openapi
-from csmserve.prompt.segments import segment_spans
-from csmserve.server.dialogue import Script, build_dialogue, is_dialogue
 from csmserve.server.errors import APIError
 from csmserve.server.lead import Lead
 from csmserve.server.schemas import SpeechRequest, check_json_type, parse_body
-from csmserve.server.state import ServerState
+from csmserve.server.state import Script, ServerState
 from csmserve.server.timestamps import SegmentClock
 
 log = logging.getLogger("csmserve.server")
@@ -69,20 +67,13 @@ async def create_speech(http: Request) -> StreamingResponse:
     state: ServerState = http.app.state.server
     check_json_type(http.headers.get("content-type"))
     body = await parse_body(await http.body(), SpeechRequest)  # parsed here, not by FastAPI: see schemas.py
-    if is_dialogue(body):
-        request, script = await build_dialogue(state, body)
-        spans = None
-    else:
-        state.check_input(body.input)
-        request, speaker, texts = await state.speech_request(body.input, body.voice, body, body.context)
-        script, spans = Script(texts, [speaker] * len(texts), [0] * len(texts)), segment_spans(body.input, texts)
-    encoder = make_encoder(body.response_format, speed=body.speed,
-                           codec_options=state.codec_options(body.response_format), native=state.config.native_codecs)
+    plan = await state.plan(body)  # checked, voices and context resolved, the Request built
+    request, encoder = plan.request, plan.encoder()
     chunks = state.stream(request, arrival)
     first = await _first_or_gone(chunks, http)
     headers = {"X-Request-Id": request.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if body.stream_format == "sse":
-        timing = _Timing(script, spans, body.speed, dialogue=is_dialogue(body), enabled=body.add_timestamps)
+        timing = _Timing(plan.script, plan.spans, body.speed, dialogue=plan.dialogue, enabled=body.add_timestamps)
         content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing, state.lead,
                        body.speed, state.encode_pool)
         return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)

@@ -1,39 +1,97 @@
-"""What every route shares: the model, the voice store, the limits, the metrics, the one path from
-(voice, context, text) to what CSM's request builders take (CSM.request / long_request, TextFeed.open:
-CSM builds every Request) to a stream of AudioChunks, and the WebSocket's conversation sessions
-(server/sessions.py)."""
+"""What every route shares: the model, the voice store, the limits, the metrics, the WebSocket's
+conversation sessions (server/sessions.py), and the one path from a speech request to a stream of
+AudioChunks: a route asks `plan` (POST /v1/audio/speech) or `plan_turn` (a WebSocket turn) once for its
+SpeechPlan (input checked, voices and context resolved, caps sized, the Request built by CSM's builders:
+CSM.request / long_request, TextFeed.open), then streams its request (`stream`)."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from csmserve.audio import AudioDecodeError, AudioTooLongError, decode_audio_24k
+from csmserve.audio import AudioDecodeError, AudioTooLongError, Encoder, decode_audio_24k, make_encoder
 from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig, reading_ms
 from csmserve.engine import trace
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError
+from csmserve.prompt.segments import segment_spans, split_sentences
+from csmserve.server.dialogue import is_dialogue, read_dialogue
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.lead import Lead, LoopLoad
 from csmserve.server.metrics import Metrics
-from csmserve.server.schemas import ContextTurn, SamplingFields, VoiceRef
+from csmserve.server.schemas import ContextTurn, SamplingFields, SpeechRequest, VoiceRef
 from csmserve.server.sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
 
 if TYPE_CHECKING:
-    from csmserve.api import CSM, Segment
+    from csmserve.api import CSM, Segment, TextFeed
 
 log = logging.getLogger("csmserve.server")
 # a speech input up to this long (and no context turns) is split and tokenized on the event loop: tens of
 # microseconds, where a thread's result waits for a busy loop to come back to it (a loaded worker's TTFA)
 INLINE_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class RequestArgs:
+    """One speech request's choices, resolved in one place (ServerState.resolve): who speaks, after what
+    (the voice's clip, a dialogue's voices' clips, the context turns, a session's fixed context), how it is
+    sampled, its caps. `kw()`: what CSM's request builders take. A new per-request choice (e.g. a LoRA
+    adapter from the `model` field or from the voice) is one field here and one step in `resolve`."""
+
+    speaker: int
+    context: tuple[Segment, ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    max_audio_length_ms: int  # the whole response
+    max_segment_length_ms: int | None  # each segment of a long-form request (None: one segment)
+
+    def kw(self) -> dict:
+        """CSM.request / long_request / history_overflow / TextFeed.open's keywords; fit_cap: a cap the slot
+        cannot hold is refused (400), not cut at the slot's end."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**kw, "context": list(self.context), "fit_cap": True}
+
+
+@dataclass(frozen=True)
+class Script:
+    """What each segment of a request speaks: its text, speaker id and line (0 for a plain input)."""
+
+    texts: list[str]
+    speakers: list[int]
+    lines: list[int]
+
+
+@dataclass(frozen=True)
+class SpeechPlan:
+    """Everything one speech request needs, asked of the state once (`plan`, `plan_turn`): the built Request,
+    the choices it was built with, what each segment speaks (spans: where in a plain `input`), and what the
+    response encodes with. The route then only streams it (`stream`)."""
+
+    request: Request
+    args: RequestArgs
+    script: Script
+    spans: list[tuple[int, int]] | None = None  # each segment's [start, end) in a plain input
+    dialogue: bool = False
+    response_format: str = "pcm"
+    speed: float = 1.0
+    codec_options: dict[str, str] | None = None  # --mp3-compression-level, --opus-complexity
+    native_codecs: bool | None = None
+
+    def encoder(self) -> Encoder:
+        return make_encoder(self.response_format, speed=self.speed, codec_options=self.codec_options,
+                            native=self.native_codecs)
 
 
 class ServerState:
@@ -73,7 +131,7 @@ class ServerState:
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
         return self.csm.client.stats() if self.ready else None
 
-    def codec_options(self, fmt: str) -> dict[str, str] | None:
+    def _codec_options(self, fmt: str) -> dict[str, str] | None:
         """The encoder effort the server was started with (--mp3-compression-level, --opus-complexity)."""
         if fmt == "mp3":
             return {"compression_level": str(self.config.mp3_compression_level)}
@@ -81,7 +139,7 @@ class ServerState:
             return {"compression_level": str(self.config.opus_complexity)}
         return None
 
-    def check_input(self, text: str, param: str = "input") -> str:
+    def _check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
             raise APIError(400, f"'{param}' must not be empty", "empty_input", param)
         if len(text) > self.config.max_input_chars:
@@ -89,7 +147,7 @@ class ServerState:
                            "input_too_long", param)
         return text
 
-    def audio_length_ms(self, asked: int | None, chars: int = 0) -> int:
+    def _audio_length_ms(self, asked: int | None, chars: int = 0) -> int:
         """The whole response's cap: as asked (at most --max-audio-length-ms), else enough for the text
         (--audio-ms-per-char per character, at least --default-audio-length-ms: 30 s, or 1 s on random
         weights, which never end a sentence; at most the limit)."""
@@ -102,8 +160,134 @@ class ServerState:
                               "max_audio_length_ms")
         return asked
 
+    # ---- a speech request's plan
+    async def plan(self, body: SpeechRequest) -> SpeechPlan:
+        """POST /v1/audio/speech's body -> its plan. A plain input of several sentences is long-form, spoken
+        sentence by sentence in one slot (each seeing the earlier ones); a dialogue (server/dialogue.py) is
+        one long-form request: each voice's clip as the speaker id it has there, then `context`, then every
+        line's sentences with their speakers."""
+        encoding = dict(response_format=body.response_format, speed=body.speed,
+                        codec_options=self._codec_options(body.response_format),
+                        native_codecs=self.config.native_codecs)
+        if is_dialogue(body):
+            voices, segs = read_dialogue(body, self._check_input)
+            limit = self.config.max_context_turns
+            if len(voices) + len(body.context) > limit:
+                raise bad_request(f"the dialogue's {len(voices)} voices and {len(body.context)} context turns are "
+                                  f"more than {limit} context turns (--max-context-turns)", "input",
+                                  "context_too_long")
+            texts, speakers = [t for _, _, t in segs], [s for _, s, _ in segs]
+            # the whole script's text sizes the response's cap; each line's sentences get the sentence cap
+            args = await self.resolve(body.model_copy(update={"speaker": speakers[0]}), None, body.context,
+                                      cast=voices, cast_param="voices" if body.voices else "input",
+                                      total_chars=sum(map(len, texts)), segment_chars=max(map(len, texts)),
+                                      segmented=True)
+            request = await self._build(lambda: self.csm.long_request(texts, speakers=speakers, **args.kw()))
+            return SpeechPlan(request, args, Script(texts, speakers, [i for i, _, _ in segs]), dialogue=True,
+                              **encoding)
+        text = self._check_input(body.input)
+        short = len(text) <= INLINE_CHARS
+        texts = split_sentences(text) if short else await asyncio.to_thread(split_sentences, text)
+        long = len(texts) > 1
+        args = await self.resolve(body, body.voice, body.context, total_chars=len(text),
+                                  segment_chars=max(map(len, texts)) if long else None, segmented=long)
+        csm = self.csm
+        request = await self._build(lambda: csm.long_request(texts, **args.kw()) if long else
+                                    csm.request(text, **args.kw()), inline=short and not body.context)
+        texts = texts or [text]
+        return SpeechPlan(request, args, Script(texts, [args.speaker] * len(texts), [0] * len(texts)),
+                          spans=segment_spans(text, texts), **encoding)
+
+    async def plan_turn(self, session: Session, feed: TextFeed) -> SpeechPlan:
+        """A WebSocket turn -> its plan: ONE open long-form request (TextFeed.open: the segments so far;
+        the rest is appended as they complete) with the session's voice, settings and fixed context, then
+        its conversation. The oldest segments of the conversation go first when the prompt would not fit
+        the model's context: counted from each segment's frames (CSM.history_overflow), built once,
+        dropped from the session (also when even the fixed context does not fit: the request's error says
+        why)."""
+        args = await self.resolve(session.fields, session.voice, segments=session.context,
+                                  total_chars=self.config.max_input_chars, segmented=True)
+        csm, history, cut = self.csm, session.history(), []
+
+        def build() -> Request:
+            kw = args.kw()
+            cut.append(csm.history_overflow(feed.texts[0], history, **kw))
+            return feed.open(**{**kw, "context": kw["context"] + history[cut[0]:]})
+
+        try:
+            request = await self._build(build)
+        finally:
+            if cut:
+                session.drop_oldest_segments(cut[0])
+        texts = list(feed.texts)
+        return SpeechPlan(request, args, Script(texts, [args.speaker] * len(texts), [0] * len(texts)))
+
+    async def resolve(self, fields: SamplingFields, voice: str | VoiceRef | None = None,
+                      turns: Sequence[ContextTurn] = (), segments: Sequence[Segment] = (), *,
+                      cast: dict[str, int] | None = None, cast_param: str = "input", total_chars: int,
+                      segment_chars: int | None = None, segmented: bool = False) -> RequestArgs:
+        """The one resolution of a request's choices. The speaker: `fields.speaker`, else the voice's. The
+        context: the voice's clip, each of a dialogue's `cast` voices' clips (as the speaker id it has there),
+        the context `turns` (encoded here), then `segments` (a session's fixed context). The caps:
+        max_audio_length_ms caps the whole (as asked, else sized for `total_chars`; a single sentence's
+        max_segment_length_ms caps it too); segmented (one segment of several: a long input's sentences, a
+        dialogue's lines, a WebSocket turn's): max_segment_length_ms each segment too (as asked, else enough
+        for the longest, `segment_chars`, as the whole is sized, at most --max-segment-ms)."""
+        from csmserve.api import Segment
+
+        self.require_ready()
+        max_ms = self._audio_length_ms(fields.max_audio_length_ms, total_chars)
+        if not segmented and fields.max_segment_length_ms is not None:  # one sentence: its cap is the whole's
+            max_ms = min(max_ms, fields.max_segment_length_ms)
+        seg_ms = None
+        if segmented:
+            asked = fields.max_segment_length_ms
+            seg_ms = asked or self.config.max_segment_ms
+            if segment_chars is not None and asked is None:
+                seg_ms = min(seg_ms, reading_ms(segment_chars, self.config.audio_ms_per_char))
+            seg_ms = min(max_ms, seg_ms)
+        context = []
+        resolved = await self._resolve_voice(voice) if voice is not None else None  # None: no voice clip
+        if resolved is not None and resolved.voice is not None:
+            context.append(Segment.of_voice(resolved.voice, resolved.speaker))
+        for key, speaker in (cast or {}).items():  # a dialogue's voices, each as the id it speaks with there
+            clip = (await self._resolve_voice(key, cast_param)).voice
+            if clip is not None:
+                context.append(Segment.of_voice(clip, speaker))
+        context += await self.context_segments(turns)
+        context += segments
+        speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
+        return RequestArgs(speaker, tuple(context), fields.temperature, fields.top_k, fields.top_p, fields.seed,
+                           max_ms, seg_ms)
+
+    async def _build(self, build: Callable[[], Request], param: str = "context", inline: bool = False) -> Request:
+        """build(), one of CSM's request builders, in a thread (a long prompt's tokenizing never runs on the
+        event loop: every stream and /health share it), or here with `inline` (a short text without
+        context: tens of microseconds, less than the wait for the loop to come back to a thread's result
+        while it is busy encoding); a prompt that does not fit is a 400."""
+        tr = trace.current()
+        t_built = [0.0]  # the builder done (in the thread: the rest of the hop is the loop's lag)
+
+        def run() -> Request:
+            try:
+                request = build()
+            except ValueError as e:
+                code = "context_too_long" if "too long" in str(e) else "invalid_value"
+                raise bad_request(str(e), param, code) from None
+            self.last_prompt = (request.tokens, request.mask)
+            if tr is not None:
+                t_built[0] = time.perf_counter()
+            return request
+
+        if tr is None:
+            return run() if inline else await asyncio.to_thread(run)
+        t0 = time.perf_counter()
+        request = run() if inline else await asyncio.to_thread(run)
+        tr.stamp(request.request_id, build0=t0, build1=t_built[0], built=time.perf_counter())
+        return request
+
     # ---- voices and context
-    async def resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
+    async def _resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
         key = voice.id if isinstance(voice, VoiceRef) else voice
         if isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES:
             return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # a preset: no store read, no thread
@@ -163,85 +347,6 @@ class ServerState:
         if total > self.config.max_context_total_chars:
             raise bad_request(f"the text of '{param}' is {total} characters; the limit is "
                               f"{self.config.max_context_total_chars}", param, "context_too_long")
-
-    async def speech_args(self, voice: str | VoiceRef | None, fields: SamplingFields,
-                          turns: Sequence[ContextTurn] = (), extra: Sequence[Segment] = (), *, total_chars: int,
-                          segment_chars: int | None = None, segmented: bool = False) -> dict:
-        """What a route gives CSM's request builders (CSM.request / CSM.long_request / TextFeed.open):
-        the speaker and the context (the voice's clip, then the context turns, then `extra`), the
-        sampling fields and the caps: max_audio_length_ms caps the whole (as asked, else sized for
-        `total_chars`; a single sentence's max_segment_length_ms caps it too); segmented (one segment of
-        several: a long input's sentences, a dialogue's lines, a WebSocket turn's): max_segment_length_ms
-        each segment too (as asked, else enough for the longest, `segment_chars`, as the whole is sized,
-        at most --max-segment-ms). fit_cap: a cap the slot cannot hold is refused (400), not cut at the
-        slot's end."""
-        from csmserve.api import Segment
-
-        self.require_ready()
-        max_ms = self.audio_length_ms(fields.max_audio_length_ms, total_chars)
-        if not segmented and fields.max_segment_length_ms is not None:  # one sentence: its cap is the whole's
-            max_ms = min(max_ms, fields.max_segment_length_ms)
-        seg_ms = None
-        if segmented:
-            asked = fields.max_segment_length_ms
-            seg_ms = asked or self.config.max_segment_ms
-            if segment_chars is not None and asked is None:
-                seg_ms = min(seg_ms, reading_ms(segment_chars, self.config.audio_ms_per_char))
-            seg_ms = min(max_ms, seg_ms)
-        resolved = await self.resolve_voice(voice) if voice is not None else None  # None: no voice clip
-        context = [Segment.of_voice(resolved.voice, resolved.speaker)] \
-            if resolved is not None and resolved.voice is not None else []
-        context += await self.context_segments(turns)
-        context += list(extra)
-        speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
-        return dict(speaker=speaker, context=context, temperature=fields.temperature, top_k=fields.top_k,
-                    top_p=fields.top_p, seed=fields.seed, max_audio_length_ms=max_ms, max_segment_length_ms=seg_ms,
-                    fit_cap=True)
-
-    async def build(self, builder: Callable[..., Request], *args, param: str = "context", inline: bool = False,
-                    **kw) -> Request:
-        """builder(*args, **kw), one of CSM's request builders, in a thread (a long prompt's tokenizing never
-        runs on the event loop: every stream and /health share it), or here with `inline` (a short text
-        without context: tens of microseconds, less than the wait for the loop to come back to a thread's
-        result while it is busy encoding); a prompt that does not fit is a 400."""
-        tr = trace.current()
-        t_built = [0.0]  # the builder done (in the thread: the rest of the hop is the loop's lag)
-
-        def run() -> Request:
-            try:
-                request = builder(*args, **kw)
-            except ValueError as e:
-                code = "context_too_long" if "too long" in str(e) else "invalid_value"
-                raise bad_request(str(e), param, code) from None
-            self.last_prompt = (request.tokens, request.mask)
-            if tr is not None:
-                t_built[0] = time.perf_counter()
-            return request
-
-        if tr is None:
-            return run() if inline else await asyncio.to_thread(run)
-        t0 = time.perf_counter()
-        request = run() if inline else await asyncio.to_thread(run)
-        tr.stamp(request.request_id, build0=t0, build1=t_built[0], built=time.perf_counter())
-        return request
-
-    async def speech_request(self, text: str, voice: str | VoiceRef | None, fields: SamplingFields,
-                             turns: Sequence[ContextTurn] = ()) -> tuple[Request, int, list[str]]:
-        """POST /v1/audio/speech's plain input -> (its Request, the speaker, its segments): text of several
-        sentences is long-form, spoken sentence by sentence in one slot (each seeing the earlier ones)."""
-        from csmserve.prompt.segments import split_sentences
-
-        short = len(text) <= INLINE_CHARS
-        texts = split_sentences(text) if short else await asyncio.to_thread(split_sentences, text)
-        inline = short and not turns
-        if len(texts) > 1:
-            kw = await self.speech_args(voice, fields, turns, total_chars=len(text),
-                                        segment_chars=max(len(t) for t in texts), segmented=True)
-            request = await self.build(self.require_ready().long_request, texts, inline=inline, **kw)
-        else:
-            kw = await self.speech_args(voice, fields, turns, total_chars=len(text))
-            request = await self.build(self.require_ready().request, text, inline=inline, **kw)
-        return request, kw["speaker"], texts or [text]
 
     # ---- generation
     async def stream(self, request: Request, arrival: float,

@@ -3,9 +3,10 @@ cancel. The protocol is in docs/api.md.
 
 A context's text pieces form its current *turn* (an `Utterance`): they go through its TextFeed
 (csmserve/api.py: sentences, clauses when long), and as soon as the first segment is complete the turn
-becomes ONE open long-form request (TextFeed.open: CSM.long_request, with what ServerState.speech_args
-gives): later segments are appended to it (EngineClient.append) as they complete, in the same slot, the
-codec state running on (one continuous audio stream); `flush` / `close` ends the input (the rest of the
+becomes ONE open long-form request (ServerState.plan_turn: TextFeed.open, CSM.long_request over the
+session's voice, settings, context and conversation): later segments are appended to it
+(EngineClient.append) as they complete, in the same slot, the codec state running on (one continuous
+audio stream); `flush` / `close` ends the input (the rest of the
 buffer is spoken, then EngineClient.close and a `flush_done`). Every audio message says which segment
 of the turn's text it speaks (index, text, character offsets).
 
@@ -36,7 +37,7 @@ from pydantic import ValidationError
 
 from csmserve.audio.encoders import to_s16le
 from csmserve.engine import trace
-from csmserve.engine.request import AudioChunk, Request
+from csmserve.engine.request import AudioChunk
 from csmserve.prompt.segments import segment_spans
 from csmserve.server.errors import APIError, check_bearer, validation_error
 from csmserve.server.schemas import WsRequest
@@ -309,8 +310,8 @@ class Connection:
         session.busy += 1
         try:
             # one long-form request: the segments so far go in now; the rest is appended as they complete
-            request, speaker = await self._request(turn)
-            codes = turn.codes
+            plan = await self.state.plan_turn(session, turn.text_feed)
+            request, speaker, codes = plan.request, plan.args.speaker, turn.codes
             turn.request_id, turn.speaker = request.request_id, speaker
             frames, reason, shown, clock = 0, None, -1, SegmentClock()
             async for chunk in self.state.stream(request, arrival, turn.text_feed.start if request.open else None):
@@ -338,25 +339,6 @@ class Connection:
                 "num_frames": frames, "finish_reason": reason, "num_segments": len(turn.texts),
                 "text_end": turn.spans[-1][1] if turn.spans else 0}
         await self.send({**done, "idle_timeout": True} if turn.idle_timeout else done)
-
-    async def _request(self, turn: Utterance) -> tuple[Request, int]:
-        # the oldest segments of the conversation go first when the prompt would not fit the model's
-        # context: counted from each segment's frames (CSM.history_overflow), built once, dropped from the
-        # session (also when even the fixed context does not fit: the request's error says why)
-        session, csm = turn.session, self.state.csm
-        kw = await self.state.speech_args(session.voice, session.fields, (), session.context,
-                                          total_chars=self.state.config.max_input_chars, segmented=True)
-        history, cut = session.history(), []
-
-        def build() -> Request:
-            cut.append(csm.history_overflow(turn.texts[0], history, **kw))
-            return turn.text_feed.open(**{**kw, "context": kw["context"] + history[cut[0]:]})
-
-        try:
-            return await self.state.build(build), kw["speaker"]
-        finally:
-            if cut:
-                session.drop_oldest_segments(cut[0])
 
     async def _send_audio(self, turn: Utterance, chunk: AudioChunk, new_segment: bool) -> None:
         audio = chunk.audio

@@ -249,3 +249,31 @@ def test_engine_slots_sized_from_memory_unless_given():
         c.close()
     with pytest.raises(ValueError, match="max_slots"):
         Scheduler(EngineConfig())
+
+
+def _help_problems(parser) -> list[str]:
+    """Each option of `parser` whose help line is missing, only repeats the flag's name, is a few words, shows
+    "None" as its default or shows two defaults."""
+    bad = []
+    for action in parser._actions:
+        if not action.option_strings or action.help == "==SUPPRESS==" or "-h" in action.option_strings:
+            continue
+        flag = action.option_strings[-1]
+        text = " ".join((action.help or "").split())
+        what = text.split("(default")[0].lower().replace("-", " ").replace("_", " ").strip(" .;:")
+        if not what or what == flag.lstrip("-").replace("-", " ") or len(what.split()) < 3:
+            bad.append(f"{flag}: {text!r} says nothing")
+        if "default: None" in text or "default None" in text:
+            bad.append(f"{flag}: {text!r} shows None as its default")
+        if text.lower().count("default") > 1 and text.count("(default") > 1:
+            bad.append(f"{flag}: {text!r} shows two defaults")
+    return bad
+
+
+@pytest.mark.parametrize("command", ["serve", "speak", "bench"])
+def test_every_flag_says_what_it_does_and_its_default(command):
+    from csmserve.apps.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    assert _help_problems(sub) == []
+    assert "(default: None)" not in sub.format_help()

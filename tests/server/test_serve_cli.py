@@ -85,3 +85,42 @@ def test_codec_stream_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse(["--codec-stream", "sometimes"])
     assert "codec-stream" in capsys.readouterr().err
+
+
+def test_help_names_every_flag_and_what_an_unset_default_means(capsys, monkeypatch):
+    """`serve --help`: every config field's flag has a help line of its own (server/flags.py's _HELP) and, where
+    the field's default is None, what that means (_UNSET); one default each; booleans list what they take."""
+    import dataclasses
+
+    from csmserve.config import RayConfig
+    from csmserve.server import flags
+
+    for cls in (ServerConfig, EngineConfig, RayConfig):
+        for f in dataclasses.fields(cls):
+            assert f.name in flags._HELP, f"--{f.name} has no help line in server/flags.py's _HELP"
+            if f.default is None or f.name == "model_name":
+                assert f.name in flags._UNSET, f"--{f.name}'s None default needs its meaning in _UNSET"
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
+    assert "(default: None)" not in text and "(default: --model)" in text and "every core but three" in text
+    assert len(out.splitlines()) < 250  # it was 318 lines
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("1", True), ("yes", True), ("ON", True), (None, True),
+                                         ("false", False), ("0", False), ("no", False), ("off", False)])
+def test_booleans_take_the_usual_spellings(value, want):
+    argv = ["--native-codecs"] + ([] if value is None else [value])  # the flag alone: true
+    assert configs(parse(argv))[0].native_codecs is want
+
+
+def test_a_bad_boolean_names_what_it_takes(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        parse(["--native-codecs", "maybe"])
+    err = capsys.readouterr().err
+    assert "--native-codecs" in err and "true/false, 1/0, yes/no" in err
+    monkeypatch.setenv("CSMSERVE_CODEC_STREAM", "perhaps")
+    with pytest.raises(SystemExit, match="CSMSERVE_CODEC_STREAM='perhaps' .* true/false, 1/0, yes/no"):
+        parse([])

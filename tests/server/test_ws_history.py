@@ -1,4 +1,4 @@
-"""A WebSocket turn's prompt over its conversation (Connection._request: CSM.history_overflow, then one
+"""A WebSocket turn's prompt over its conversation (ServerState.plan_turn: CSM.history_overflow, then one
 build) against the way it was built before: the whole prompt rebuilt, the oldest segment dropped,
 rebuilt again until it fit (frozen below). The same prompt frames, prefix, boundaries, later segments
 and the same session left behind, for conversations of several lengths, truncation cut inside a turn,
@@ -130,23 +130,24 @@ def _message(cid: str, text: str, **settings) -> WsRequest:
 
 
 async def _both(state: ServerState, cid: str, old: Session, text: str, **settings):
-    """One turn through the server (handle + _request) and through the frozen builder on `old`."""
+    """One turn through the server (handle + plan_turn) and through the frozen builder on `old`."""
     conn = Connection(None, state, binary=True, progress=False)
     await conn.handle(_message(cid, text, **settings))
     job = conn.jobs.popleft()
     s = job.session
-    kw = await state.speech_args(s.voice, s.fields, (), s.context, total_chars=state.config.max_input_chars,
-                                 segmented=True)
+    kw = (await state.resolve(s.fields, s.voice, segments=s.context, total_chars=state.config.max_input_chars,
+                              segmented=True)).kw()
     try:
         want = _old_turn(state.csm, old, job.texts, kw)
     except ValueError as e:
         want = e
     try:
-        request, speaker = await conn._request(job)
+        plan = await state.plan_turn(s, job.text_feed)
     except APIError as e:
         assert isinstance(want, ValueError) and e.code == "context_too_long" and "too long" in str(want), e
         return s, None
     assert not isinstance(want, Exception), want
+    request = plan.request
     tokens, mask, prefix, bounds, later = want
     np.testing.assert_array_equal(request.tokens, tokens)
     np.testing.assert_array_equal(request.mask, mask)
@@ -156,7 +157,7 @@ async def _both(state: ServerState, cid: str, old: Session, text: str, **setting
     for (t, m), (t2, m2) in zip(request.segments, later):
         np.testing.assert_array_equal(t, t2)
         np.testing.assert_array_equal(m, m2)
-    assert speaker == kw["speaker"]
+    assert plan.args.speaker == kw["speaker"]
     return s, request
 
 

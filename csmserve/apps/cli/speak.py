@@ -38,37 +38,47 @@ def add_speak_parser(sub: argparse._SubParsersAction) -> None:
                      help="output file (.wav .mp3 .flac .opus .ogg .pcm .aac, or .npy for the Mimi codes); "
                           "- writes the audio bytes to stdout")
     src.add_argument("--format", choices=FORMATS, default=None,
-                     help="output format (default: from OUT's extension; wav for stdout). "
-                          "pcm is 24 kHz s16le mono without a header")
+                     help="the output's format; pcm is 24 kHz s16le mono without a header (default: from OUT's "
+                          "extension; wav for stdout)")
     model = p.add_argument_group("model (in-process)")
-    model.add_argument("--model", default="sesame/csm-1b",
-                       help="hub id, local directory, or dummy / dummy-tiny (random weights, no download)")
+    model.add_argument("--model", default="sesame/csm-1b", metavar="ID|PATH",
+                       help="hub id, local directory, or dummy / dummy-tiny (random weights, no download) "
+                            "(default: sesame/csm-1b)")
     model.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                       help="default: bfloat16 on cuda, float32 on cpu")
-    model.add_argument("--codec", default=None, help="Mimi weights (default: beside the model)")
+                       help="the model's dtype (default: bfloat16 on cuda, float32 on cpu)")
+    model.add_argument("--codec", default=None, metavar="PATH",
+                       help="Mimi's weights: a kyutai/mimi directory or moshi safetensors (default: beside the model)")
     server = p.add_argument_group("server (instead of in-process)")
     server.add_argument("--url", default=None,
-                        help="a running `csmserve serve` (e.g. http://localhost:8000): POST /v1/audio/speech")
-    server.add_argument("--api-key", default=os.environ.get("CSMSERVE_API_KEY"),
-                        help="Bearer key for --url [env CSMSERVE_API_KEY]")
+                        help="a running `csmserve serve` (e.g. http://localhost:8000): POST /v1/audio/speech "
+                             "(default: the model in this process)")
+    server.add_argument("--api-key", default=os.environ.get("CSMSERVE_API_KEY"), metavar="KEY",
+                        help="Bearer key for --url (default: $CSMSERVE_API_KEY, else none)")
     voice = p.add_argument_group("voice")
     voice.add_argument("--voice", default=None,
-                       help="a stored voice's id or name (or an OpenAI voice name); with --url the server's")
-    voice.add_argument("--voices-db", default=None,
+                       help="a stored voice's id or name, or an OpenAI voice name; with --url the server's "
+                            "(default: none, speaker 0; alloy with --url)")
+    voice.add_argument("--voices-db", default=None, metavar="PATH|URL",
                        help="stored voices: an SQLite file or a postgresql:// URL "
                             "(default: $XDG_DATA_HOME/csmserve/voices.db)")
     voice.add_argument("--ref-audio", metavar="FILE", default=None,
-                       help="a one-off reference clip (any common audio file) to speak like")
-    voice.add_argument("--ref-text", default=None, help="what --ref-audio says (required with it)")
-    voice.add_argument("--speaker", type=int, default=None, help="CSM speaker id 0..255 (default: the voice's, or 0)")
+                       help="a one-off reference clip (any common audio file) to speak like (default: none)")
+    voice.add_argument("--ref-text", default=None, metavar="TEXT", help="what --ref-audio says (required with it)")
+    voice.add_argument("--speaker", type=int, default=None, metavar="ID",
+                       help="CSM speaker id 0..255 (default: the voice's, or 0)")
     samp = p.add_argument_group("sampling")
-    samp.add_argument("--temperature", type=float, default=0.9, help="0 = greedy (default 0.9)")
-    samp.add_argument("--top-k", type=int, default=50, help="<= 0 disables (default 50)")
-    samp.add_argument("--top-p", type=float, default=1.0, help="(default 1.0)")
-    samp.add_argument("--seed", type=int, default=None, help="same seed + same text = same audio (default: random)")
-    samp.add_argument("--max-audio-length-ms", type=int, default=None,
-                      help="cap on each sentence's audio (default: the model's / server's)")
+    samp.add_argument("--temperature", type=float, default=0.9, metavar="X",
+                      help="sampling temperature; 0: greedy (default: 0.9)")
+    samp.add_argument("--top-k", type=int, default=50, metavar="K",
+                      help="sample among the K most likely codes; <= 0: all (default: 50)")
+    samp.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                      help="sample among the most likely codes holding P of the probability; 1: all (default: 1.0)")
+    samp.add_argument("--seed", type=int, default=None, metavar="N",
+                      help="same seed + same text = same audio (default: random)")
+    samp.add_argument("--max-audio-length-ms", type=int, default=None, metavar="MS",
+                      help="cap on each sentence's audio (default: 20000, a reader's length on random weights; "
+                           "with --url the server's --max-segment-ms)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary on stderr")
     p.set_defaults(func=speak)
 
