@@ -85,6 +85,9 @@ _HELP = {
                       "new text (its slot freed)",
     # EngineConfig
     "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
+    "max_loras": "LoRA adapters resident on the GPU at once (the pool's slots, LRU; 0: no pool, no LoRA)",
+    "max_lora_rank": "the largest adapter rank the pool takes (its A and B are padded to it)",
+    "max_cpu_loras": "adapters loaded at once, their weights in pinned host memory (one more is refused: unload one first)",
     "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
     "max_seq_len": "positions per slot: prompt frames + generated frames",
     "prefill_token_budget": "prompt positions prefilled per engine step over all slots (docs/benchmarks.md: "
