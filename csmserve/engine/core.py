@@ -290,6 +290,9 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
         else:
             engine = build_engine(csm.model, csm.mimi, config, start=False, ring_path=spec.ring_path,
                                   ring_slots=RING_SLOTS)
+        take = getattr(csm, "take_adapters", None)  # CSM(adapters=...): read by load, served from the first step
+        if take is not None:
+            engine.register_adapters(take())
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
         if os.path.exists(spec.address):
             os.unlink(spec.address)
