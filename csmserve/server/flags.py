@@ -162,7 +162,8 @@ _GROUPS = {
 }
 _METAVARS = {"model": "ID|PATH", "codec": "PATH", "codec_dtype": "DTYPE", "log_level": "LEVEL", "host": "HOST",
              "port": "PORT", "api_key": "KEY", "model_name": "NAME", "voices_db": "PATH|URL", "cors_origins": "ORIGINS",
-             "weights": "bf16|fp8|fp8-all", "trace_requests": "DIR", "lora_dir": "DIR", "ray_address": "ADDRESS", "app_name": "NAME"}
+             "weights": "bf16|fp8|fp8-all", "trace_requests": "DIR", "lora_dir": "DIR", "ray_address": "ADDRESS",
+             "app_name": "NAME"}
 _SUFFIXES = (("_ms", "MS"), ("_s", "SECONDS"), ("_seconds", "SECONDS"), ("_bytes", "BYTES"), ("_rate", "BYTES/S"))
 
 
@@ -241,11 +242,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         groups[title] = p.add_argument_group(title)
     env = os.environ.get(ENV_PREFIX + "LORA")
     groups["LoRA adapters"].add_argument(
-        "--lora", action="append", metavar="NAME=PATH", type=_lora_arg,
-        default=[_lora_arg(x) for x in env.split(",") if x.strip()] if env else None,
-        help="serve the PEFT / unsloth adapter directory PATH as NAME (a request's `model`); any number "
-             "(default: none"
-             + (f"; {ENV_PREFIX}LORA is set, comma-separated" if env else "") + ")")
+        "--lora", action="extend", metavar="NAME=PATH", type=_lora_args, default=None,
+        help="serve the PEFT / unsloth adapter directory PATH as NAME (a request's `model`); any number, or "
+             "comma-separated (default: none"
+             + (f"; {ENV_PREFIX}LORA is set" if env else "") + ")")
     for title, cls in (("server", ServerConfig), ("engine", EngineConfig), ("ray (with --ray)", RayConfig)):
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
@@ -258,14 +258,29 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def _lora_arg(value: str) -> tuple[str, str]:
-    """`--lora NAME=PATH` (or PATH: named after its directory) -> (name, path)."""
-    name, sep, path = value.partition("=")
-    if not sep:
-        name, path = os.path.basename(os.path.normpath(value)), value
-    if not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
-    return name.strip(), path.strip()
+def _lora_args(value: str) -> list[tuple[str, str]]:
+    """`--lora NAME=PATH[,NAME=PATH...]` (PATH alone: named after its directory) -> [(name, path)]."""
+    out = []
+    for item in (x.strip() for x in value.split(",")):
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(item)), item
+        if not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=PATH")
+        out.append((name.strip(), path.strip()))
+    return out
+
+
+def lora_list(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora's (name, path) pairs as given, else CSMSERVE_LORA's (a flag given wins, as everywhere)."""
+    given = getattr(args, "lora", None)
+    if given is not None:
+        return given
+    env = os.environ.get(ENV_PREFIX + "LORA")
+    try:
+        return _lora_args(env) if env and env.strip() else []
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{ENV_PREFIX}LORA={env!r}: {e}") from None
 
 
 def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
@@ -273,7 +288,7 @@ def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
     directory here (ValueError: one line)."""
     server = ServerConfig(model_name=getattr(args, "model_name", None) or args.model)
     out: dict[str, str] = {}
-    for name, path in getattr(args, "lora", None) or ():
+    for name, path in lora_list(args):
         server.check_adapter_name(name)
         if name in out:
             raise ValueError(f"--lora {name}=... is given twice")
@@ -293,6 +308,7 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     if server["model_name"] is None:  # not set: report --model
         server["model_name"] = args.model
     engine = pick(EngineConfig)
-    if getattr(args, "lora", None) and not engine["max_loras"]:  # --lora without --max-loras: a slot each
-        engine["max_loras"] = len(args.lora)
+    loras = lora_list(args)
+    if loras and not engine["max_loras"]:  # --lora without --max-loras: a slot each
+        engine["max_loras"] = len(loras)
     return ServerConfig(**server), EngineConfig(**engine)

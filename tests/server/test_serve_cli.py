@@ -124,3 +124,35 @@ def test_a_bad_boolean_names_what_it_takes(capsys, monkeypatch):
     monkeypatch.setenv("CSMSERVE_CODEC_STREAM", "perhaps")
     with pytest.raises(SystemExit, match="CSMSERVE_CODEC_STREAM='perhaps' .* true/false, 1/0, yes/no"):
         parse([])
+
+
+def test_lora_flags(tmp_path, monkeypatch):
+    """--lora NAME=PATH (any number; PATH alone: named after its directory; CSMSERVE_LORA comma-separated): the
+    engine gets a pool slot per adapter unless --max-loras says; a bad name, a name given twice, the base's name or
+    a missing directory is one line (ValueError)."""
+    from csmserve.server.flags import lora_adapters
+    from csmserve.server.processes import ServeSpec
+
+    a, b = tmp_path / "ann", tmp_path / "bob"
+    a.mkdir(), b.mkdir()
+    args = parse(["--lora", f"ann={a}", "--lora", str(b)])
+    assert lora_adapters(args) == {"ann": str(a), "bob": str(b)}
+    server, engine = configs(args)
+    assert engine.max_loras == 2 and server.lora_dir is None
+    assert configs(parse(["--lora", f"ann={a}", "--max-loras", "8"]))[1].max_loras == 8
+    assert configs(parse([]))[1].max_loras == 0  # no --lora: no pool
+    spec = ServeSpec.from_args(args, server, engine)
+    assert spec.adapters == (("ann", str(a)), ("bob", str(b)))
+    assert lora_adapters(parse(["--lora", f"ann={a},{b}"])) == {"ann": str(a), "bob": str(b)}  # comma-separated
+    monkeypatch.setenv("CSMSERVE_LORA", f"ann={a},{b}")
+    assert lora_adapters(parse([])) == {"ann": str(a), "bob": str(b)} and configs(parse([]))[1].max_loras == 2
+    assert lora_adapters(parse(["--lora", f"cat={a}"])) == {"cat": str(a)}  # a flag given wins
+    monkeypatch.delenv("CSMSERVE_LORA")
+    for argv, words in ((["--lora", f"tts-1={a}"], "base model"), (["--lora", f"a b={a}"], "letters"),
+                        (["--lora", f"ann={a}", "--lora", f"ann={b}"], "twice"),
+                        (["--lora", f"ann={tmp_path / 'nope'}"], "no such adapter directory"),
+                        (["--model-name", "mine", "--lora", f"mine={a}"], "base model")):
+        with pytest.raises(ValueError, match=words):
+            lora_adapters(parse(argv))
+    with pytest.raises(SystemExit):
+        parse(["--lora", "ann="])

@@ -99,6 +99,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError("--voices goes with --script (the voices of [S1], [S2], ...)")
     if args.script is not None and (args.ref_audio is not None or args.speaker is not None):
         raise CLIError("--script names its speakers itself: no --ref-audio or --speaker with it")
+    if args.lora is not None and args.url:
+        raise CLIError("--lora loads an adapter into this process's model; with --url name one the server serves "
+                       "with --adapter NAME")
+    if args.adapter is not None and not args.url:
+        raise CLIError("--adapter names an adapter of a server (--url); in-process give its directory with --lora")
     if args.format is None:
         args.format = _format_of(args.output)
     if args.format == "npy" and (args.output == "-" or args.url):
@@ -109,11 +114,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError("give --voice or --ref-audio, not both")
     if args.speaker is not None and not 0 <= args.speaker <= 255:
         raise CLIError(f"--speaker must be in 0..255, got {args.speaker}")
-    if args.lora is not None and args.url:
-        raise CLIError("--lora loads an adapter into this process's model; with --url name one the server serves "
-                       "with --adapter NAME")
-    if args.adapter is not None and not args.url:
-        raise CLIError("--adapter names an adapter of a server (--url); in-process give its directory with --lora")
     check_sampling(args)
     check_url("--url", args.url)
 
