@@ -35,14 +35,13 @@ from csmserve.models.fp8 import FP8Linear, quantize_weights
 
 def build(args) -> torch.nn.Module:
     if args.hf_init:
-        from csmserve.apps.bench.engine import build_with_hf
+        from csmserve.apps.bench.engine import hf_checkpoint
 
-        model, _, hf = build_with_hf(argparse.Namespace(no_codec=True), torch.bfloat16)
+        hf, ckpt = hf_checkpoint(torch.bfloat16)
         del hf
-        return model
     from csmserve.models.loader import load_csm
 
-    return load_csm(args.model, "cuda", torch.bfloat16)[0]
+    return load_csm(ckpt if args.hf_init else args.model, "cuda", torch.bfloat16)[0]
 
 
 def own_codes(model, utterances: int, frames: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -6,13 +6,13 @@ measured times, csmserve/engine/paced.py):
         --scenario closed:users=64 --scenario closed:users=64,format=mp3
 
 On the GPU: --model dummy (and --setup NAME=FLAGS for each shape, e.g. ray2="--ray --num-replicas 2
---gpus-per-replica 0.5"). The code is csmserve/apps/bench/serve/compare.py.
+--gpus-per-replica 0.5"). The code is csmserve/apps/bench/serve/bench.py (its --setup).
 """
 from __future__ import annotations
 
 import sys
 
-from csmserve.apps.bench.serve.compare import main
+from csmserve.apps.bench.serve.bench import PACED_RAY_SETUPS, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="paced_ray", setups=PACED_RAY_SETUPS))

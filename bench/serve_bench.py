@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from csmserve.apps.bench.serve import main
+from csmserve.apps.bench.serve.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

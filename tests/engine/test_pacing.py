@@ -1,4 +1,7 @@
 """The launch pacer (engine/pacing.py): when the next frame step is launched, on made-up times."""
+import sys
+from pathlib import Path
+
 import pytest
 
 from csmserve.engine.pacing import LaunchPacer
@@ -42,7 +45,8 @@ def test_the_engine_paces_from_the_generations_end_with_the_codec_on_its_own_str
     step may start when the generation ended, `codec_lag_s` earlier: that is the step end the pacer learns."""
     import time
 
-    from csmserve.apps.bench.host_step import StandInRunner, _Out, _request
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from host_step import StandInRunner, _Out, _request  # bench/host_step.py
     from csmserve.config import EngineConfig
     from csmserve.engine.engine import Engine
 

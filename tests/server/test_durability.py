@@ -24,7 +24,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from csmserve.apps.bench.serve.tree import ServerTree, alive
+from csmserve.apps.bench.serve.server import ServerTree, alive
 from server_helpers import ProcServer, wav_bytes
 
 TRIALS = 5

@@ -131,30 +131,31 @@ def hf_reference(hf_model, batches: list[int], frames: int, compiled: bool) -> l
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap.add_argument("--model", default="dummy",
-                    help="dummy (random full-size weights, the default), dummy-tiny, a hub id or a local directory")
+    ap.add_argument("--model", default="dummy", help="dummy (random full-size weights), dummy-tiny, a hub id or a "
+                                                     "local directory (default: dummy)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda; cpu only with dummy-tiny)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                    help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--sweep", default=None,
-                    help="comma-separated concurrencies (default: 1,8,64,256,512,1024,2048 on cuda, 1,2,4 on cpu)")
-    ap.add_argument("--frames", type=int, default=None, help="frames per request in the sweep (default 150; cpu 8)")
+                    help="the model's dtype (default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--sweep", default=None, help="comma-separated concurrencies (default: 1,8,64,256,512,1024,2048 "
+                                                  "on cuda, 1,2,4 on cpu)")
+    ap.add_argument("--frames", type=int, default=None, help="frames per request in the sweep (default: 150; cpu 8)")
     ap.add_argument("--one-stream-frames", type=int, default=None,
-                    help="frames of the single-stream run (default 250; cpu 24)")
-    ap.add_argument("--probes", type=int, default=None, help="requests sent under load per sweep point (default 16; cpu 2)")
-    ap.add_argument("--max-seq-len", type=int, default=512)
-    ap.add_argument("--no-codec", action="store_true", help="codes only: leave Mimi decode out")
+                    help="frames of the single-stream run (default: 250; cpu 24)")
+    ap.add_argument("--probes", type=int, default=None,
+                    help="requests sent under load per sweep point (default: 16; cpu 2)")
+    ap.add_argument("--max-seq-len", type=int, default=512, help="positions per slot (default: 512)")
+    ap.add_argument("--no-codec", action="store_true", help="codes only: leave Mimi's decode out")
     ap.add_argument("--codec-dtype", default=None, choices=["bfloat16", "float32"],
-                    help="default: bfloat16 on cuda, float32 on cpu")
+                    help="the Mimi codec's dtype (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--no-first-frame-from-prefill", action="store_true",
-                    help="EngineConfig(first_frame_from_prefill=False): an idle engine's first frame through the backbone")
+                    help="an idle engine's first frame through the backbone (serve's --first-frame-from-prefill false)")
     ap.add_argument("--no-codec-stream", action="store_true",
-                    help="EngineConfig(codec_stream=False): Mimi's decode after the generation in one graph")
+                    help="Mimi's decode after the generation in one graph (serve's --codec-stream false)")
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"],
-                    help="EngineConfig.weights: fp8 depth decoder (fp8-all: and backbone) GEMMs")
+                    help="the GEMMs' weights: fp8 the depth decoder's, fp8-all the backbone's too (default: bf16)")
     ap.add_argument("--hf", action="store_true", help="also run transformers on the same weights (cuda)")
-    ap.add_argument("--hf-compile", action="store_true", help="and its static-cache compile recipe")
-    ap.add_argument("--out", help="also write the tables to this file")
+    ap.add_argument("--hf-compile", action="store_true", help="with --hf: also its static-cache compile recipe")
+    ap.add_argument("--out", help="also write the tables to this file (default: none)")
     return ap
 
 
@@ -264,22 +265,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build(args, dtype):
-    """Our model (and codec), and transformers' model holding the same weights when --hf."""
+    """Our model and its codec (the one that goes with --model: random for dummies); with --hf, transformers'
+    model with random weights and ours loaded from the same saved file (its codec too)."""
+    import torch
+
+    from csmserve.models.codec import load_codec
     from csmserve.models.loader import load_csm
 
+    codec_dtype = getattr(torch, args.codec_dtype)
     if args.hf:
         try:
-            return build_with_hf(args, dtype)
+            hf_model, ckpt = hf_checkpoint(dtype)
         except Exception as e:  # an older transformers on the GPU image: bench ourselves, say so
             print(f"transformers reference unavailable ({type(e).__name__}: {e}); dummy weights", flush=True)
             args.hf = False
+        else:
+            from csmserve.models.mimi_loader import load_mimi
+
+            codec = None if args.no_codec else load_mimi(ckpt, dtype=codec_dtype, device="cuda")
+            return load_csm(ckpt, "cuda", dtype)[0], codec, hf_model
     model, _, model_dir = load_csm(args.model, args.device, dtype)
-    codec = None if args.no_codec else load_codec_for(args, None, model_dir)
+    codec = None if args.no_codec else load_codec(args.model, model_dir, None, torch.device(args.device), codec_dtype)
     return model, codec, None
 
 
-def build_with_hf(args, dtype):
-    """transformers' CsmForConditionalGeneration with random weights, saved; ours loads the same file."""
+def hf_checkpoint(dtype):
+    """transformers' CsmForConditionalGeneration with random weights on CUDA, saved -> (it, the directory)."""
     import tempfile
 
     import torch
@@ -287,37 +298,18 @@ def build_with_hf(args, dtype):
     from csmserve.extras import require
 
     transformers = require("transformers", "test", "--hf (the transformers reference)")
-    CsmConfig, CsmForConditionalGeneration = transformers.CsmConfig, transformers.CsmForConditionalGeneration
-
-    from csmserve.models.loader import load_csm
 
     def rope(low: float, high: float, orig: int) -> dict:
         return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": low,
                 "high_freq_factor": high, "original_max_position_embeddings": orig}
 
-    cfg = CsmConfig(rope_parameters=rope(0.125, 0.5, 1024),
-                    depth_decoder_config={"rope_parameters": rope(0.001953125, 0.0078125, 16)})
+    cfg = transformers.CsmConfig(rope_parameters=rope(0.125, 0.5, 1024),
+                                 depth_decoder_config={"rope_parameters": rope(0.001953125, 0.0078125, 16)})
     with torch.device("cuda"):
-        hf_model = CsmForConditionalGeneration(cfg).to(dtype).eval()
-    args.ckpt_dir = tempfile.mkdtemp()
-    hf_model.save_pretrained(args.ckpt_dir)
-    model = load_csm(args.ckpt_dir, "cuda", dtype)[0]
-    codec = None if args.no_codec else load_codec_for(args, hf_model)
-    return model, codec, hf_model
-
-
-def load_codec_for(args, hf_model, model_dir=None):
-    """The codec inside the --hf checkpoint, else the one that goes with --model (random for dummies)."""
-    import torch
-
-    codec_dtype = getattr(torch, args.codec_dtype)
-    if hf_model is not None:
-        from csmserve.models.mimi_loader import load_mimi
-
-        return load_mimi(args.ckpt_dir, dtype=codec_dtype, device="cuda")
-    from csmserve.models.codec import load_codec
-
-    return load_codec(args.model, model_dir, None, torch.device(args.device), codec_dtype)
+        hf_model = transformers.CsmForConditionalGeneration(cfg).to(dtype).eval()
+    ckpt = tempfile.mkdtemp()
+    hf_model.save_pretrained(ckpt)
+    return hf_model, ckpt
 
 
 def main(argv: list[str] | None = None) -> int:

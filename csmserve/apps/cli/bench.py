@@ -7,7 +7,7 @@ import argparse
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from csmserve.apps.bench.engine import add_arguments
-    from csmserve.apps.bench.serve import add_arguments as add_serve_arguments
+    from csmserve.apps.bench.serve.bench import add_arguments as add_serve_arguments
 
     p = sub.add_parser("bench", help="the engine benchmark on this machine's GPU (tables of frames/s, latency)",
                        description="One stream, a concurrency sweep and memory on the local GPU, with random "
@@ -17,14 +17,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                                    "streaming HTTP and WebSocket clients.")
     add_arguments(p)
     p.add_argument("--serve", action="store_true",
-                   help="benchmark the server instead: closed loop, bursts, formats, WebSocket (flags below)")
+                   help="benchmark the server instead: closed loop, bursts, formats, WebSocket, several setups "
+                        "(the flags below)")
     add_serve_arguments(p, shared=True)
     p.set_defaults(func=bench)
 
 
 def bench(args: argparse.Namespace) -> int:
     if args.serve:
-        from csmserve.apps.bench.serve import run
+        from csmserve.apps.bench.serve.bench import run
     else:
         from csmserve.apps.bench.engine import run
 

@@ -2,9 +2,8 @@
 and the summary of records."""
 import pytest
 
-from csmserve.apps.bench.serve import metrics, report
-from csmserve.apps.bench.serve.playback import Playback, ran_dry
-from csmserve.apps.bench.serve.scenario import Scenario, parse_scenario
+from csmserve.apps.bench.serve import report
+from csmserve.apps.bench.serve.users import Playback, Scenario, parse_scenario, ran_dry
 
 
 def stream(arrivals):
@@ -70,27 +69,27 @@ csmserve:prefix_cache_hits_total{model_name="m"} 12.0
 
 
 def test_metrics_histogram_and_summary():
-    before, after = metrics.parse(METRICS_BEFORE), metrics.parse(METRICS_AFTER)
-    buckets = metrics.histogram_delta(before, after, metrics.TTFA)
+    before, after = report.parse(METRICS_BEFORE), report.parse(METRICS_AFTER)
+    buckets = report.histogram_delta(before, after, report.TTFA)
     assert buckets[-1] == (float("inf"), 100.0)
-    assert metrics.quantile(buckets, 0.5) == pytest.approx(0.05)
-    assert metrics.quantile(buckets, 0.99) == pytest.approx(0.05 + 0.05 * 49 / 50)
-    s = metrics.summarize(before, after, [(1.0, before), (2.0, after), (3.0, after)], 1.0, 3.0)
+    assert report.quantile(buckets, 0.5) == pytest.approx(0.05)
+    assert report.quantile(buckets, 0.99) == pytest.approx(0.05 + 0.05 * 49 / 50)
+    s = report.server_summary(before, after, [(1.0, before), (2.0, after), (3.0, after)], 1.0, 3.0)
     assert s["ttfa_count"] == 100 and s["ttfa_p50_ms"] == pytest.approx(50.0)
     assert s["errors"] == {"503": 3.0} and s["running_max"] == 7.0 and s["frames_per_s"] == 500.0
     assert s["prefix"] == {"csmserve:prefix_cache_hits_total": 12.0}
-    assert metrics.summarize(None, after, [], 0, 1) is None
+    assert report.server_summary(None, after, [], 0, 1) is None
 
 
 def test_summary_of_records():
     sc = Scenario(mode="closed", users=2, ramp=0, warmup=0, duration=10)
-    # user, t_send, t_first, t_end, audio_s, first_audio_s, worst_lag, status, counted, nbytes
+    # kind, user, t_send, t_first, t_end, status, server_error, audio_s, first_audio_s, worst_lag, counted, detail
     records = [
-        [0, 0.5, 0.55, 5.0, 10.0, 0.08, 0.0, "ok", True, 480000],
-        [1, 1.0, 1.2, 6.0, 10.0, 0.08, 0.2, "ok", True, 480000],
-        [0, 5.0, None, 5.1, 0.0, 0.0, 0.0, "http 503 server_busy", True, 0],
-        [1, 6.0, 6.1, 12.0, 3.0, 0.08, 0.0, "cut", True, 1000],
-        [0, 11.0, 11.1, 20.0, 10.0, 0.08, 0.0, "ok", False, 480000],  # outside the window
+        ["speech", 0, 0.5, 0.55, 5.0, "ok", False, 10.0, 0.08, 0.0, True, ""],
+        ["speech", 1, 1.0, 1.2, 6.0, "ok", False, 10.0, 0.08, 0.2, True, ""],
+        ["speech", 0, 5.0, None, 5.1, "http 503 server_busy", False, 0.0, 0.0, 0.0, True, ""],
+        ["speech", 1, 6.0, 6.1, 12.0, "cut", False, 3.0, 0.08, 0.0, True, ""],
+        ["speech", 0, 11.0, 11.1, 20.0, "ok", False, 10.0, 0.08, 0.0, False, ""],  # outside the window
     ]
     workers = [{"cpu_s": 1.0, "wall_s": 10.0, "lag_ms": {"p50": 1.0, "p99": 5.0, "max": 9.0}}]
     s = report.summarize(sc, records, 0.0, workers, None)

@@ -9,92 +9,64 @@ bounded by --duration and --max-requests, against a `csmserve serve` it starts (
     after      the stop: the engine's running/waiting gauges back to 0; every voice acknowledged created
                and not deleted listed and usable, every deleted one 404
     reports    requests by kind, client disconnects, hostile answers, responses >= 500, crashes, slots in
-               use after, voices, memory at start / middle / end (growth), TTFA p99 per --window; markdown
-               on stdout, JSON with every sample in --out
+               use after, voices, memory at start / middle / end (growth), TTFA p50 / p99 per 30 s window;
+               markdown on stdout, JSON with every sample in --out
+
+TTFA: request sent -> first audio (HTTP speech read to its end, `voice-use` included), flush sent -> first
+binary audio (WebSocket turns). Memory: every server process's RSS and GPU memory sampled through the run;
+`start` is the first sample after the ramp and a warm-up (allocators and caches filling: the engine's RSS
+climbs for its first ~30 s on the CPU), `middle` the one nearest the midpoint of start..end, `end` the last
+before the stop, `after` once the slots are free again; growth = end - start (and end - middle).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import queue
 import random
-import shlex
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
-from csmserve.apps.bench.serve import metrics
-from csmserve.apps.bench.serve.bench import (
-    SENTENCES,
-    Worker,
-    _child_env,
-    start_or_attach,
-    _commit,
-    _out_base,
-    default_client_procs,
-)
-from csmserve.apps.bench.serve.hostile import CASES
-from csmserve.apps.bench.serve.server import (
-    ServerProcess,
-    create_voices,
-    delete_voices,
-    raise_fd_limit,
-)
-from csmserve.apps.bench.serve.soak_report import markdown, memory_points, summarize
-from csmserve.apps.bench.serve.soak_users import GOOD, RECORD, SPEECH_PATH
-from csmserve.apps.bench.serve.tree import ServerTree, gpu_memory, own_pid_ok
+from csmserve.apps.bench.serve import report, server as srv
+from csmserve.apps.bench.serve.bench import (SENTENCES, Clients, add_server_arguments, commit, default_client_procs,
+                                             out_base, settle)
+from csmserve.apps.bench.serve.hostile import CASES, GOOD
+from csmserve.apps.bench.serve.report import I, f_, pct, r_
+from csmserve.apps.bench.serve.users import SPEECH_PATH
 
 # short texts beside the 10 s sentences: several sentences make a long-form request (one slot, segments)
 TEXTS = SENTENCES + ("Hello there. How are you today? I hope the weather is kind to you.",
                      "Yes.", "One, two, three. Four, five, six.")
 FORMATS = ("pcm", "mp3", "opus", "wav")
+STORED_VOICES = 4  # made at the start, used by every user
+WINDOW_S = 30.0  # TTFA per window of this many seconds
+SPEECH_KINDS = ("speech-", "voice-use")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    s = ap.add_argument_group("the server (started here unless --url)")
-    s.add_argument("--model", default="dummy", help="the server's --model (default dummy: random full-size weights)")
-    s.add_argument("--device", default=None, help="the server's --device")
-    s.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="the server's --dtype")
-    s.add_argument("--max-seq-len", type=int, default=512, help="the server's --max-seq-len (default 512)")
-    s.add_argument("--max-slots", type=int, default=None, help="the server's --max-slots (default users * 1.1 + 16)")
+    add_server_arguments(ap, max_slots="users x 1.1 + 16")
+    s = ap.add_argument_group("the server's processes")
     s.add_argument("--api-workers", type=int, default=None, help="the server's --api-workers (default: its own)")
-    s.add_argument("--server-args", default="", help="more `csmserve serve` flags, one string")
-    s.add_argument("--url", default=None, help="a running server: none is started")
     s.add_argument("--server-pid", type=int, default=None,
-                   help="with --url: the server's pid on this machine, to watch its processes and memory")
-    s.add_argument("--ready-timeout", type=float, default=900.0, help="s to wait for /ready (default 900)")
-    s.add_argument("--server-log", default=None, help="the server's output (default OUT.server.log or a temp file)")
-    s.add_argument("--api-key", default=os.environ.get("CSMSERVE_API_KEY"), help="Bearer key [env CSMSERVE_API_KEY]")
+                   help="with --url: the server's pid on this machine, to watch its processes and memory "
+                        "(default: not watched)")
     g = ap.add_argument_group("the load")
-    g.add_argument("--users", type=int, default=64, help="concurrent users (default 64; 1000 on the H200)")
-    g.add_argument("--duration", type=float, default=120.0, help="s of load (default 120)")
-    g.add_argument("--max-requests", type=int, default=0, help="stop once this many requests ended (0: no bound)")
-    g.add_argument("--ramp", type=float, default=None, help="users start spread over this many s (default "
-                                                           "min(10, duration / 10))")
-    g.add_argument("--client-procs", type=int, default=None,
-                   help=f"client processes (default cores / 2, here {default_client_procs()})")
-    g.add_argument("--ws-users", type=float, default=0.2, help="share of users on WebSocket conversations (0.2)")
+    g.add_argument("--users", type=int, default=64, help="concurrent users (default: 64; 1000 on the H200)")
+    g.add_argument("--duration", type=float, default=120.0, help="seconds of load (default: 120)")
+    g.add_argument("--max-requests", type=int, default=0, help="stop once this many requests ended (default: 0, "
+                                                               "no bound)")
+    g.add_argument("--ws-users", type=float, default=0.2, help="share of users on WebSocket conversations "
+                                                               "(default: 0.2)")
     g.add_argument("--voice-users", type=int, default=None, help="users creating and deleting voices "
-                                                                 "(default users / 50, at least 1)")
-    g.add_argument("--disconnect", type=float, default=0.10, help="share of requests cut mid-stream (0.10)")
-    g.add_argument("--hostile", type=float, default=0.05, help="share of requests that are hostile (0.05)")
-    g.add_argument("--formats", default=",".join(FORMATS), help=f"speech formats (default {','.join(FORMATS)})")
-    g.add_argument("--audio-ms", default="1000,4000", help="max_audio_length_ms drawn from LO,HI (default "
-                                                            "1000,4000; the disconnects ask for HI)")
-    g.add_argument("--turns", default="2,5", help="turns per WebSocket conversation, LO,HI (default 2,5)")
-    g.add_argument("--stored-voices", type=int, default=4, help="voices made at the start, used by every user (4)")
-    g.add_argument("--keep-voices", type=int, default=2, help="voices each voice user keeps alive (2)")
-    g.add_argument("--seed", type=int, default=0, help="the users' random choices (default 0)")
-    o = ap.add_argument_group("measuring")
-    o.add_argument("--window", type=float, default=30.0, help="TTFA per window of this many s (default 30)")
-    o.add_argument("--warmup", type=float, default=None,
-                   help="s after the ramp before memory's `start` point (default min(60, duration / 4))")
-    o.add_argument("--sample-every", type=float, default=None,
-                   help="s between memory samples (default duration / 40, 1..15)")
-    o.add_argument("--settle", type=float, default=30.0, help="s to wait for the slots to free after the stop (30)")
-    o.add_argument("--out", help="write OUT.json and OUT.md (a .json/.md suffix is dropped first)")
+                                                                 "(default: users / 50, at least 1)")
+    g.add_argument("--disconnect", type=float, default=0.10, help="share of requests cut mid-stream (default: 0.10)")
+    g.add_argument("--hostile", type=float, default=0.05, help="share of requests that are hostile (default: 0.05)")
+    g.add_argument("--audio-ms", default="1000,4000", help="max_audio_length_ms drawn from LO,HI; the disconnects "
+                                                            "ask for HI (default: 1000,4000)")
+    g.add_argument("--turns", default="2,5", help="turns per WebSocket conversation, LO,HI (default: 2,5)")
     return ap
 
 
@@ -108,16 +80,6 @@ def _pair(text: str, name: str) -> tuple[int, int]:
     return lo, hi
 
 
-def server_args(args: argparse.Namespace) -> list[str]:
-    slots = args.max_slots or int(args.users * 1.1) + 16
-    out = ["--model", args.model, "--max-seq-len", str(args.max_seq_len), "--max-slots", str(slots),
-           "--log-level", "warning"]
-    for flag in ("device", "dtype", "api_workers"):
-        if getattr(args, flag, None) is not None:
-            out += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return out + shlex.split(args.server_args or "")
-
-
 def roles(args: argparse.Namespace) -> list[str]:
     """user index -> http | ws | voice, shuffled (seeded) so that the ramp starts every kind early."""
     n_voice = args.voice_users if args.voice_users is not None else max(1, args.users // 50)
@@ -125,77 +87,49 @@ def roles(args: argparse.Namespace) -> list[str]:
     if n_voice + n_ws > args.users:
         raise ValueError(f"--users {args.users} is fewer than the voice users ({n_voice}) + WebSocket users ({n_ws})")
     out = ["voice"] * n_voice + ["ws"] * n_ws + ["http"] * (args.users - n_voice - n_ws)
-    random.Random(args.seed).shuffle(out)
+    random.Random(0).shuffle(out)
     return out
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace, url: str, workers: list[Worker], events: queue.Queue,
-                 server: ServerProcess | None, tree: ServerTree | None) -> None:
-        self.args, self.url, self.workers, self.events, self.server, self.tree = args, url, workers, events, server, tree
+    def __init__(self, args: argparse.Namespace, url: str, clients: Clients, server: srv.ServerProcess | None,
+                 tree: srv.ServerTree | None) -> None:
+        self.args, self.url, self.clients, self.server, self.tree = args, url, clients, server, tree
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.records: list[list] = []
         self.samples: list[dict] = []
         self.results: list[dict] = []
         self.t0 = 0.0
 
-    # ---- watching
     def sample(self, phase: str) -> None:
-        if self.tree is None:
-            return
-        pids = list(self.tree.procs)
-        self.samples.append({"t": round(time.monotonic() - self.t0, 1), "phase": phase, "rss": self.tree.memory(),
-                             "gpu": gpu_memory(pids)})
+        if self.tree is not None:
+            self.samples.append({"t": round(time.monotonic() - self.t0, 1), "phase": phase,
+                                 "rss": self.tree.memory(), "gpu": srv.gpu_memory(list(self.tree.procs))})
 
     def pump(self, timeout: float) -> None:
         """Take the client processes' messages for up to `timeout` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                i, msg = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
-            kind = msg.get("event")
-            if kind == "records":
+        for _, msg in self.clients.messages(time.monotonic() + timeout, self.server):
+            if msg.get("event") == "records":
                 self.records += msg["records"]
-            elif kind == "result":
+            elif msg.get("event") == "result":
                 self.records += msg.pop("records")
                 self.results.append(msg)
-            elif kind == "exit":
-                raise RuntimeError(f"client process {i} exited (see its stderr above)")
 
-    def wait_ready_workers(self) -> None:
-        ready, deadline = 0, time.monotonic() + 120
-        while ready < len(self.workers) and time.monotonic() < deadline:
-            try:
-                _, msg = self.events.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            ready += msg.get("event") == "ready"
-        if ready < len(self.workers):
-            raise RuntimeError(f"only {ready} of {len(self.workers)} client processes started")
-
-    # ---- the load
     def load(self, stored: list[str], run_id: str) -> tuple[float, float, str]:
-        a = self.args
-        who = roles(a)
-        ramp = a.ramp if a.ramp is not None else min(10.0, a.duration / 10)
-        every = a.sample_every or min(15.0, max(1.0, a.duration / 40))
+        a, who, n = self.args, roles(self.args), len(self.clients.procs)
+        ramp = min(10.0, a.duration / 10)
+        every = min(15.0, max(1.0, a.duration / 40))  # seconds between memory samples
         self.t0 = t_start = time.monotonic() + 1.0
         self.sample("idle")
-        n = len(self.workers)
-        for w in self.workers:
-            mine = [[u, who[u]] for u in range(w.index, a.users, n)]
-            w.send({"cmd": "soak", "url": self.url, "api_key": a.api_key, "t_start": t_start, "ramp": ramp,
-                    "num_users": a.users, "users": mine, "texts": list(TEXTS), "voices": stored,
-                    "formats": a.formats.split(","), "audio_ms": _pair(a.audio_ms, "audio-ms"),
-                    "turns": _pair(a.turns, "turns"), "disconnect": a.disconnect, "hostile": a.hostile,
-                    "keep_voices": a.keep_voices, "seed": a.seed, "run_id": run_id})
-        t_end, next_sample, stopped_by = t_start + a.duration, t_start + ramp, "duration"
-        next_note = t_start + 60.0
+        for i in range(n):
+            self.clients.send(i, {"cmd": "soak", "url": self.url, "api_key": a.api_key, "t_start": t_start,
+                                  "ramp": ramp, "num_users": a.users,
+                                  "users": [[u, who[u]] for u in range(i, a.users, n)], "texts": list(TEXTS), "voices": stored, "formats": list(FORMATS),
+                                  "audio_ms": _pair(a.audio_ms, "audio-ms"), "turns": _pair(a.turns, "turns"),
+                                  "disconnect": a.disconnect, "hostile": a.hostile, "seed": 0, "run_id": run_id})
+        t_end, next_sample, next_note, stopped_by = t_start + a.duration, t_start + ramp, t_start + 60.0, "duration"
         while time.monotonic() < t_end:
             self.pump(0.5)
-            self.check_server()
             if a.max_requests and len(self.records) >= a.max_requests:
                 stopped_by = f"max-requests {a.max_requests}"
                 break
@@ -208,8 +142,8 @@ class Soak:
         if not self.samples or time.monotonic() - self.t0 - self.samples[-1]["t"] > 0.5:
             self.sample("load")
         load_end = time.monotonic()
-        for w in self.workers:
-            w.send({"cmd": "stop"})
+        for i in range(n):
+            self.clients.send(i, {"cmd": "stop"})
         deadline = time.monotonic() + 120
         while len(self.results) < n and time.monotonic() < deadline:
             self.pump(0.5)
@@ -219,44 +153,22 @@ class Soak:
 
     def progress(self) -> None:
         """A line a minute on stderr (what a run cut short still leaves)."""
-        st, se = RECORD.index("status"), RECORD.index("server_error")
-        failed = sum(r[st] not in ("ok", "cut") for r in self.records)
-        server = sum(bool(r[se]) for r in self.records)
+        failed = sum(r[I["status"]] not in ("ok", "cut") for r in self.records)
+        server = sum(bool(r[I["server_error"]]) for r in self.records)
         rss = self.samples[-1]["rss"] if self.samples else {}
         gone = len(self.tree.exited()) if self.tree else "?"
-        print(f"soak: {time.monotonic() - self.t0:.0f} s: {len(self.records)} requests, {failed} failed, {server} >= 500, "
-              f"{gone} server processes exited; RSS MB {rss}", file=sys.stderr, flush=True)
+        print(f"soak: {time.monotonic() - self.t0:.0f} s: {len(self.records)} requests, {failed} failed, {server} "
+              f">= 500, {gone} server processes exited; RSS MB {rss}", file=sys.stderr, flush=True)
 
-    def check_server(self) -> None:
-        if self.server is not None and not self.server.alive():
-            raise RuntimeError(f"the server exited during the soak:\n{self.server.log_tail()}")
-
-    def settle(self) -> dict:
-        """The engine's gauges after the stop: how long until nothing runs or waits."""
-        sampler, t, last = metrics.Sampler(self.url), time.monotonic(), None
-        while True:
-            s = sampler.scrape()
-            if s is not None:
-                last = (metrics.total(s, metrics.RUNNING), metrics.total(s, metrics.WAITING))
-                if last == (0, 0):
-                    break
-            if time.monotonic() - t > self.args.settle:
-                break
-            time.sleep(0.1)
-        return {"running": last[0] if last else None, "waiting": last[1] if last else None,
-                "settle_s": round(time.monotonic() - t, 2)}
-
-    # ---- voices after the load
     def check_voices(self, stored: list[str]) -> dict:
         import httpx
 
         live: dict[str, int] = {vid: 0 for vid in stored}
-        deleted, uncertain = [], []
+        deleted, uncertain, problems = [], [], []
         for res in self.results:
             live.update(res["voices"]["live"])
             deleted += res["voices"]["deleted"]
             uncertain += res["voices"]["uncertain"]
-        problems: list[str] = []
         with httpx.Client(base_url=self.url, headers=self.headers, timeout=120) as c:
             listed = {v["id"] for v in c.get("/v1/audio/voices").json()["data"]}
             for vid in live:
@@ -269,99 +181,225 @@ class Soak:
             for vid in deleted:
                 if vid in listed:
                     problems.append(f"{vid}: deleted, still listed")
-                g = c.get(f"/v1/audio/voices/{vid}")
-                if g.status_code != 404:
+                if (g := c.get(f"/v1/audio/voices/{vid}")).status_code != 404:
                     problems.append(f"{vid}: deleted, GET answers HTTP {g.status_code}")
-            if deleted:  # one speech request in a deleted voice
-                r = c.post(SPEECH_PATH, json={**GOOD, "voice": deleted[-1]})
-                if r.status_code != 404:
-                    problems.append(f"{deleted[-1]}: deleted, speech answers HTTP {r.status_code}")
-        created = len(live) - len(stored) + len(deleted)
-        return {"stored": len(stored), "created": created, "deleted": len(deleted), "live_checked": len(live),
-                "deleted_checked": len(deleted),
-                "uncertain": len(uncertain), "problems": problems, "live_ids": sorted(live)}
+            if deleted and (r := c.post(SPEECH_PATH, json={**GOOD, "voice": deleted[-1]})).status_code != 404:
+                problems.append(f"{deleted[-1]}: deleted, speech answers HTTP {r.status_code}")
+        return {"stored": len(stored), "created": len(live) - len(stored) + len(deleted), "deleted": len(deleted),
+                "live_checked": len(live), "deleted_checked": len(deleted), "uncertain": len(uncertain),
+                "problems": problems, "live_ids": sorted(live)}
 
 
 def run(args: argparse.Namespace) -> dict:
     """The soak -> its summary (also written to --out, printed as markdown)."""
     if args.users < 1 or args.duration <= 0:
         raise ValueError("--users must be >= 1 and --duration > 0")
-    for fmt in args.formats.split(","):
-        if fmt not in ("pcm", "mp3", "opus", "wav", "flac", "aac"):
-            raise ValueError(f"--formats: unknown format {fmt!r}")
     _pair(args.audio_ms, "audio-ms"), _pair(args.turns, "turns"), roles(args)
-    procs = args.client_procs or default_client_procs()
-    base = _out_base(args.out)
-    raise_fd_limit()
-    events: queue.Queue = queue.Queue()
-    tmp = tempfile.TemporaryDirectory(prefix="csmserve-soak-")
-    workers = [Worker(i, events, _child_env()) for i in range(procs)]
-    server = None
+    base = out_base(args.out)
+    srv.raise_fd_limit()
     run_id = f"soak{int(time.time()) % 10**6}"
-    stored: list[str] = []
-    soak = None
-    try:
-        url, server = start_or_attach(args, server_args(args), base, tmp.name)
-        if server is not None:
-            root = server.proc.pid
-        else:
-            root = args.server_pid if args.server_pid and own_pid_ok(args.server_pid) else None
-        tree = ServerTree(root) if root is not None else None
-        if tree is not None:
-            tree.start()
-        soak = Soak(args, url, workers, events, server, tree)
-        soak.wait_ready_workers()
-        stored = create_voices(url, args.stored_voices, soak.headers, prefix=f"{run_id}-stored") \
-            if args.stored_voices else []
-        before = metrics.Sampler(url).scrape()
-        print(f"soak: {args.users} users for {args.duration:g} s ({procs} client processes)", file=sys.stderr,
-              flush=True)
-        ramp, load_s, stopped_by = soak.load(stored, run_id)
-        slots = soak.settle()
-        voices = soak.check_voices(stored)
-        soak.sample("after")
-        after = metrics.Sampler(url).scrape()
-        soak.check_server()
-        crashes = {"exited": tree.exited() if tree else [], "appeared": tree.appeared() if tree else []}
-        summary = summarize(soak.records, soak.t0, soak.t0 + load_s, args.window, len(CASES))
-        summary.update({
-            "meta": {"server": url if args.url else "csmserve serve " + " ".join(server_args(args)),
-                     "commit": _commit(), "cores": os.cpu_count(), "client_procs": procs, "users": args.users,
-                     "roles": {r: roles(args).count(r) for r in ("http", "ws", "voice")},
-                     "duration_s": round(load_s, 1), "ramp_s": ramp, "stopped_by": stopped_by,
-                     "server_processes": {str(p): n for p, n in tree.procs.items()} if tree else {},
-                     "argv": sys.argv[1:],
-                     "client_cpu_max": max((r["cpu_s"] / r["wall_s"] for r in soak.results if r["wall_s"]), default=None),
-                     "client_lag_max_ms": max((r["loop_lag_max_ms"] for r in soak.results), default=None)},
-            "slots_after": slots, "voices": voices, "crashes": crashes,
-            "memory": memory_points(soak.samples, ramp + (args.warmup if args.warmup is not None
-                                                          else min(60.0, args.duration / 4)), load_s)
-            | {"samples": soak.samples},
-            "server_5xx": None, "server_ttfa_ms": {"p50": None, "p99": None},
-            "clients": [{k: v for k, v in r.items() if k != "voices"} for r in soak.results],
-        })
-        if before is not None and after is not None:
-            errs = metrics._delta_by(before, after, "csmserve:request_errors_total", "status")
-            summary["server_5xx"] = sum(v for k, v in errs.items() if k.startswith("5"))
-            summary["server_errors_by_status"] = errs
-            h = metrics.histogram_delta(before, after, metrics.TTFA)
-            summary["server_ttfa_ms"] = {"p50": metrics._ms(metrics.quantile(h, 0.5)),
-                                         "p99": metrics._ms(metrics.quantile(h, 0.99))}
-        md = markdown(summary)
-        print(md, flush=True)
-        if base:
-            base.parent.mkdir(parents=True, exist_ok=True)
-            Path(f"{base}.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-            Path(f"{base}.md").write_text(md)
-        return summary
-    finally:
-        if args.url and soak is not None:  # leave a running server as it was
-            delete_voices(url, stored + [v for r in soak.results for v in r["voices"]["live"]], soak.headers)
-        for w in workers:
-            w.close()
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
+    serve = srv.serve_args(args, max_slots=args.max_slots or int(args.users * 1.1) + 16)
+    with tempfile.TemporaryDirectory(prefix="csmserve-soak-") as tmp:
+        server = clients = soak = None
+        stored: list[str] = []
+        try:
+            url, server = srv.start_or_attach(args, serve, base, tmp)
+            root = server.proc.pid if server is not None else args.server_pid
+            tree = srv.ServerTree(root) if root is not None and srv.alive(root) else None
+            if tree is not None:
+                tree.start()
+            clients = Clients(args.client_procs or default_client_procs())
+            soak = Soak(args, url, clients, server, tree)
+            clients.ready()
+            stored = srv.create_voices(url, STORED_VOICES, soak.headers, prefix=f"{run_id}-stored")
+            before = report.Sampler(url).scrape()
+            print(f"soak: {args.users} users for {args.duration:g} s ({len(clients.procs)} client processes)",
+                  file=sys.stderr, flush=True)
+            ramp, load_s, stopped_by = soak.load(stored, run_id)
+            t = time.monotonic()
+            running, waiting = settle(url, 30.0, patient=True) or (None, None)
+            slots = {"running": running, "waiting": waiting, "settle_s": round(time.monotonic() - t, 2)}
+            voices = soak.check_voices(stored)
+            soak.sample("after")
+            after = report.Sampler(url).scrape()
+            if server is not None and not server.alive():
+                raise RuntimeError(f"the server exited during the soak:\n{server.log_tail()}")
+            summary = summarize(soak.records, soak.t0, soak.t0 + load_s)
+            summary.update({
+                "meta": {"server": url if args.url else "csmserve serve " + " ".join(serve), "commit": commit(),
+                         "cores": os.cpu_count(), "client_procs": len(clients.procs), "users": args.users,
+                         "roles": {r: roles(args).count(r) for r in ("http", "ws", "voice")},
+                         "duration_s": round(load_s, 1), "ramp_s": ramp, "stopped_by": stopped_by, "argv": sys.argv[1:],
+                         "server_processes": {str(p): n for p, n in tree.procs.items()} if tree else {},
+                         "client_cpu_max": max((r["cpu_s"] / r["wall_s"] for r in soak.results if r["wall_s"]),
+                                               default=None),
+                         "client_lag_max_ms": max((r["loop_lag_max_ms"] for r in soak.results), default=None)},
+                "slots_after": slots, "voices": voices,
+                "crashes": {"exited": tree.exited() if tree else [], "appeared": tree.appeared() if tree else []},
+                "memory": memory_points(soak.samples, ramp + min(60.0, args.duration / 4), load_s)
+                | {"samples": soak.samples},
+                "server_5xx": None, "server_ttfa_ms": {"p50": None, "p99": None},
+                "clients": [{k: v for k, v in r.items() if k != "voices"} for r in soak.results],
+            })
+            if before is not None and after is not None:
+                errs = report.delta_by(before, after, "csmserve:request_errors_total", "status")
+                summary["server_5xx"] = sum(v for k, v in errs.items() if k.startswith("5"))
+                summary["server_errors_by_status"] = errs
+                h = report.histogram_delta(before, after, report.TTFA)
+                summary["server_ttfa_ms"] = {"p50": report.ms(report.quantile(h, 0.5)),
+                                             "p99": report.ms(report.quantile(h, 0.99))}
+            md = markdown(summary)
+            print(md, flush=True)
+            if base:
+                base.parent.mkdir(parents=True, exist_ok=True)
+                Path(f"{base}.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+                Path(f"{base}.md").write_text(md)
+            return summary
+        finally:
+            if args.url and soak is not None:  # leave a running server as it was
+                srv.delete_voices(url, stored + [v for r in soak.results for v in r["voices"]["live"]], soak.headers)
+            if clients is not None:
+                clients.close()
+            if server is not None:
+                server.stop()
+
+
+# ---------------------------------------------------------------- the report
+def _ttfa(records: list[list]) -> dict:
+    xs = [(r[I["t_first"]] - r[I["t_send"]]) * 1e3 for r in records]
+    return {"n": len(xs), "p50": r_(pct(xs, 50)), "p99": r_(pct(xs, 99)), "max": r_(max(xs, default=None))}
+
+
+def _timed(records: list[list], ws: bool) -> list[list]:
+    return [r for r in records if r[I["status"]] == "ok" and r[I["t_first"]] is not None
+            and (r[I["kind"]] == "ws-turn" if ws else r[I["kind"]].startswith(SPEECH_KINDS))]
+
+
+def ttfa_windows(records: list[list], t0: float, t1: float) -> list[dict]:
+    http, ws = _timed(records, False), _timed(records, True)
+    out, start = [], t0
+    while start < t1 - 1e-9:
+        end = start + WINDOW_S
+        end = t1 if end > t1 or t1 - end < WINDOW_S / 3 else end  # a short tail joins the last window
+        sent = [[r for r in rs if start <= r[I["t_send"]] < end] for rs in (http, ws)]
+        out.append({"from_s": round(start - t0, 1), "to_s": round(end - t0, 1),
+                    "http": _ttfa(sent[0]), "ws": _ttfa(sent[1])})
+        start = end
+    return out
+
+
+def memory_points(samples: list[dict], warm_s: float, load_end: float) -> dict:
+    """samples: {"t": s since the load's start, "phase": idle|load|after, "rss": {...}, "gpu": {...}|None}."""
+    load = [s for s in samples if s["phase"] == "load"]
+    warm = [s for s in load if s["t"] >= warm_s] or load
+    points = {"idle": next((s for s in samples if s["phase"] == "idle"), None),
+              "start": warm[0] if warm else None,
+              "middle": min(warm, key=lambda s: abs(s["t"] - (warm[0]["t"] + load_end) / 2)) if warm else None,
+              "end": warm[-1] if warm else None,
+              "after": next((s for s in reversed(samples) if s["phase"] == "after"), None)}
+    growth: dict = {}
+    if points["start"] and points["end"]:
+        a, b, m = points["start"]["rss"], points["end"]["rss"], points["middle"]["rss"]
+        growth = {k: round(b[k] - a[k], 1) for k in b if k in a}
+        # warm-up is over by the middle: what still grows is what a longer run would see
+        growth["second_half"] = {k: round(b[k] - m[k], 1) for k in b if k in m}
+        ga, gb = points["start"].get("gpu"), points["end"].get("gpu")
+        if ga and gb:
+            growth["gpu_device_mb"] = None if None in (gb["device_used_mb"], ga["device_used_mb"]) \
+                else round(gb["device_used_mb"] - ga["device_used_mb"], 1)
+            growth["gpu_processes_mb"] = round(gb["processes_mb"] - ga["processes_mb"], 1)
+    return {"points": points, "growth_mb": growth, "warm_s": warm_s}
+
+
+def summarize(records: list[list], t0: float, t1: float) -> dict:
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    for r in records:
+        st = r[I["status"]]
+        by_kind[r[I["kind"]]]["n"] += 1
+        by_kind[r[I["kind"]]]["ok" if st == "ok" else "cut" if st == "cut" else "failed"] += 1
+    failed = [r for r in records if r[I["status"]] not in ("ok", "cut")]
+    hostile = [r for r in records if r[I["kind"]].startswith("hostile-")]
+    cut_clients = [r for r in records if r[I["kind"]].startswith(("disconnect-", "ws-disconnect-"))]
+    return {
+        "requests": {"all": len(records), "ok": sum(r[I["status"]] == "ok" for r in records),
+                     "cut_by_stop": sum(r[I["status"]] == "cut" for r in records), "failed": len(failed),
+                     "per_s": r_(len(records) / (t1 - t0), 2) if t1 > t0 else None},
+        "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
+        "failures": dict(Counter(r[I["status"]] for r in failed).most_common(20)),
+        "failure_examples": [dict(zip(I, r)) for r in failed[:10]],
+        "server_errors": sum(bool(r[I["server_error"]]) for r in records),
+        "client_disconnects": {"all": len(cut_clients),
+                               **dict(Counter(r[I["kind"]] for r in cut_clients).most_common()),
+                               "before_audio": sum(r[I["t_first"]] is None for r in cut_clients)},
+        "hostile": {"n": len(hostile), "as_expected": sum(r[I["status"]] == "ok" for r in hostile),
+                    "cut_by_stop": sum(r[I["status"]] == "cut" for r in hostile),
+                    "cases_sent": len({r[I["detail"]] for r in hostile}), "cases": len(CASES)},
+        "ttfa_ms": {"http": _ttfa(_timed(records, False)), "ws": _ttfa(_timed(records, True))},
+        "ttfa_windows": ttfa_windows(records, t0, t1),
+        "audio_s": round(sum(r[I["audio_s"]] for r in records), 1),
+    }
+
+
+def markdown(s: dict) -> str:
+    m, req, host, dis = s["meta"], s["requests"], s["hostile"], s["client_disconnects"]
+    slots, voices, crash, ttfa = s["slots_after"], s["voices"], s["crashes"], s["ttfa_ms"]
+    kinds = ", ".join(f"{k} {v['n']}" for k, v in s["by_kind"].items())
+    exited = ", ".join(f"{c['process']} (pid {c['pid']})" for c in crash["exited"]) or "none"
+    procs = ", ".join(sorted(set(m["server_processes"].values()))) or "not visible (--url without --server-pid)"
+    dis_kinds = ", ".join(f"{k.replace('disconnect-', '')} {v}" for k, v in dis.items()
+                          if k not in ("all", "before_audio"))
+    lines = [
+        f"## Soak: {m['users']} users for {m['duration_s']:.0f} s ({m['stopped_by']})", "",
+        f"`{m['server']}`; commit {m['commit']}; {m['client_procs']} client processes on {m['cores']} cores; "
+        f"users: {m['roles']}; client CPU max {f_(m['client_cpu_max'], '{:.2f}')} of a core, loop lag max "
+        f"{f_(m['client_lag_max_ms'])} ms", "", "| | |", "|---|---|",
+        f"| requests | {req['all']} ({f_(req['per_s'], '{:.1f}')}/s): {req['ok']} ok, {req['failed']} failed, "
+        f"{req['cut_by_stop']} cut by the stop |",
+        f"| by kind | {kinds} |",
+        f"| client disconnects | {dis['all']} ({dis_kinds}; {dis['before_audio']} before any audio) |",
+        f"| hostile | {host['as_expected']} of {host['n']} answered as expected ({host['cut_by_stop']} cut by the "
+        f"stop; {host['cases_sent']} of {host['cases']} cases sent) |",
+        f"| responses >= 500 | {s['server_errors']} seen by clients; server's request_errors_total 5xx: "
+        f"{f_(s['server_5xx'])} |",
+        f"| failures | {'; '.join(f'{k}: {v}' for k, v in s['failures'].items()) or '0'} |",
+        f"| crashes | {len(crash['exited'])} exited: {exited}; {len(crash['appeared'])} started during the run "
+        f"(server processes: {procs}) |",
+        f"| slots in use after | {f_(slots['running'])} running, {f_(slots['waiting'])} waiting "
+        f"({f_(slots['settle_s'], '{:.1f}')} s after the stop) |",
+        f"| voices | {voices['created']} created and {voices['deleted']} deleted by the voice users; after the load "
+        f"{voices['live_checked']} alive ({voices['stored']} made at the start) all listed and usable, "
+        f"{voices['deleted_checked']} deleted all 404; problems: {len(voices['problems'])} |",
+        f"| TTFA (client) | HTTP p50 {f_(ttfa['http']['p50'])} / p99 {f_(ttfa['http']['p99'])} ms; WebSocket p50 "
+        f"{f_(ttfa['ws']['p50'])} / p99 {f_(ttfa['ws']['p99'])} ms; server p50 {f_(s['server_ttfa_ms']['p50'])} / "
+        f"p99 {f_(s['server_ttfa_ms']['p99'])} ms |", ""]
+    pts, growth, cols = s["memory"]["points"], s["memory"]["growth_mb"], ("idle", "start", "middle", "end", "after")
+    if names := list((pts["end"] or pts["start"] or {}).get("rss", {})):
+        when = " | ".join(c + (f" ({pts[c]['t']:.0f} s)" if pts[c] else "") for c in cols)
+        lines += [f"Resident memory (MB; start = the first sample {s['memory']['warm_s']:.0f} s into the load, after "
+                  "the ramp and a warm-up):", "",
+                  f"| process | {when} | growth end - start | end - middle |", "|---" * (len(cols) + 3) + "|"]
+        for n in names:
+            vals = " | ".join(f_((pts[c] or {}).get("rss", {}).get(n)) for c in cols)
+            lines.append(f"| {n} | {vals} | {f_(growth.get(n), '{:+.0f}')} | "
+                         f"{f_(growth.get('second_half', {}).get(n), '{:+.0f}')} |")
+        if any(gpu := [(pts[c] or {}).get("gpu") for c in cols]):
+            for label, key, grown in (("GPU 0 used", "device_used_mb", "gpu_device_mb"),
+                                      ("GPU, server pids", "processes_mb", "gpu_processes_mb")):
+                vals = " | ".join(f_(g.get(key) if g else None) for g in gpu)
+                lines.append(f"| {label} | {vals} | {f_(growth.get(grown), '{:+.0f}')} | |")
+        lines.append("")
+    lines += ["TTFA over time (client-side, ms, by when the request was sent):", "",
+              "| window (s) | HTTP n | p50 | p99 | WebSocket n | p50 | p99 |", "|---|---|---|---|---|---|---|"]
+    for w in s["ttfa_windows"]:
+        h, ws = w["http"], w["ws"]
+        lines.append(f"| {w['from_s']:.0f}-{w['to_s']:.0f} | {h['n']} | {f_(h['p50'])} | {f_(h['p99'])} | "
+                     f"{ws['n']} | {f_(ws['p50'])} | {f_(ws['p99'])} |")
+    if s["failure_examples"]:
+        lines += ["", "First failures:", ""] + [f"- {e['kind']} (user {e['user']}): {e['status']} {e['detail']}"
+                                               for e in s["failure_examples"]]
+    if voices["problems"]:
+        lines += ["", "Voice problems:", ""] + [f"- {p}" for p in voices["problems"][:10]]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

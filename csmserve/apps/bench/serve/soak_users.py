@@ -1,4 +1,4 @@
-"""The soak's users in one client process (worker.py runs them for a `{"cmd": "soak", ...}`):
+"""The soak's users in one client process (client.py runs them for a `{"cmd": "soak", ...}`):
 
     http    request after request: speech in a rotation of formats and voices (stored or alias),
             `disconnect` of them cut mid-stream (or while queued) by FIN or RST (SO_LINGER 0),
@@ -8,12 +8,11 @@
             and then a hostile message (the next turn goes on on the same connection) or a turn cut
             (close frame, FIN or RST) after which the conversation goes on on a new connection
     voice   voices created (POST /v1/audio/voices), used, deleted (DELETE), then checked gone (404),
-            keeping a few alive; its ledger says which ids were acknowledged created and deleted
+            keeping KEEP_VOICES alive; its ledger says which ids were acknowledged created and deleted
 
-One record per request, turn or voice operation, a list in RECORD order; status "ok" (as it must be),
-"cut" (ended by the soak's stop), else what went wrong ("http 503 server_busy", "hostile <case>: ...",
-"transport ReadTimeout after audio", "ws internal_error"). server_error: an HTTP status >= 500 or a
-WebSocket error of type server_error. Times are time.monotonic().
+One record per request, turn or voice operation (users.RECORD); status "ok" (as it must be), "cut" (ended by
+the soak's stop), else what went wrong ("http 503 server_busy", "hostile <case>: ...", "transport
+ReadTimeout after audio", "ws internal_error").
 """
 from __future__ import annotations
 
@@ -21,123 +20,88 @@ import asyncio
 import json
 import random
 import socket
-import ssl
 import struct
 import time
 from collections import deque
 from urllib.parse import urlsplit
 
 from csmserve.apps.bench.serve.hostile import CID, GOOD, HTTP_CASES, WS_CASES, Case, error_shape
-from csmserve.apps.bench.serve.meters import make_meter
 from csmserve.apps.bench.serve.server import VOICE_TRANSCRIPT, voice_wav
-from csmserve.apps.bench.serve.users import SPEECH_PATH, _client, _error_code, _ws_connect, run_until_stop
+from csmserve.apps.bench.serve.users import (BACKOFF_S, READ_TIMEOUT, SPEECH_PATH, Run, close_quietly, error_code,
+                                             http_client, now, run_until_stop, send, sleep_until, speech, ws_connect,
+                                             ws_error, ws_turn)
 
-RECORD = ("kind", "user", "t_send", "t_first", "t_end", "status", "server_error", "audio_s", "detail")
 VOICES_PATH = "/v1/audio/voices"
 ALIASES = ("alloy", "echo", "nova", "onyx")
-READ_TIMEOUT = 120.0  # any answer slower than this is a hang
-now = time.monotonic
+KEEP_VOICES = 2  # voices each voice user keeps alive
+FLUSH_S = 2.0  # records go up to the parent this often
 
 
-class SoakRun:
+class SoakRun(Run):
     """What the users of one process share: settings from the parent, the records not yet sent, the
     voice ledger."""
 
     def __init__(self, cmd: dict) -> None:
-        self.url = cmd["url"].rstrip("/")
+        super().__init__(cmd["url"], cmd["texts"], cmd["voices"], cmd.get("api_key"), t_start=cmd["t_start"])
         parts = urlsplit(self.url)
         self.https = parts.scheme == "https"
         self.host, self.port = parts.hostname, parts.port or (443 if self.https else 80)
-        self.api_key = cmd.get("api_key")
-        self.ws_compression = False
-        self.ssl = ssl.create_default_context()
-        self.t_start, self.ramp, self.num_users = cmd["t_start"], cmd["ramp"], max(1, cmd["num_users"])
-        self.texts, self.voices, self.formats = cmd["texts"], cmd["voices"], cmd["formats"]
-        self.audio_ms = tuple(cmd["audio_ms"])  # (lo, hi)
+        self.ramp, self.num_users, self.formats = cmd["ramp"], max(1, cmd["num_users"]), cmd["formats"]
+        self.audio_ms, self.turns = tuple(cmd["audio_ms"]), tuple(cmd["turns"])  # (lo, hi) each
         self.disconnect, self.hostile = cmd["disconnect"], cmd["hostile"]
-        self.turns = tuple(cmd["turns"])  # (lo, hi) per conversation
-        self.keep_voices = cmd["keep_voices"]
         self.seed, self.run_id = cmd["seed"], cmd["run_id"]
-        self.records: list[list] = []
-        self.stopping = False
         self.created: dict[str, int] = {}  # acknowledged, not deleted: id -> num_frames
         self.deleted: list[str] = []  # acknowledged deleted
         self.uncertain: list[str] = []  # ids (or names) whose create/delete was cut before its answer
 
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     def rng(self, user: int) -> random.Random:
         return random.Random(self.seed * 1_000_003 + user)
-
-    def record(self, kind: str, user: int, t_send: float, t_first: float | None, status: str,
-               server_error: bool = False, audio_s: float = 0.0, detail: str = "") -> None:
-        self.records.append([kind, user, t_send, t_first, now(), status, server_error, round(audio_s, 3), detail])
 
     def take(self) -> list[list]:
         out, self.records = self.records, []
         return out
 
-    def body(self, rng: random.Random, voice: str | None = None, fmt: str | None = None, long: bool = False) -> dict:
+    def ms(self, rng: random.Random, long: bool = False) -> int:
         lo, hi = self.audio_ms
-        ms = max(80, (hi if long else rng.randint(lo, hi)) // 80 * 80)
-        if voice is None:
-            voice = rng.choice(self.voices) if self.voices and rng.random() < 0.5 else rng.choice(ALIASES)
-        return {"model": "tts-1", "voice": voice, "input": rng.choice(self.texts),
-                "response_format": fmt or rng.choice(self.formats), "max_audio_length_ms": ms}
+        return max(80, (hi if long else rng.randint(lo, hi)) // 80 * 80)
 
-    async def sleep_until_start(self, user: int) -> None:
-        delay = self.t_start + self.ramp * user / self.num_users - now()
-        if delay > 0:
-            await asyncio.sleep(delay)
+    def voice_for(self, rng: random.Random) -> str:
+        return rng.choice(self.voices) if self.voices and rng.random() < 0.5 else rng.choice(ALIASES)
+
+    def body(self, rng: random.Random, voice: str | None = None, long: bool = False) -> dict:
+        return {"model": "tts-1", "voice": voice or self.voice_for(rng), "input": rng.choice(self.texts),
+                "response_format": rng.choice(self.formats), "max_audio_length_ms": self.ms(rng, long)}
+
+    async def start(self, user: int) -> None:
+        await sleep_until(self.t_start + self.ramp * user / self.num_users)
+
+
+async def soak_speech(run: SoakRun, client, user: int, rng: random.Random, voice: str | None = None,
+                      kind: str | None = None) -> str:
+    body = run.body(rng, voice)
+    return await speech(run, client, user, body, kind or f"speech-{body['response_format']}",
+                        body["voice"] if body["voice"].startswith("voice_") else "")
 
 
 # ---------------------------------------------------------------- HTTP
-async def speech(run: SoakRun, client, user: int, rng: random.Random, voice: str | None = None,
-                 kind: str | None = None) -> str:
-    """One POST /v1/audio/speech read to its end."""
-    import httpx
-
-    body = run.body(rng, voice)
-    meter, t_first, status, server_error = make_meter(body["response_format"]), None, "cut", False
-    t_send = now()
-    try:
-        async with client.stream("POST", SPEECH_PATH, json=body) as r:
-            if r.status_code != 200:
-                status, server_error = f"http {r.status_code} {_error_code(await r.aread())}", r.status_code >= 500
-                return status
-            async for data in r.aiter_raw():
-                if data and t_first is None:
-                    t_first = now()
-                meter.feed(data)
-            meter.finish()
-        status = "ok" if t_first is not None else "empty"
-    except httpx.HTTPError as e:
-        status = f"transport {type(e).__name__}" + (" after audio" if t_first is not None else "")
-    finally:
-        run.record(kind or f"speech-{body['response_format']}", user, t_send, t_first, status, server_error,
-                   meter.seconds, body["voice"] if body["voice"].startswith("voice_") else "")
-    return status
-
-
 def _request_bytes(run: SoakRun, method: str, path: str, body: bytes, ctype: str = "application/json") -> bytes:
     auth = f"Authorization: Bearer {run.api_key}\r\n" if run.api_key else ""
     return (f"{method} {path} HTTP/1.1\r\nHost: {run.host}:{run.port}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n{auth}\r\n").encode() + body
 
 
-def _cut(writer: asyncio.StreamWriter, how: str) -> None:
-    """Leave: "fin" an orderly close, "rst" SO_LINGER 0 then close (the kernel sends RST)."""
-    if how == "rst":
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-        writer.transport.abort()
-    else:
-        writer.close()
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Leave with an RST: SO_LINGER 0, then close (the kernel sends RST)."""
+    if (sock := transport.get_extra_info("socket")) is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
+
+
+async def _open(run: SoakRun):
+    return await asyncio.wait_for(asyncio.open_connection(run.host, run.port, ssl=run.ssl if run.https else None), 30)
 
 
 async def disconnect(run: SoakRun, user: int, rng: random.Random) -> None:
@@ -145,11 +109,9 @@ async def disconnect(run: SoakRun, user: int, rng: random.Random) -> None:
     how = "rst" if rng.random() < 0.5 else "fin"
     early = rng.random() < 0.25
     body = run.body(rng, long=True)
-    t_send, t_first, status, server_error, nbytes = now(), None, "cut", False, 0
-    writer = None
+    t_send, t_first, status, server_error, nbytes, writer = now(), None, "cut", False, 0, None
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(run.host, run.port, ssl=run.ssl if run.https else None), 30)
+        reader, writer = await _open(run)
         writer.write(_request_bytes(run, "POST", SPEECH_PATH, json.dumps(body).encode()))
         await writer.drain()
         if early:
@@ -159,7 +121,7 @@ async def disconnect(run: SoakRun, user: int, rng: random.Random) -> None:
             code = int(head.split(None, 2)[1])
             if code != 200:
                 rest = await asyncio.wait_for(reader.read(1 << 16), 30)
-                status, server_error = f"http {code} {_error_code(rest)}", code >= 500
+                status, server_error = f"http {code} {error_code(rest)}", code >= 500
                 return
             first = await asyncio.wait_for(reader.read(1 << 16), READ_TIMEOUT)
             t_first, nbytes = now(), len(first)
@@ -172,22 +134,20 @@ async def disconnect(run: SoakRun, user: int, rng: random.Random) -> None:
                 if not data:
                     break
                 nbytes += len(data)
-        _cut(writer, how)
-        writer = None
-        status = "ok"
+        _reset(writer.transport) if how == "rst" else writer.close()
+        writer, status = None, "ok"
     except (TimeoutError, OSError, EOFError, ValueError, IndexError) as e:
         status = f"transport {type(e).__name__}"
     finally:
         if writer is not None:
             writer.transport.abort()
-        run.record(f"disconnect-{how}", user, t_send, t_first, status, server_error, 0.0,
-                   "queued" if early else f"{nbytes} B")
+        run.record(f"disconnect-{how}", user, t_send, status, server_error=server_error,
+                   detail="queued" if early else f"{nbytes} B", t_first=t_first)
 
 
 async def _raw_exchange(run: SoakRun, data: bytes) -> tuple[int, bytes]:
     """Bytes on a fresh connection -> (status, body) of the answer (read until the server closes)."""
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(run.host, run.port, ssl=run.ssl if run.https else None), 30)
+    reader, writer = await _open(run)
     try:
         writer.write(data)
         await writer.drain()
@@ -207,7 +167,7 @@ async def hostile_http(run: SoakRun, client, user: int, case: Case) -> None:
     """One hostile request: its status must be the case's, an error in OpenAI's shape with its code."""
     import httpx
 
-    t_send, t_first, status, server_error = now(), None, "cut", False
+    t_send, status, server_error = now(), "cut", False
     try:
         if case.kind == "socket":
             code, content = await _raw_exchange(run, case.payload)
@@ -223,7 +183,7 @@ async def hostile_http(run: SoakRun, client, user: int, case: Case) -> None:
             code, content = r.status_code, r.content
         server_error = code >= 500
         if code != case.status:
-            status = f"hostile {case.name}: HTTP {code} {_error_code(content)}, expected {case.status}"
+            status = f"hostile {case.name}: HTTP {code} {error_code(content)}, expected {case.status}"
         elif code >= 400 and (wrong := error_shape(content, case.code)) is not None:
             status = f"hostile {case.name}: {wrong}"
         elif code == 200 and case.kind == "json" and not content:
@@ -231,20 +191,19 @@ async def hostile_http(run: SoakRun, client, user: int, case: Case) -> None:
         else:
             status = "ok"
         if code == 200 and case.kind == "voice":  # a hostile upload that is a valid voice: not kept
-            vid = json.loads(content)["id"]
-            d = await client.delete(f"{VOICES_PATH}/{vid}")
+            d = await client.delete(f"{VOICES_PATH}/{json.loads(content)['id']}")
             if d.status_code != 200:
                 status = f"hostile {case.name}: DELETE of its voice HTTP {d.status_code}"
     except (TimeoutError, httpx.HTTPError, OSError, EOFError, ValueError, IndexError, KeyError) as e:
         status = f"hostile {case.name}: transport {type(e).__name__}"
     finally:
-        run.record("hostile-http", user, t_send, t_first, status, server_error, 0.0, case.name)
+        run.record("hostile-http", user, t_send, status, server_error=server_error, detail=case.name)
 
 
 async def http_user(run: SoakRun, user: int) -> None:
     rng = run.rng(user)
-    await run.sleep_until_start(user)
-    async with _client(run) as client:
+    await run.start(user)
+    async with http_client(run) as client:
         h = 0
         while not run.stopping:
             x = rng.random()
@@ -253,52 +212,13 @@ async def http_user(run: SoakRun, user: int) -> None:
                 h += 1
             elif x < run.hostile + run.disconnect:
                 await disconnect(run, user, rng)
-            elif await speech(run, client, user, rng) != "ok":
-                await asyncio.sleep(0.25)
+            elif await soak_speech(run, client, user, rng) != "ok":
+                await asyncio.sleep(BACKOFF_S)
 
 
 # ---------------------------------------------------------------- WebSocket
-async def _recv(ws, timeout: float = READ_TIMEOUT):
-    return await asyncio.wait_for(ws.recv(), timeout)
-
-
-def _ws_error(event: dict) -> tuple[str, bool]:
-    err = event.get("error") or {}
-    return f"ws {err.get('code', '?')}", err.get("type") == "server_error"
-
-
-async def ws_turn(run: SoakRun, ws, user: int, rng: random.Random, cid: str, voice: str, turn: int) -> str:
-    """One turn: the text in 1-3 pieces, the last with flush; binary PCM until its flush_done."""
-    words = rng.choice(run.texts).split()
-    cuts = sorted(rng.sample(range(1, len(words)), min(len(words) - 1, rng.randint(0, 2)))) if len(words) > 1 else []
-    pieces = [" ".join(words[a:b]) + " " for a, b in zip([0, *cuts], [*cuts, len(words)])]
-    lo, hi = run.audio_ms
-    settings = {"voice": voice, "max_audio_length_ms": max(80, rng.randint(lo, hi) // 80 * 80)}
-    t_send, t_first, status, server_error, nbytes = now(), None, "cut", False, 0
-    try:
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            await ws.send(json.dumps({"context_id": cid, "text": piece, **({"flush": True} if last else {}),
-                                      **(settings if i == 0 else {})}))
-        t_send = now()  # TTFA of a turn: from its flush
-        while True:
-            m = await _recv(ws)
-            if not isinstance(m, str):
-                nbytes += len(m)
-                t_first = t_first or now()
-                continue
-            event = json.loads(m)
-            if event.get("type") == "flush_done" and event.get("context_id") == cid:
-                status = "ok" if event.get("num_frames", 0) > 0 and nbytes else "empty"
-                break
-            if event.get("type") == "error":
-                status, server_error = _ws_error(event)
-                break
-    except TimeoutError:
-        status = "ws timeout" + (" after audio" if t_first is not None else "")
-    finally:
-        run.record("ws-turn", user, t_send, t_first, status, server_error, nbytes / 48_000, f"turn {turn}")
-    return status
+async def _recv(ws):
+    return await asyncio.wait_for(ws.recv(), READ_TIMEOUT)
 
 
 async def ws_disconnect(run: SoakRun, ws, user: int, rng: random.Random, cid: str, voice: str) -> None:
@@ -307,31 +227,24 @@ async def ws_disconnect(run: SoakRun, ws, user: int, rng: random.Random, cid: st
     t_send, t_first, status = now(), None, "cut"
     try:
         await ws.send(json.dumps({"context_id": cid, "text": rng.choice(run.texts), "flush": True, "voice": voice,
-                                  "max_audio_length_ms": run.audio_ms[1] // 80 * 80}))
+                                  "max_audio_length_ms": run.ms(rng, long=True)}))
         if rng.random() < 0.75:
             while True:
                 m = await _recv(ws)
                 if not isinstance(m, str):
                     t_first = now()
                     break
-                event = json.loads(m)
-                if event.get("type") in ("error", "flush_done"):
+                if json.loads(m).get("type") in ("error", "flush_done"):
                     break
         if how == "close":
             await asyncio.wait_for(ws.close(), 10)
         else:
-            transport = ws.transport
-            if how == "rst" and (sock := transport.get_extra_info("socket")) is not None:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                except OSError:
-                    pass
-            transport.abort() if how == "rst" else transport.close()
+            _reset(ws.transport) if how == "rst" else ws.transport.close()
         status = "ok"
     except TimeoutError:
         status = "ws timeout"
     finally:
-        run.record(f"ws-disconnect-{how}", user, t_send, t_first, status)
+        run.record(f"ws-disconnect-{how}", user, t_send, status, t_first=t_first)
 
 
 async def ws_hostile(run: SoakRun, ws, user: int, case: Case, cid: str) -> None:
@@ -344,12 +257,8 @@ async def ws_hostile(run: SoakRun, ws, user: int, case: Case, cid: str) -> None:
             await ws.send(m.replace(CID, side) if isinstance(m, str) else m)
         while True:
             m = await _recv(ws)
-            if not isinstance(m, str):
-                continue  # audio of a case that must speak
-            event = json.loads(m)
-            if event.get("type") in ("audio", "segment"):
-                continue
-            break
+            if isinstance(m, str) and (event := json.loads(m)).get("type") not in ("audio", "segment"):
+                break  # (audio of a case that must speak: skipped)
         got = event.get("type")
         if got != kind:
             status = f"hostile {case.name}: {got} {json.dumps(event)[:120]}"
@@ -357,16 +266,22 @@ async def ws_hostile(run: SoakRun, ws, user: int, case: Case, cid: str) -> None:
             status = f"hostile {case.name}: {wrong}"
         else:
             status = "ok"
-        server_error = got == "error" and _ws_error(event)[1]
+        server_error = got == "error" and ws_error(event)[1]
         await ws.send(json.dumps({"context_id": side, "close": True}))
-        while True:
-            m = await _recv(ws)
-            if isinstance(m, str) and (e := json.loads(m)).get("context_id") == side and e.get("type") == "done":
-                break
+        while not (isinstance(m := await _recv(ws), str) and (e := json.loads(m)).get("context_id") == side
+                   and e.get("type") == "done"):
+            pass
     except TimeoutError:
         status = f"hostile {case.name}: no answer"
     finally:
-        run.record("hostile-ws", user, t_send, None, status, server_error, 0.0, case.name)
+        run.record("hostile-ws", user, t_send, status, server_error=server_error, detail=case.name)
+
+
+def _pieces(rng: random.Random, text: str) -> list[str]:
+    """A turn's text in 1-3 pieces, as an LLM streams it."""
+    words = text.split()
+    cuts = sorted(rng.sample(range(1, len(words)), min(len(words) - 1, rng.randint(0, 2)))) if len(words) > 1 else []
+    return [" ".join(words[a:b]) + " " for a, b in zip([0, *cuts], [*cuts, len(words)])]
 
 
 async def ws_user(run: SoakRun, user: int) -> None:
@@ -374,21 +289,20 @@ async def ws_user(run: SoakRun, user: int) -> None:
 
     failures = (OSError, WebSocketException, asyncio.TimeoutError)
     rng = run.rng(user)
-    await run.sleep_until_start(user)
+    await run.start(user)
     conv, h = 0, 0
     while not run.stopping:
-        cid = f"{run.run_id}-u{user}-c{conv}"
-        voice = rng.choice(run.voices) if run.voices and rng.random() < 0.5 else rng.choice(ALIASES)
+        cid, voice = f"{run.run_id}-u{user}-c{conv}", run.voice_for(rng)
         turns, done, ws = rng.randint(*run.turns), 0, None
         try:
             while done < turns and not run.stopping:
                 if ws is None:
                     t = now()
                     try:
-                        ws = await _ws_connect(run)
+                        ws = await ws_connect(run)
                     except failures as e:
-                        run.record("ws-connect", user, t, None, f"transport connect {type(e).__name__}")
-                        await asyncio.sleep(0.25)
+                        run.record("ws-connect", user, t, f"transport connect {type(e).__name__}")
+                        await asyncio.sleep(BACKOFF_S)
                         continue
                 x = rng.random()
                 if x < run.hostile:
@@ -398,37 +312,36 @@ async def ws_user(run: SoakRun, user: int) -> None:
                     await ws_disconnect(run, ws, user, rng, cid, voice)
                     ws = None
                 else:
-                    status = await ws_turn(run, ws, user, rng, cid, voice, done)
+                    settings = {"voice": voice, "max_audio_length_ms": run.ms(rng)}
+                    status = await ws_turn(run, ws, user, cid, _pieces(rng, rng.choice(run.texts)), settings,
+                                           detail=f"turn {done}")
                     done += 1
                     if status != "ok":
-                        await asyncio.sleep(0.25)
+                        await asyncio.sleep(BACKOFF_S)
             if ws is not None and not run.stopping:
                 t = now()
                 await ws.send(json.dumps({"context_id": cid, "close": True}))
                 while not (isinstance(m := await _recv(ws), str) and json.loads(m).get("type") == "done"):
                     pass
-                run.record("ws-close", user, t, None, "ok", detail=f"{done} turns")
+                run.record("ws-close", user, t, "ok", detail=f"{done} turns")
         except failures as e:
-            run.record("ws-connection", user, now(), None, f"transport {type(e).__name__}")
-            await asyncio.sleep(0.25)
+            run.record("ws-connection", user, now(), f"transport {type(e).__name__}")
+            await asyncio.sleep(BACKOFF_S)
         finally:
             if ws is not None:
-                try:
-                    await asyncio.wait_for(ws.close(), 5)
-                except Exception:  # noqa: BLE001 - the connection is being dropped either way
-                    pass
+                await close_quietly(ws)
         conv += 1
 
 
 # ---------------------------------------------------------------- voices
 async def voice_user(run: SoakRun, user: int) -> None:
-    """Create, use, delete, check gone; `keep_voices` of them stay alive at a time."""
+    """Create, use, delete, check gone; KEEP_VOICES of them stay alive at a time."""
     import httpx
 
     rng = run.rng(user)
-    await run.sleep_until_start(user)
+    await run.start(user)
     live: deque[str] = deque()
-    async with _client(run) as client:
+    async with http_client(run) as client:
         k = 0
         while not run.stopping:
             name = f"{run.run_id}-v{user}-{k}"
@@ -444,19 +357,20 @@ async def voice_user(run: SoakRun, user: int) -> None:
                     run.created[vid] = r.json()["num_frames"]
                     status = "ok"
                 else:
-                    status = f"http {r.status_code} {_error_code(r.content)}"
+                    status = f"http {r.status_code} {error_code(r.content)}"
                 run.uncertain.remove(name)
             except httpx.HTTPError as e:
                 status = f"transport {type(e).__name__}"
             finally:
-                run.record("voice-create", user, t, None, status, status.startswith("http 5"), 0.0, vid or name)
+                run.record("voice-create", user, t, status, server_error=status.startswith("http 5"),
+                           detail=vid or name)
             if vid is None:
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(BACKOFF_S)
                 continue
             live.append(vid)
             for _ in range(rng.randint(1, 2)):
-                await speech(run, client, user, rng, voice=vid, kind="voice-use")
-            if len(live) > run.keep_voices:
+                await soak_speech(run, client, user, rng, voice=vid, kind="voice-use")
+            if len(live) > KEEP_VOICES:
                 await _delete_and_check(run, client, user, live.popleft())
 
 
@@ -468,48 +382,46 @@ async def _delete_and_check(run: SoakRun, client, user: int, vid: str) -> None:
     run.uncertain.append(vid)
     try:
         r = await client.delete(f"{VOICES_PATH}/{vid}")
-        status = "ok" if r.status_code == 200 else f"http {r.status_code} {_error_code(r.content)}"
+        status = "ok" if r.status_code == 200 else f"http {r.status_code} {error_code(r.content)}"
         if r.status_code == 200:
             run.deleted.append(vid)
             run.uncertain.remove(vid)
     except httpx.HTTPError as e:
         status = f"transport {type(e).__name__}"
     finally:
-        run.record("voice-delete", user, t, None, status, status.startswith("http 5"), 0.0, vid)
+        run.record("voice-delete", user, t, status, server_error=status.startswith("http 5"), detail=vid)
     if status != "ok":
         return
     t, status = now(), "cut"
     try:  # gone: GET and a speech request in it both 404 voice_not_found
         g = await client.get(f"{VOICES_PATH}/{vid}")
         s = await client.post(SPEECH_PATH, json={**GOOD, "voice": vid})
-        got = (g.status_code, _error_code(g.content), s.status_code, _error_code(s.content))
+        got = (g.status_code, error_code(g.content), s.status_code, error_code(s.content))
         status = "ok" if got == (404, "voice_not_found", 404, "voice_not_found") else f"deleted voice answers {got}"
     except httpx.HTTPError as e:
         status = f"transport {type(e).__name__}"
     finally:
-        run.record("voice-gone", user, t, None, status, status.startswith("http 5"), 0.0, vid)
+        run.record("voice-gone", user, t, status, server_error=status.startswith("http 5"), detail=vid)
 
 
 USERS = {"http": http_user, "ws": ws_user, "voice": voice_user}
 
 
-async def run_soak(cmd: dict, commands: asyncio.Queue, send) -> dict:
-    """This process's users until the parent says stop; records go up every `flush_s` as they end."""
+async def run_soak(cmd: dict, commands: asyncio.Queue) -> dict:
+    """This process's users until the parent says stop; records go up every FLUSH_S as they end."""
     run = SoakRun(cmd)
-    cpu0, wall0 = time.process_time(), now()
+    cpu0, wall0, lags = time.process_time(), now(), []
     tasks = [asyncio.create_task(USERS[role](run, user)) for user, role in cmd["users"]]
-    lags: list[float] = []
 
     async def flush() -> None:
         while True:
             t = now()
-            await asyncio.sleep(cmd.get("flush_s", 2.0))
-            lags.append(now() - t - cmd.get("flush_s", 2.0))
+            await asyncio.sleep(FLUSH_S)
+            lags.append(now() - t - FLUSH_S)
             if run.records:
                 send({"event": "records", "records": run.take()})
 
-    flusher = asyncio.create_task(flush())
-    errors = await run_until_stop(run, commands, tasks, flusher)
+    errors = await run_until_stop(run, commands, tasks, asyncio.create_task(flush()))
     return {"event": "result", "records": run.take(), "cpu_s": time.process_time() - cpu0, "wall_s": now() - wall0,
-            "user_errors": errors[:5], "loop_lag_max_ms": round(max(lags, default=0.0) * 1e3, 1),
+            "user_errors": errors, "loop_lag_max_ms": round(max(lags, default=0.0) * 1e3, 1),
             "voices": {"live": run.created, "deleted": run.deleted, "uncertain": run.uncertain}}
