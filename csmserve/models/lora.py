@@ -228,6 +228,20 @@ def _read_tensors(d: Path) -> dict[str, Tensor]:
     raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
 
 
+def check_adapter_dir(path: str | Path, max_rank: int | None = None) -> None:
+    """What read_adapter checks before it reads a tensor (a directory, its config's fields and rank, a weights file):
+    what the command line can say at once, without the model (LoraError)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise LoraError(f"{d}: no such adapter directory")
+    c = _read_config(d)
+    if not any((d / name).is_file() for name in WEIGHT_FILES):
+        raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
+    ranks = [c["r"], *(r for r in (c.get("rank_pattern") or {}).values() if isinstance(r, (int, float)))]
+    if max_rank is not None and max(ranks) > max_rank:
+        raise LoraError(f"{d}: rank {max(ranks):g} is over the pool's max_lora_rank {max_rank} (--max-lora-rank)")
+
+
 def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
                  max_rank: int | None = None) -> LoraAdapter:
     """A PEFT adapter directory -> LoraAdapter packed for `cfg` (a CSMConfig; CPU, `dtype`). LoraError (one line)

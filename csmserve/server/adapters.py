@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 
 from csmserve.config import ServerConfig
 from csmserve.engine.adapters import AdapterExistsError, AdapterLimitError, UnknownAdapterError
+from csmserve.server import openapi
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.schemas import LoadLoraAdapter, UnloadLoraAdapter, check_json_type, parse_body
 from csmserve.server.state import ServerState
@@ -52,7 +53,7 @@ def _check(state: ServerState, name: str) -> None:
         raise bad_request(str(e), "lora_name", "invalid_adapter_name") from None
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", openapi_extra=openapi.json_body(LoadLoraAdapter))
 async def load_lora_adapter(http: Request) -> dict:
     """Serve the PEFT / unsloth adapter directory `lora_path` as `lora_name` (a request's `model`) from now on."""
     state: ServerState = http.app.state.server
@@ -75,7 +76,7 @@ async def load_lora_adapter(http: Request) -> dict:
             "rank": info.get("rank"), "bytes": info.get("bytes")}
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", openapi_extra=openapi.json_body(UnloadLoraAdapter))
 async def unload_lora_adapter(http: Request) -> dict:
     """Stop serving `lora_name`: new requests naming it get 404 at once; those in flight finish with it."""
     state: ServerState = http.app.state.server

@@ -284,16 +284,19 @@ def lora_list(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
-    """`--lora`'s adapters, name -> path: each name valid and not the base model's, none twice, each path a
-    directory here (ValueError: one line)."""
+    """`--lora`'s adapters, name -> path: each name valid and not the base model's, none twice, each path an adapter
+    directory here whose config the pool can take (ValueError / LoraError: one line, before anything starts; the
+    tensors are checked against the model by the engine). On a Ray cluster (--ray-address) the paths are its nodes'."""
     server = ServerConfig(model_name=getattr(args, "model_name", None) or args.model)
     out: dict[str, str] = {}
     for name, path in lora_list(args):
         server.check_adapter_name(name)
         if name in out:
             raise ValueError(f"--lora {name}=... is given twice")
-        if getattr(args, "ray_address", None) is None and not os.path.isdir(os.path.expanduser(path)):
-            raise ValueError(f"--lora {name}={path}: no such adapter directory")  # (a cluster's: its nodes' paths)
+        if getattr(args, "ray_address", None) is None:
+            from csmserve.models.lora import check_adapter_dir
+
+            check_adapter_dir(path, getattr(args, "max_lora_rank", None))
         out[name] = os.path.expanduser(path)
     return out
 

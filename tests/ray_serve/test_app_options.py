@@ -109,8 +109,12 @@ def test_lora_adapters_reach_every_replica_and_the_ingress_knows_the_base_names(
 
     from csmserve.ray.ingress import ADAPTER_ROUTES, CSMServeIngress, frontend
 
-    d = tmp_path / "ann"
-    d.mkdir()
+    import torch
+
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import write_adapter
+
+    d = write_adapter(tmp_path / "ann", tiny_config(), rank=4, dtype=torch.float32)
     spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "device": "cpu", "lora": [f"ann={d}"],
                                             "model_name": "mine"}))
     assert spec.adapters == (("ann", str(d)),) and spec.engine.max_loras == 1
