@@ -298,7 +298,10 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
             os.unlink(spec.address)
         listener = Listener(spec.address, family="AF_UNIX", authkey=spec.authkey)
     except Exception as e:
-        log.exception("the engine failed to start")
+        if isinstance(e, ValueError):  # the caller's input (a LoraError of --lora, a bad model): its one line
+            log.error("the engine failed to start: %s", " ".join(str(e).split()))
+        else:
+            log.exception("the engine failed to start")
         if ready is not None:
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e

@@ -137,7 +137,7 @@ def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, s
     from csmserve.api import CSM
 
     csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
-              engine_config=spec.engine, adapters=dict(adapters) or None)
+              engine_config=spec.engine, **({"adapters": dict(adapters)} if adapters else {}))
     if csm.device.type == "cuda" and gpu_share < 1 and spec.engine.max_slots is None:
         csm.engine_config = dataclasses.replace(spec.engine, max_slots=slots_in_share(csm, spec.engine, gpu_share))
     return csm
@@ -365,9 +365,13 @@ class Supervisor:
         return None
 
     def watch(self) -> int:
+        """`csmserve serve`'s parent: until stopped; an engine that failed to start (a bad --model or --lora) ends
+        it with that reason (RuntimeError: the command's one line, exit code 2), not a server answering 503."""
         while not self._stopping:
             time.sleep(0.2)
             self.check()
+            if self.engine_error is not None:
+                raise RuntimeError(f"the engine failed to start: {' '.join(self.engine_error.split())}")
         return 0
 
     def stop(self, *_: object) -> None:

@@ -424,3 +424,23 @@ def test_serve_lora_as_processes(root, tmp_path):
         assert r.status_code == 400 and "no such adapter directory" in error_of(r)["message"]
     finally:
         server.stop()
+
+
+def test_serve_with_a_bad_lora_ends_with_its_one_line(root, tmp_path):
+    """An adapter the command line cannot judge (another base shape: its tensors) fails the engine's start: `csmserve
+    serve` exits 2 with the reason in one line, not a server answering 503."""
+    import subprocess
+    import sys
+
+    other = tiny_config()
+    adapter_dir(tmp_path, "other", 1, cfg=dataclasses.replace(other, backbone=dataclasses.replace(other.backbone,
+                                                                                                    dim=96)))
+    from server_helpers import free_port
+
+    p = subprocess.run([sys.executable, "-m", "csmserve", "serve", "--model", "dummy-tiny", "--device", "cpu",
+                        "--api-workers", "1", "--port", str(free_port()), "--voices-db", str(tmp_path / "v.db"),
+                        "--log-level", "warning", "--lora", f"x={tmp_path / 'other'}"],
+                       capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith("csmserve serve: error: the engine failed to start: LoraError")
+    assert "trained for a different base model" in last
