@@ -287,8 +287,9 @@ class ServerState:
             return model
         names = set(bound.values())
         if len(names) > 1:
-            raise bad_request(f"the voices are bound to different adapters ({', '.join(f'{v}: {a}' for v, a in sorted(bound.items()))}); "
-                              "one request speaks with one: name it in 'model'", "model", "adapter_conflict")
+            pairs = ", ".join(f"{v}: {a}" for v, a in sorted(bound.items()))
+            raise bad_request(f"the voices are bound to different adapters ({pairs}); one request speaks with one: "
+                              "name it in 'model'", "model", "adapter_conflict")
         if names and not self.lora:
             name = names.pop()
             raise APIError(404, f"the voice is bound to adapter {name!r}, but this server serves no LoRA adapters "

@@ -334,7 +334,8 @@ def test_the_websocket_s_model(lserver, lcsm):
     settings = {"temperature": 0, "max_audio_length_ms": FRAMES * 80, "max_segment_length_ms": FRAMES * 80}
     want = {a: np.concatenate([c.codes for c in lcsm.speak(TEXT, adapter=a, **settings)]) for a in ("ann", None)}
     with connect(url) as ws:
-        for cid, key, model in (("w-ann", "model", "ann"), ("w-adapter", "adapter", "ann"), ("w-base", "model", "tts-1")):
+        for cid, key, model in (("w-ann", "model", "ann"), ("w-adapter", "adapter", "ann"),
+                                ("w-base", "model", "tts-1")):
             ws.send(json.dumps({"context_id": cid, key: model, "text": TEXT, "flush": True, **settings}))
             done = ws_turn(ws)[-1]
             assert done["type"] == "flush_done", done
@@ -377,9 +378,10 @@ def test_metrics_per_adapter(lserver):
 def test_a_full_pool_waits_then_503_while_the_running_stream_goes_on(root, tmp_path):
     """One pool slot held by ann's running stream: bob's request waits --max-lora-wait-s (0.5 s) in the queue, then
     503 adapter_pool_full; ann's stream ends whole; then bob's request is served."""
-    small = CSM("dummy-tiny", device="cpu", dtype="float32", adapters={"ann": str(root / "ann"), "bob": str(root / "bob")},
-                engine_config=EngineConfig(max_slots=4, max_seq_len=512, first_chunk_frames=1, chunk_frames=2,
-                                           max_loras=1, max_lora_rank=8, max_lora_wait_s=0.5))
+    cfg = EngineConfig(max_slots=4, max_seq_len=512, first_chunk_frames=1, chunk_frames=2, max_loras=1,
+                       max_lora_rank=8, max_lora_wait_s=0.5)
+    small = CSM("dummy-tiny", device="cpu", dtype="float32", engine_config=cfg,
+                adapters={"ann": str(root / "ann"), "bob": str(root / "bob")})
     s = Server(create_app(small, ServerConfig(voices_db=str(tmp_path / "v.db")))).start()
     s.codes = record(s.state)
     try:

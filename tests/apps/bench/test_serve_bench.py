@@ -26,7 +26,8 @@ def test_serve_bench_end_to_end(tmp_path):
     assert time.monotonic() - t < 120
     report = json.loads(out.with_suffix(".json").read_text())
     names = [s["name"] for s in report["scenarios"]]
-    assert names == ["closed 4 pcm", "closed 4 mp3", "ws 4 ws 1v", "burst 4 pcm in 0.3s", "closed 4 pcm 2a", "ws 4 ws 2a"]
+    assert names == ["closed 4 pcm", "closed 4 mp3", "ws 4 ws 1v", "burst 4 pcm in 0.3s", "closed 4 pcm 2a",
+                     "ws 4 ws 2a"]
     for s in report["scenarios"]:
         req, ttfa = s["requests"], s["ttfa_ms"]
         assert req["ok"] > 0 and req["cut"] == 0 and s["errors"] == {}, s
