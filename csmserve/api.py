@@ -236,6 +236,12 @@ class CSM:
         self.engine_config = cfg
         self._pending = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
 
+    def take_adapters(self) -> dict:
+        """The adapters read at construction and not served yet (name -> LoraAdapter), handed over once: the
+        engine-core process serves them from its first step (Engine.register_adapters)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
     def load_adapter(self, name: str, path: str | Path) -> dict:
         """Serve the PEFT / unsloth LoRA adapter directory `path` as `name` from now on (other streams go on) ->
         its info. LoraError: it cannot be served right (another base, DoRA, a rank over the pool's, ...);
@@ -362,9 +368,11 @@ class CSM:
     def history_overflow(self, text: str, history: Sequence[Segment], speaker: int = 0,
                          context: Sequence[Segment] = (), temperature: float = 0.9, top_k: int = 50,
                          top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
-                         max_segment_length_ms: int | None = 20_000, fit_cap: bool = False) -> int:
+                         max_segment_length_ms: int | None = 20_000, fit_cap: bool = False,
+                         adapter: str | None = None) -> int:
         """How many of the oldest segments of `history` (a conversation's turns, oldest first) a request
-        speaking `text` after `context` + `history` (long_request's keywords) must leave out to fit: the
+        speaking `text` after `context` + `history` (long_request's keywords; `adapter` changes nothing here) must
+        leave out to fit: the
         prompt of `context + history[n:]` then fits, or nothing of history is left (n = len(history)) and
         the request's own error says why. Counted from each segment's frames (tokenized once per
         Segment), newest first. ValueError: codes out of range anywhere in context or history."""

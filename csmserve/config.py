@@ -3,6 +3,7 @@ EngineConfig, ServerConfig, RayConfig; and the codec's fixed units every layer c
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SAMPLE_RATE = 24_000  # Hz: Mimi's audio (and OpenAI's pcm)
@@ -19,6 +20,11 @@ def reading_ms(chars: int, ms_per_char: int = AUDIO_MS_PER_CHAR) -> int:
     return max(1000, ms_per_char * chars)
 
 WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
+# OpenAI's TTS model ids: a request's `model` naming one of them means the base model (as the server's own name
+# and "csm-1b" do), so unmodified clients (the OpenAI SDK, Open WebUI, Pipecat, LiveKit) keep working
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-03-20", "gpt-4o-mini-tts-2025-12-15")
+# a LoRA adapter's name (a request's `model`): letters, digits and . _ - : / @ + (a hub id reads as one), 1-128
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 32  # the largest rank an adapter may have (unsloth's CSM recipe: 32); a larger one is refused
     max_cpu_loras: int = 256  # adapters loaded (by name, their weights in pinned host memory) at most
+    # a request whose adapter has no pool slot (every slot held by running requests of other adapters) waits in the
+    # queue this many seconds at most, then ends with AdapterPoolFullError (the server's 503 adapter_pool_full)
+    max_lora_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
@@ -96,6 +105,8 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
             raise ValueError(f"EngineConfig needs max_loras >= 0, max_lora_rank >= 1 and max_cpu_loras >= 1, got "
                              f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
+        if not self.max_lora_wait_s > 0:
+            raise ValueError(f"EngineConfig.max_lora_wait_s must be > 0, got {self.max_lora_wait_s}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
@@ -173,6 +184,24 @@ class ServerConfig:
     # a WebSocket turn that got text but no flush: flushed by the server after this long without new text
     # (what was sent is spoken, `flush_done` says `idle_timeout`), so its engine slot is freed
     ws_turn_idle_s: float = 30.0
+    # POST /v1/load_lora_adapter reads adapter directories under this directory only (a relative lora_path is
+    # taken from it; one that resolves outside it, through `..` or a symlink, is refused); None: that route is
+    # off (403): `--lora` at start still loads any path (the operator's own)
+    lora_dir: str | None = None
+
+    @property
+    def base_models(self) -> tuple[str, ...]:
+        """The `model` values that mean the base model: model_name, "csm-1b" and OpenAI's TTS ids (/v1/models)."""
+        return tuple(dict.fromkeys((self.model_name, "csm-1b", *OPENAI_MODELS)))
+
+    def check_adapter_name(self, name: str) -> str:
+        """A LoRA adapter's name (`--lora`, the load route) -> itself; ValueError saying why it cannot be one."""
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            raise ValueError(f"adapter name {str(name)[:140]!r}: use 1-128 letters, digits and . _ - : / @ + "
+                             "(starting with a letter or digit)")
+        if name in self.base_models:
+            raise ValueError(f"adapter name {name!r} is a name of the base model ({', '.join(self.base_models)})")
+        return name
 
     def audio_floor_ms(self, random_weights: bool) -> int:
         """default_audio_length_ms, or where it is None its default for these weights (see there)."""

@@ -7,7 +7,7 @@ slot between steps (`take_loads` -> the copies; `loaded` once one is done) and t
 once its adapter's copy is done (`want`), so no step waits for a load. A slot is pinned while admitted requests use
 its adapter (`pin` / `unpin`); unpinned ones stay resident, least recently used first to go when another adapter
 needs a slot (never one a queued request waits for). When every slot is pinned or loading, requests for a
-non-resident adapter wait in the queue.
+non-resident adapter wait in the queue, at most EngineConfig.max_lora_wait_s (then AdapterPoolFullError).
 
 Unloading (`remove`) takes the name away at once (new requests for it are refused as unknown; the name may be
 loaded again); the requests already queued or running with it finish with it, and its slot and host copy are freed
@@ -30,6 +30,15 @@ class UnknownAdapterError(ValueError):
 
 class AdapterLimitError(ValueError):
     """One adapter more than max_cpu_loras would be registered (unload one first)."""
+
+
+class AdapterExistsError(ValueError):
+    """An adapter of that name is loaded already (unload it first)."""
+
+
+class AdapterPoolFullError(RuntimeError):
+    """A request waited max_lora_wait_s for its adapter's GPU pool slot: every slot was held by running requests of
+    other adapters (retry, or raise max_loras)."""
 
 
 @dataclass(eq=False)
@@ -76,7 +85,7 @@ class AdapterSlots:
         if not name or not isinstance(name, str):
             raise ValueError("an adapter needs a non-empty name")
         if name in self.by_name:
-            raise ValueError(f"adapter {name!r} is already loaded (unload it first)")
+            raise AdapterExistsError(f"adapter {name!r} is already loaded (unload it first)")
         if len(self.live) >= self.max_adapters:
             raise AdapterLimitError(f"{len(self.live)} adapters loaded, the most there may be (max_cpu_loras = "
                                     f"{self.max_adapters}): unload one first")

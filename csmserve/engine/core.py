@@ -290,12 +290,18 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
         else:
             engine = build_engine(csm.model, csm.mimi, config, start=False, ring_path=spec.ring_path,
                                   ring_slots=RING_SLOTS)
+        take = getattr(csm, "take_adapters", None)  # CSM(adapters=...): read by load, served from the first step
+        if take is not None:
+            engine.register_adapters(take())
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
         if os.path.exists(spec.address):
             os.unlink(spec.address)
         listener = Listener(spec.address, family="AF_UNIX", authkey=spec.authkey)
     except Exception as e:
-        log.exception("the engine failed to start")
+        if isinstance(e, ValueError):  # the caller's input (a LoraError of --lora, a bad model): its one line
+            log.error("the engine failed to start: %s", " ".join(str(e).split()))
+        else:
+            log.exception("the engine failed to start")
         if ready is not None:
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e

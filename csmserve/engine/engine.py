@@ -33,7 +33,7 @@ import torch
 
 from csmserve.config import EngineConfig
 from csmserve.engine import trace
-from csmserve.engine.adapters import AdapterSlots
+from csmserve.engine.adapters import AdapterPoolFullError, AdapterSlots
 from csmserve.engine.outputs import (EV_ERROR, EV_FINAL, EngineStats, EngineStep, Event, Progress, Router,
                                      CLIENT_SHIFT, client_of, error_payload)
 from csmserve.engine.pacing import LaunchPacer
@@ -255,6 +255,8 @@ class Engine:
         if adapters is not None:  # copies done since the last step: their requests can be admitted now
             for slot, a in self.runner.lora_loads_done():
                 adapters.loaded(slot, a)
+            if self.scheduler.num_parked:
+                self._expire_parked(t0)
         batch = self.scheduler.schedule()
         if adapters is not None:
             loads = adapters.take_loads()
@@ -402,6 +404,25 @@ class Engine:
             return
         self._refresh_adapters(time.perf_counter())
         fut.set_result(result)
+
+    def _expire_parked(self, now: float) -> None:
+        """Requests that waited max_lora_wait_s for their adapter's pool slot end with AdapterPoolFullError."""
+        wait = self.config.max_lora_wait_s
+        for req in self.scheduler.overdue_parked(now - wait):
+            log.warning("request %s: adapter %r had no pool slot for %.0f s; refused", req.request_id, req.adapter,
+                        wait)
+            self._ended(req, EV_ERROR, error_payload(AdapterPoolFullError(
+                f"adapter {req.adapter!r} waited {wait:g} s for a GPU slot: all {self.config.max_loras} LoRA pool "
+                f"slots are held by running requests of other adapters; retry, or raise --max-loras")))
+
+    def register_adapters(self, adapters: dict) -> None:
+        """Adapters read already (name -> models/lora.py LoraAdapter: CSM's at start) served from the first step:
+        on the caller's thread, before the loop runs (the engine-core process, before it says it is ready).
+        ValueError / AdapterLimitError as load_adapter's."""
+        for name, adapter in adapters.items():
+            fut: Future = Future()
+            self._adapter_call(LOAD, name, (adapter, fut))
+            fut.result()
 
     def _refresh_adapters(self, now: float) -> None:
         self._adapter_info = self.scheduler.adapters.info() if self.scheduler.adapters is not None else {}

@@ -342,11 +342,12 @@ def error_payload(e: BaseException) -> tuple[str, str]:
 
 def error_from(payload: tuple[str, str]) -> BaseException:
     """An engine-side error, rebuilt on the client side as the same kind (busy / bad request / failure)."""
-    from csmserve.engine.adapters import AdapterLimitError, UnknownAdapterError
+    from csmserve.engine.adapters import AdapterLimitError, AdapterPoolFullError, UnknownAdapterError
     from csmserve.engine.scheduler import SchedulerBusy
     from csmserve.models.lora import LoraError
 
     name, message = payload
     kind = {"SchedulerBusy": SchedulerBusy, "ValueError": ValueError, "UnknownAdapterError": UnknownAdapterError,
-            "AdapterLimitError": AdapterLimitError, "LoraError": LoraError}.get(name, RuntimeError)
+            "AdapterLimitError": AdapterLimitError, "LoraError": LoraError,
+            "AdapterPoolFullError": AdapterPoolFullError}.get(name, RuntimeError)
     return kind(message)

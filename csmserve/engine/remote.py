@@ -233,11 +233,12 @@ class RemoteEngineClient(ClientBase):
 
 def adapter_error(payload: tuple[str, str]) -> BaseException:
     """An adapter call's error from the engine process, as the same class."""
-    from csmserve.engine.adapters import AdapterLimitError, UnknownAdapterError
+    from csmserve.engine.adapters import AdapterExistsError, AdapterLimitError, UnknownAdapterError
     from csmserve.models.lora import LoraError
 
     name, message = payload
-    kinds = {c.__name__: c for c in (UnknownAdapterError, AdapterLimitError, LoraError, ValueError)}
+    kinds = {c.__name__: c for c in (UnknownAdapterError, AdapterLimitError, AdapterExistsError, LoraError,
+                                     ValueError)}
     return kinds.get(name, RuntimeError)(message)
 
 

@@ -70,6 +70,7 @@ class Request:
     num_scheduled_frames: int = 0  # frame steps scheduled in the segments that ended
     arrival_time: float = 0.0
     admit_time: float | None = None  # perf_counter when it got a slot (queue time = admit - arrival)
+    parked_at: float = 0.0  # perf_counter when it began to wait for its adapter's pool slot (max_lora_wait_s)
     prompt_start: int = 0  # slot position of tokens[0] (> 0 for a long-form continuation)
     segment: int = 0  # index of the target turn being generated
     seg_start_pos: int = 0  # position of the segment's first frame step (its prompt's last frame)

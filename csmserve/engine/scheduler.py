@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import secrets
 import time
 from collections import deque
@@ -337,10 +338,24 @@ class Scheduler:
                 if a is not None:
                     self.adapters.pin(a)
             else:
+                req.parked_at = time.perf_counter()
                 self._parked.setdefault(a, deque()).append(req)
                 self._n_parked += 1
                 a.waiting += 1
         return out
+
+    @property
+    def num_parked(self) -> int:
+        """Queued requests waiting for their adapter's pool slot."""
+        return self._n_parked
+
+    def overdue_parked(self, before: float) -> list[Request]:
+        """The parked requests that began to wait before `before` (perf_counter), oldest of each adapter first,
+        aborted here (their adapters' waits released): the engine ends them with AdapterPoolFullError."""
+        late = [r for q in self._parked.values() for r in itertools.takewhile(lambda r: r.parked_at < before, q)]
+        for req in late:
+            self.abort(req.request_id)
+        return late
 
     def _with_last_frames(self, chunks: list[PrefillChunk], slots: np.ndarray, finals: dict[int, Request]
                           ) -> tuple[list[PrefillChunk], bool]:

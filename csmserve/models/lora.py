@@ -152,6 +152,31 @@ def random_adapter(cfg, rank: int, seed: int = 0, std: float = 0.02, dtype: torc
     return LoraAdapter(f"random:{seed}", rank, w, sum(len(t.slices) for t in layout.targets), float(rank), False)
 
 
+def write_adapter(d: str | Path, cfg, rank: int = 16, seed: int = 0, std: float = 0.02, alpha: float | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A PEFT adapter directory for `cfg`'s shape as PEFT's save_pretrained writes one (adapter_config.json +
+    adapter_model.safetensors, transformers' module names), random A and B of `rank` on every projection we adapt:
+    what the load benchmark and the tests serve, PEFT-free. alpha: lora_alpha (default 2 * rank)."""
+    from safetensors.torch import save_file
+
+    d = Path(d)
+    layout = LoraLayout(cfg)
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for hf in layout.hf:
+        out, k = layout.shape_of(hf)
+        sd[f"{_PREFIX}{hf}.lora_A.weight"] = (torch.randn(rank, k, generator=g) * std).to(dtype)
+        sd[f"{_PREFIX}{hf}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * std).to(dtype)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(d / WEIGHT_FILES[0]))
+    targets = sorted(layout.hf)  # full names: plain ones would wrap Mimi's q/k/v/o too (left at B = 0 by PEFT)
+    (d / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": None, "r": rank, "lora_alpha": 2 * rank if alpha is None else alpha,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": targets, "use_rslora": False, "use_dora": False,
+        "base_model_name_or_path": None}, indent=2))
+    return d
+
+
 def _pattern(patterns: dict, module: str, default):
     # PEFT's get_pattern_key: the first key k with module matching (.*\.)?(k)$
     for key, value in patterns.items():
@@ -201,6 +226,20 @@ def _read_tensors(d: Path) -> dict[str, Tensor]:
             raise LoraError(f"{path}: not a dict of tensors")
         return sd
     raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
+
+
+def check_adapter_dir(path: str | Path, max_rank: int | None = None) -> None:
+    """What read_adapter checks before it reads a tensor (a directory, its config's fields and rank, a weights file):
+    what the command line can say at once, without the model (LoraError)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise LoraError(f"{d}: no such adapter directory")
+    c = _read_config(d)
+    if not any((d / name).is_file() for name in WEIGHT_FILES):
+        raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
+    ranks = [c["r"], *(r for r in (c.get("rank_pattern") or {}).values() if isinstance(r, (int, float)))]
+    if max_rank is not None and max(ranks) > max_rank:
+        raise LoraError(f"{d}: rank {max(ranks):g} is over the pool's max_lora_rank {max_rank} (--max-lora-rank)")
 
 
 def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,

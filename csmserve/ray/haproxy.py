@@ -19,8 +19,9 @@ stream of a node passes through. The routing key comes from the request itself, 
 
 The body is read from HAProxy's buffer (`option http-buffer-request`, `tune.bufsize` =
 RayConfig.ingress_body_bytes): a larger body is routed by the fields in its first that-many bytes.
-`/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py); `/health` is the
-answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
+`/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py), and so do the LoRA load /
+unload routes (answered 501 there: with --ray adapters are given at start, `--lora`, to every replica); `/health` is
+the answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
 within about 1.5 s); a request whose replica refused it, dropped it or answered 503 before any byte of a
 response goes to another (twice at most).
 
@@ -192,7 +193,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "frontend csmserve",
         f"    bind {f.host}:{f.port}" if ":" not in f.host else f"    bind [{f.host}]:{f.port}",
         "    option http-buffer-request",
-        "    acl control path /ready /metrics /-/healthz",
+        # the control port: the application's own paths, and the LoRA load / unload routes (refused there: with
+        # --ray, adapters are given at start, to every replica)
+        "    acl control path /ready /metrics /-/healthz /v1/load_lora_adapter /v1/unload_lora_adapter",
         "    acl speech path /v1/audio/speech",
         "    acl post method POST",
         # a client's own key wins, then the URL's context_id (the WebSocket's), then the body's

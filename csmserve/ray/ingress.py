@@ -32,7 +32,8 @@ from csmserve.ray.haproxy import Frontend, HAProxy, Server, binary, render
 
 log = logging.getLogger("csmserve.ray")
 LOW_MAXCONN = 8192  # below it (a low open-file limit) the ingress says so: 2,048 streams take 4,096 sockets
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 501: "Not Implemented", 503: "Service Unavailable"}
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # answered here: --ray's adapters are --lora
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class IngressSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "sesame/csm-1b"
+    models: tuple[str, ...] = ServerConfig().base_models  # `model` values meaning the base (the replicas' own)
     load_factor: float = 1.25
     body_bytes: int = 256 << 10
     request_timeout_s: float = 60.0
@@ -50,15 +52,15 @@ class IngressSpec:
 
     @classmethod
     def of(cls, server: ServerConfig, cfg: RayConfig) -> IngressSpec:
-        return cls(server.host, server.port, server.model_name, cfg.affinity_load_factor, cfg.ingress_body_bytes,
-                   server.header_timeout_s + server.body_timeout_s, server.keep_alive_s, cfg.report_interval_s)
+        return cls(server.host, server.port, server.model_name, server.base_models, cfg.affinity_load_factor,
+                   cfg.ingress_body_bytes, server.header_timeout_s + server.body_timeout_s, server.keep_alive_s,
+                   cfg.report_interval_s)
 
 
 def frontend(spec: IngressSpec, control_port: int) -> Frontend:
-    from csmserve.server.models import OPENAI_MODELS
     from csmserve.voices import OPENAI_VOICES
 
-    return Frontend(spec.host, spec.port, control_port, models=(spec.model_name, *OPENAI_MODELS),
+    return Frontend(spec.host, spec.port, control_port, models=spec.models,
                     aliases=OPENAI_VOICES, load_factor=spec.load_factor, body_bytes=spec.body_bytes,
                     request_timeout_s=spec.request_timeout_s, keep_alive_s=spec.keep_alive_s)
 
@@ -153,6 +155,12 @@ class CSMServeIngress:
     async def respond(self, method: str, path: str) -> tuple[int, str, bytes]:
         from csmserve.server.errors import APIError
 
+        if path in ADAPTER_ROUTES:  # (HAProxy sends them here, whatever the method)
+            return 501, "application/json", json.dumps(APIError(
+                501, f"{path}: with --ray, LoRA adapters are given at start (csmserve serve --ray --lora NAME=PATH): "
+                "every replica loads them, also those Ray starts later; one replica loading at run time would "
+                "serve an adapter the others do not", "not_supported_with_ray", type="invalid_request_error"
+            ).body()).encode()
         if method not in ("GET", "HEAD"):
             return 405, "application/json", json.dumps(APIError(405, f"{method} {path}: use GET").body()).encode()
         if path == "/-/healthz":

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from csmserve.config import ServerConfig
 from csmserve.voices import VoiceBackend, open_voice_store
-from csmserve.server import errors, models, openapi, speech, voices, ws
+from csmserve.server import adapters, errors, models, openapi, speech, voices, ws
 from csmserve.server.errors import APIError, check_bearer
 from csmserve.server.origin import OriginMiddleware
 from csmserve.server.state import ServerState
@@ -71,7 +71,7 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     app.state.server = state
     errors.install(app)
     openapi.install(app)
-    for module in (speech, voices, models, ws):
+    for module in (speech, voices, models, adapters, ws):
         app.include_router(module.router)
     _add_page(app)
     app.add_middleware(OriginMiddleware, allowed=config.cors_origins)  # inside the guard: its 403s are counted

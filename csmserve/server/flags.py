@@ -85,9 +85,11 @@ _HELP = {
                       "new text (its slot freed)",
     # EngineConfig
     "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
-    "max_loras": "LoRA adapters resident on the GPU at once (the pool's slots, LRU; 0: no pool, no LoRA)",
-    "max_lora_rank": "the largest adapter rank the pool takes (its A and B are padded to it)",
-    "max_cpu_loras": "adapters loaded at once, their weights in pinned host memory (one more is refused: unload one first)",
+    "max_loras": "adapters resident on the GPU at once (pool slots, LRU); 0: one per --lora, or no LoRA",
+    "max_lora_rank": "the largest adapter rank the pool takes (larger: refused)",
+    "max_cpu_loras": "adapters loaded at once, in pinned host memory (one more: 409)",
+    "max_lora_wait_s": "a request waits this long for a pool slot held by other adapters, then 503",
+    "lora_dir": "POST /v1/load_lora_adapter reads adapters under this directory only",
     "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
     "max_seq_len": "positions per slot: prompt frames + generated frames",
     "prefill_token_budget": "prompt positions prefilled per engine step over all slots (docs/benchmarks.md: "
@@ -139,6 +141,7 @@ _UNSET = {  # what a None default means
     "max_slots": "as many as fit in free GPU memory; 8 on the CPU",
     "prefix_cache_bytes": "half the GPU memory the slots and graphs leave free, at least 2 GiB; 64 MiB on the CPU",
     "trace_requests": "off",
+    "lora_dir": "none: that route is off",
     "ray_address": "a Ray instance of our own",
     "min_replicas": "1 when autoscaling", "max_replicas": "--min-replicas, at least 1",
     "target_ongoing_requests": "3/4 of --max-slots",
@@ -155,10 +158,12 @@ _GROUPS = {
     "slow clients": ("header_timeout_s", "body_timeout_s", "body_min_rate", "keep_alive_s", "max_header_bytes"),
     "WebSocket sessions": ("session_idle_s", "max_sessions", "max_session_turns", "max_session_frames",
                            "max_ws_message_bytes", "ws_turn_idle_s"),
+    "LoRA adapters": ("lora_dir", "max_loras", "max_lora_rank", "max_cpu_loras", "max_lora_wait_s"),
 }
 _METAVARS = {"model": "ID|PATH", "codec": "PATH", "codec_dtype": "DTYPE", "log_level": "LEVEL", "host": "HOST",
              "port": "PORT", "api_key": "KEY", "model_name": "NAME", "voices_db": "PATH|URL", "cors_origins": "ORIGINS",
-             "weights": "bf16|fp8|fp8-all", "trace_requests": "DIR", "ray_address": "ADDRESS", "app_name": "NAME"}
+             "weights": "bf16|fp8|fp8-all", "trace_requests": "DIR", "lora_dir": "DIR", "ray_address": "ADDRESS",
+             "app_name": "NAME"}
 _SUFFIXES = (("_ms", "MS"), ("_s", "SECONDS"), ("_seconds", "SECONDS"), ("_bytes", "BYTES"), ("_rate", "BYTES/S"))
 
 
@@ -235,6 +240,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     groups: dict[str, argparse._ArgumentGroup] = {}
     for title in _GROUPS:
         groups[title] = p.add_argument_group(title)
+    env = os.environ.get(ENV_PREFIX + "LORA")
+    groups["LoRA adapters"].add_argument(
+        "--lora", action="extend", metavar="NAME=PATH", type=_lora_args, default=None,
+        help="serve the PEFT / unsloth adapter directory PATH as NAME (a request's `model`); any number, or "
+             "comma-separated (default: none"
+             + (f"; {ENV_PREFIX}LORA is set" if env else "") + ")")
     for title, cls in (("server", ServerConfig), ("engine", EngineConfig), ("ray (with --ray)", RayConfig)):
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
@@ -247,6 +258,49 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def _lora_args(value: str) -> list[tuple[str, str]]:
+    """`--lora NAME=PATH[,NAME=PATH...]` (PATH alone: named after its directory) -> [(name, path)]."""
+    out = []
+    for item in (x.strip() for x in value.split(",")):
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(item)), item
+        if not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=PATH")
+        out.append((name.strip(), path.strip()))
+    return out
+
+
+def lora_list(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--lora's (name, path) pairs as given, else CSMSERVE_LORA's (a flag given wins, as everywhere)."""
+    given = getattr(args, "lora", None)
+    if given is not None:
+        return given
+    env = os.environ.get(ENV_PREFIX + "LORA")
+    try:
+        return _lora_args(env) if env and env.strip() else []
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{ENV_PREFIX}LORA={env!r}: {e}") from None
+
+
+def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """`--lora`'s adapters, name -> path: each name valid and not the base model's, none twice, each path an adapter
+    directory here whose config the pool can take (ValueError / LoraError: one line, before anything starts; the
+    tensors are checked against the model by the engine). On a Ray cluster (--ray-address) the paths are its nodes'."""
+    server = ServerConfig(model_name=getattr(args, "model_name", None) or args.model)
+    out: dict[str, str] = {}
+    for name, path in lora_list(args):
+        server.check_adapter_name(name)
+        if name in out:
+            raise ValueError(f"--lora {name}=... is given twice")
+        if getattr(args, "ray_address", None) is None:
+            from csmserve.models.lora import check_adapter_dir
+
+            check_adapter_dir(path, getattr(args, "max_lora_rank", None))
+        out[name] = os.path.expanduser(path)
+    return out
+
+
 def ray_config(args: argparse.Namespace) -> RayConfig:
     return RayConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RayConfig)})
 
@@ -256,4 +310,8 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     server = pick(ServerConfig)
     if server["model_name"] is None:  # not set: report --model
         server["model_name"] = args.model
-    return ServerConfig(**server), EngineConfig(**pick(EngineConfig))
+    engine = pick(EngineConfig)
+    loras = lora_list(args)
+    if loras and not engine["max_loras"]:  # --lora without --max-loras: a slot each
+        engine["max_loras"] = len(loras)
+    return ServerConfig(**server), EngineConfig(**engine)

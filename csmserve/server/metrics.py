@@ -20,12 +20,41 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 30
 
 
 class _EngineCollector:
-    """The engine's gauges and counters, read at scrape time."""
+    """The engine's gauges and counters, read at scrape time; with `adapters` (the scrape's snapshot of the engine's
+    adapters, name -> info), a series per adapter served now: an unloaded adapter's are gone (at most
+    --max-cpu-loras adapters, so the label's values are bounded)."""
 
     def __init__(self, model_name: str, stats: Callable[[], object | None]) -> None:
         self.model_name, self.stats = model_name, stats
+        self.adapters: dict[str, dict] = {}
 
     def collect(self):
+        yield from self._engine()
+        yield from self._adapters()
+
+    def _adapters(self):
+        rows = [("lora_requests", "Requests for the adapter since it was loaded.", "requests", CounterMetricFamily),
+                ("lora_generated_frames", "80 ms frames generated with the adapter.", "frames", CounterMetricFamily),
+                ("lora_loads", "Copies of the adapter into a GPU pool slot (LRU: again after an eviction).", "loads",
+                 CounterMetricFamily),
+                ("lora_load_seconds", "Seconds its copies into the pool took (queued to done).", "load_s",
+                 CounterMetricFamily),
+                ("lora_requests_running", "Admitted requests with the adapter.", "running", GaugeMetricFamily),
+                ("lora_requests_waiting", "Queued requests with the adapter (some waiting for a pool slot).",
+                 "queued", GaugeMetricFamily),
+                ("lora_resident", "1 while the adapter sits in a GPU pool slot.", "resident", GaugeMetricFamily)]
+        adapters = self.adapters
+        loaded = GaugeMetricFamily("csmserve:lora_adapters_loaded", "LoRA adapters served (loaded by name).",
+                                   labels=["model_name"])
+        loaded.add_metric([self.model_name], float(len(adapters)))
+        yield loaded
+        for name, doc, key, family in rows:
+            m = family(f"csmserve:{name}", doc, labels=["model_name", "adapter"])
+            for adapter, info in sorted(adapters.items()):
+                m.add_metric([self.model_name, adapter], float(info.get(key) or 0))
+            yield m
+
+    def _engine(self):
         s = self.stats()
         rows = [("num_requests_running", "Requests holding an engine slot (generating, prefilling or waiting for "
                  "their next text).", None if s is None else s.running + s.idle, GaugeMetricFamily),
@@ -86,7 +115,9 @@ class Metrics:
     def error(self, status: int) -> None:
         self.errors.labels(self._model_name, str(status)).inc()
 
-    def render(self) -> bytes:
+    def render(self, adapters: dict[str, dict] | None = None) -> bytes:
+        """The Prometheus text; adapters: the engine's adapters now (name -> info: their series)."""
+        self._engine.adapters = adapters or {}
         if not self.multiprocess:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess

@@ -1,4 +1,8 @@
-"""GET /v1/models, /v1/audio/models, /health, /ready, /metrics."""
+"""GET /v1/models, /v1/audio/models, /health, /ready, /metrics.
+
+The models: the base (every name that means it: ServerConfig.base_models, --model-name first) and each LoRA adapter
+the engine serves, as vLLM lists them (OpenAI's model object with `parent`: the base's id, and `root`: where it was
+read from)."""
 from __future__ import annotations
 
 import time
@@ -7,36 +11,44 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from csmserve.config import OPENAI_MODELS  # noqa: F401 (re-exported)
 from csmserve.server.errors import APIError
 from csmserve.server.state import ServerState
 
 router = APIRouter()
-# OpenAI's TTS model ids, listed so unmodified clients (Open WebUI, Pipecat) find a model they know
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 _STARTED = int(time.time())
 
 
 def model_ids(state: ServerState) -> list[str]:
-    return list(dict.fromkeys([state.config.model_name, "csm-1b", *OPENAI_MODELS]))
+    """The base model's names (not its adapters)."""
+    return list(state.config.base_models)
+
+
+async def model_objects(state: ServerState) -> list[dict]:
+    """OpenAI's model objects: the base under each of its names, then every adapter served (parent: the base)."""
+    base = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "csmserve"} for m in model_ids(state)]
+    adapters = [{"id": name, "object": "model", "created": _STARTED, "owned_by": "csmserve",
+                 "parent": state.config.model_name, "root": a.get("path") or name, "rank": a.get("rank")}
+                for name, a in sorted((await state.adapters()).items())]
+    return base + adapters
 
 
 @router.get("/v1/models")
 async def list_models(http: Request) -> dict:
-    data = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "csmserve"}
-            for m in model_ids(http.app.state.server)]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": await model_objects(http.app.state.server)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, http: Request) -> dict:
-    if model_id not in model_ids(http.app.state.server):
+    found = next((m for m in await model_objects(http.app.state.server) if m["id"] == model_id), None)
+    if found is None:
         raise APIError(404, f"model {model_id!r} not found", "model_not_found", "model")
-    return {"id": model_id, "object": "model", "created": _STARTED, "owned_by": "csmserve"}
+    return found
 
 
 @router.get("/v1/audio/models")
 async def audio_models(http: Request) -> dict:
-    return {"models": [{"id": m} for m in model_ids(http.app.state.server)]}
+    return {"models": [{"id": m["id"]} for m in await model_objects(http.app.state.server)]}
 
 
 @router.get("/health")
@@ -60,4 +72,9 @@ async def ready(http: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(http: Request) -> Response:
-    return Response(http.app.state.server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    state: ServerState = http.app.state.server
+    try:  # the adapters' series: those served now (an unloaded adapter's are gone)
+        adapters = await state.adapters()
+    except Exception:  # noqa: BLE001 - the engine busy or gone: the rest of the metrics still answer
+        adapters = {}
+    return Response(state.metrics.render(adapters), media_type=CONTENT_TYPE_LATEST)

@@ -65,9 +65,15 @@ class ServeSpec:
     log_level: str = "info"
     gpu_share: float = 1.0  # the fraction of a GPU the engine has: sizes its slots when max_slots is None
     replica: str | None = None  # every response's `x-csmserve-replica` (a Ray replica's id)
+    # `--lora NAME=PATH`: LoRA adapters the engine serves from its start (read by the engine-core process; a
+    # path on the machine of the engine, of every replica's with --ray)
+    adapters: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_args(cls, args, server: ServerConfig, engine: EngineConfig, **kw) -> ServeSpec:
+        from csmserve.server.flags import lora_adapters
+
+        kw.setdefault("adapters", tuple(lora_adapters(args).items()))
         return cls(args.model, args.device, args.dtype, args.codec, getattr(args, "codec_dtype", None), server,
                    engine, args.log_level, **kw)
 
@@ -122,14 +128,16 @@ def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float =
     return CSM.attach(RemoteEngineClient(address, authkey, client_id, timeout=timeout))
 
 
-def load_engine_model(spec, gpu_share: float = 1.0):
+def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, str], ...] = ()):
     """The engine-core process's model: CSM without an engine of its own (weights, codec, tokenizer).
     gpu_share < 1 (a Ray replica with a fraction of a GPU) and no max_slots: the slots are sized to that
-    share of the GPU's memory here, in the process that holds the weights (slots_in_share)."""
+    share of the GPU's memory here, in the process that holds the weights (slots_in_share). adapters: `--lora`'s
+    (name, path) pairs, read and checked here (a bad one fails the start with LoraError's line) and served from the
+    engine's first step (serve_engine: CSM.take_adapters), so /ready is 200 only once every one is."""
     from csmserve.api import CSM
 
     csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
-              engine_config=spec.engine)
+              engine_config=spec.engine, **({"adapters": dict(adapters)} if adapters else {}))
     if csm.device.type == "cuda" and gpu_share < 1 and spec.engine.max_slots is None:
         csm.engine_config = dataclasses.replace(spec.engine, max_slots=slots_in_share(csm, spec.engine, gpu_share))
     return csm
@@ -288,8 +296,8 @@ class Supervisor:
 
         # the parent accepts; each connection goes to the worker with the fewest open ones (server/dispatch.py)
         self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
-        load = load_engine_model if spec.gpu_share >= 1 else functools.partial(load_engine_model,
-                                                                                  gpu_share=spec.gpu_share)
+        load = load_engine_model if spec.gpu_share >= 1 and not spec.adapters else functools.partial(
+            load_engine_model, gpu_share=spec.gpu_share, adapters=spec.adapters)
         self.engine = EngineProcess(self.engine_spec, load)
         self.workers: list = [None] * workers
         self.engine_ready = False
@@ -357,9 +365,13 @@ class Supervisor:
         return None
 
     def watch(self) -> int:
+        """`csmserve serve`'s parent: until stopped; an engine that failed to start (a bad --model or --lora) ends
+        it with that reason (RuntimeError: the command's one line, exit code 2), not a server answering 503."""
         while not self._stopping:
             time.sleep(0.2)
             self.check()
+            if self.engine_error is not None:
+                raise RuntimeError(f"the engine failed to start: {' '.join(self.engine_error.split())}")
         return 0
 
     def stop(self, *_: object) -> None:

@@ -93,6 +93,10 @@ class WsRequest(SamplingFields):
     context_id: StrictStr = Field("default", min_length=1, max_length=256)
     text: StrictStr | None = None
     voice: StrictStr | VoiceRef | None = None
+    # the session's model, as POST /v1/audio/speech's `model`: a LoRA adapter's name, or a base name (the voice's
+    # adapter, if it is bound to one, else the base); `adapter`: the same setting under CSM's own word
+    model: StrictStr | None = Field(None, max_length=256)
+    adapter: StrictStr | None = Field(None, max_length=256)
     context: list[ContextTurn] | None = None  # the session's fixed context (replaces the one given before)
     add_context: list[ContextTurn] | None = None  # turns appended to the session's conversation (e.g. the user's)
     output_format: Literal["pcm_s16le", "pcm_f32le"] | None = None
@@ -137,3 +141,19 @@ def parse_json(raw: bytes, model: type[M]) -> M:
 async def parse_body(raw: bytes, model: type[M]) -> M:
     """parse_json in a thread: a body of --max-body-bytes takes ~10 ms per MiB to parse, off the event loop."""
     return await asyncio.to_thread(parse_json, raw, model) if len(raw) > 65536 else parse_json(raw, model)
+
+
+class LoadLoraAdapter(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the adapter directory `lora_path` (under --lora-dir) as
+    `lora_name`."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: StrictStr = Field(min_length=1, max_length=256)
+    lora_path: StrictStr = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapter(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving `lora_name` (its requests in flight finish with it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: StrictStr = Field(min_length=1, max_length=256)

@@ -64,6 +64,7 @@ class Session:
 
     context_id: str
     voice: str | VoiceRef = "alloy"
+    model: str | None = None  # `model` / `adapter`: a LoRA adapter's name or a base name; None: as the voice says
     fields: SamplingFields = field(default_factory=SamplingFields)
     output_format: str = "pcm_s16le"
     add_timestamps: bool = False  # send `segment_done` (where each segment starts and ends in the audio)
@@ -80,6 +81,9 @@ class Session:
     def update(self, msg: WsRequest) -> bool:
         """Take the settings the message gives; -> whether it gave any."""
         given, changed = msg.model_fields_set, False
+        model = msg.adapter if msg.adapter is not None else msg.model
+        if model is not None and model != self.model:
+            self.model, changed = model, True
         for name in _SETTINGS:
             value = getattr(msg, name) if name in given else None
             if value is None:

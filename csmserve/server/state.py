@@ -21,6 +21,7 @@ import numpy as np
 from csmserve.audio import AudioDecodeError, AudioTooLongError, Encoder, decode_audio_24k, make_encoder
 from csmserve.config import FRAME_MS, FRAME_SAMPLES, ServerConfig, reading_ms
 from csmserve.engine import trace
+from csmserve.engine.adapters import AdapterPoolFullError, UnknownAdapterError
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError
@@ -45,8 +46,7 @@ INLINE_CHARS = 2000
 class RequestArgs:
     """One speech request's choices, resolved in one place (ServerState.resolve): who speaks, after what
     (the voice's clip, a dialogue's voices' clips, the context turns, a session's fixed context), how it is
-    sampled, its caps. `kw()`: what CSM's request builders take. A new per-request choice (e.g. a LoRA
-    adapter from the `model` field or from the voice) is one field here and one step in `resolve`."""
+    sampled, its caps, its LoRA adapter (from `model` or the voice). `kw()`: what CSM's request builders take."""
 
     speaker: int
     context: tuple[Segment, ...]
@@ -56,6 +56,7 @@ class RequestArgs:
     seed: int | None
     max_audio_length_ms: int  # the whole response
     max_segment_length_ms: int | None  # each segment of a long-form request (None: one segment)
+    adapter: str | None = None  # the LoRA adapter it speaks with (ServerState.adapter_for); None: the base model
 
     def kw(self) -> dict:
         """CSM.request / long_request / history_overflow / TextFeed.open's keywords; fit_cap: a cap the slot
@@ -181,8 +182,9 @@ class ServerState:
             args = await self.resolve(body.model_copy(update={"speaker": speakers[0]}), None, body.context,
                                       cast=voices, cast_param="voices" if body.voices else "input",
                                       total_chars=sum(map(len, texts)), segment_chars=max(map(len, texts)),
-                                      segmented=True)
-            request = await self._build(lambda: self.csm.long_request(texts, speakers=speakers, **args.kw()))
+                                      segmented=True, model=body.model)
+            request = await self._build(lambda: self.csm.long_request(texts, speakers=speakers, **args.kw()),
+                                        adapter=args.adapter)
             return SpeechPlan(request, args, Script(texts, speakers, [i for i, _, _ in segs]), dialogue=True,
                               **encoding)
         text = self._check_input(body.input)
@@ -190,10 +192,12 @@ class ServerState:
         texts = split_sentences(text) if short else await asyncio.to_thread(split_sentences, text)
         long = len(texts) > 1
         args = await self.resolve(body, body.voice, body.context, total_chars=len(text),
-                                  segment_chars=max(map(len, texts)) if long else None, segmented=long)
+                                  segment_chars=max(map(len, texts)) if long else None, segmented=long,
+                                  model=body.model)
         csm = self.csm
         request = await self._build(lambda: csm.long_request(texts, **args.kw()) if long else
-                                    csm.request(text, **args.kw()), inline=short and not body.context)
+                                    csm.request(text, **args.kw()), inline=short and not body.context,
+                                    adapter=args.adapter)
         texts = texts or [text]
         return SpeechPlan(request, args, Script(texts, [args.speaker] * len(texts), [0] * len(texts)),
                           spans=segment_spans(text, texts), **encoding)
@@ -206,7 +210,7 @@ class ServerState:
         dropped from the session (also when even the fixed context does not fit: the request's error says
         why)."""
         args = await self.resolve(session.fields, session.voice, segments=session.context,
-                                  total_chars=self.config.max_input_chars, segmented=True)
+                                  total_chars=self.config.max_input_chars, segmented=True, model=session.model)
         csm, history, cut = self.csm, session.history(), []
 
         def build() -> Request:
@@ -215,7 +219,7 @@ class ServerState:
             return feed.open(**{**kw, "context": kw["context"] + history[cut[0]:]})
 
         try:
-            request = await self._build(build)
+            request = await self._build(build, adapter=args.adapter)
         finally:
             if cut:
                 session.drop_oldest_segments(cut[0])
@@ -225,8 +229,10 @@ class ServerState:
     async def resolve(self, fields: SamplingFields, voice: str | VoiceRef | None = None,
                       turns: Sequence[ContextTurn] = (), segments: Sequence[Segment] = (), *,
                       cast: dict[str, int] | None = None, cast_param: str = "input", total_chars: int,
-                      segment_chars: int | None = None, segmented: bool = False) -> RequestArgs:
-        """The one resolution of a request's choices. The speaker: `fields.speaker`, else the voice's. The
+                      segment_chars: int | None = None, segmented: bool = False,
+                      model: str | None = None) -> RequestArgs:
+        """The one resolution of a request's choices. The adapter: `model` naming one, else the voice's (or a
+        dialogue's voices'), else none (adapter_for). The speaker: `fields.speaker`, else the voice's. The
         context: the voice's clip, each of a dialogue's `cast` voices' clips (as the speaker id it has there),
         the context `turns` (encoded here), then `segments` (a session's fixed context). The caps:
         max_audio_length_ms caps the whole (as asked, else sized for `total_chars`; a single sentence's
@@ -246,21 +252,65 @@ class ServerState:
             if segment_chars is not None and asked is None:
                 seg_ms = min(seg_ms, reading_ms(segment_chars, self.config.audio_ms_per_char))
             seg_ms = min(max_ms, seg_ms)
-        context = []
+        context, bound = [], {}  # bound: voice -> the adapter it is bound to
         resolved = await self._resolve_voice(voice) if voice is not None else None  # None: no voice clip
         if resolved is not None and resolved.voice is not None:
             context.append(Segment.of_voice(resolved.voice, resolved.speaker))
+            bound[resolved.voice.name] = resolved.voice.adapter
         for key, speaker in (cast or {}).items():  # a dialogue's voices, each as the id it speaks with there
             clip = (await self._resolve_voice(key, cast_param)).voice
             if clip is not None:
                 context.append(Segment.of_voice(clip, speaker))
+                bound[clip.name] = clip.adapter
+        adapter = self.adapter_for(model, {v: a for v, a in bound.items() if a is not None})
         context += await self.context_segments(turns)
         context += segments
         speaker = fields.speaker if fields.speaker is not None else resolved.speaker if resolved is not None else 0
         return RequestArgs(speaker, tuple(context), fields.temperature, fields.top_k, fields.top_p, fields.seed,
-                           max_ms, seg_ms)
+                           max_ms, seg_ms, adapter)
 
-    async def _build(self, build: Callable[[], Request], param: str = "context", inline: bool = False) -> Request:
+    # ---- LoRA adapters
+    @property
+    def lora(self) -> bool:
+        """The engine has an adapter pool (--max-loras / --lora): a `model` may name an adapter."""
+        cfg = getattr(self.csm, "engine_config", None)
+        return bool(cfg is not None and cfg.max_loras)
+
+    def adapter_for(self, model: str | None, bound: dict[str, str]) -> str | None:
+        """The adapter a request speaks with: `model` naming one wins; a base name (--model-name, csm-1b, OpenAI's
+        tts-1 ...) or none: the adapter its voice is bound to (a dialogue's voices: the one they are bound to; two
+        different ones: 400), else the base (None). Whether the adapter is loaded the engine says at submit
+        (UnknownAdapterError: 404 model_not_found); without a pool any other name is a 404 here."""
+        if model is not None and model not in self.config.base_models:
+            if not self.lora:
+                raise self.model_not_found(model)
+            return model
+        names = set(bound.values())
+        if len(names) > 1:
+            pairs = ", ".join(f"{v}: {a}" for v, a in sorted(bound.items()))
+            raise bad_request(f"the voices are bound to different adapters ({pairs}); one request speaks with one: "
+                              "name it in 'model'", "model", "adapter_conflict")
+        if names and not self.lora:
+            name = names.pop()
+            raise APIError(404, f"the voice is bound to adapter {name!r}, but this server serves no LoRA adapters "
+                           "(--lora / --max-loras)", "model_not_found", "voice")
+        return names.pop() if names else None
+
+    def model_not_found(self, model: str) -> APIError:
+        base = ", ".join(self.config.base_models)
+        where = "no LoRA adapter of that name is loaded" if self.lora else "this server serves no LoRA adapters"
+        return APIError(404, f"model {model!r} not found: it is not the base model ({base}) and {where}; "
+                        "GET /v1/models lists them", "model_not_found", "model")
+
+    async def adapters(self) -> dict[str, dict]:
+        """name -> info of every adapter the engine serves ({} without a pool); from a worker, one round trip to
+        the engine (in a thread)."""
+        if not self.ready or not self.lora:
+            return {}
+        return await asyncio.to_thread(lambda: self.csm.adapters)
+
+    async def _build(self, build: Callable[[], Request], param: str = "context", inline: bool = False,
+                     adapter: str | None = None) -> Request:
         """build(), one of CSM's request builders, in a thread (a long prompt's tokenizing never runs on the
         event loop: every stream and /health share it), or here with `inline` (a short text without
         context: tens of microseconds, less than the wait for the loop to come back to a thread's result
@@ -271,6 +321,8 @@ class ServerState:
         def run() -> Request:
             try:
                 request = build()
+            except UnknownAdapterError:  # CSM in this process checks the name itself
+                raise self.model_not_found(adapter) from None
             except ValueError as e:
                 code = "context_too_long" if "too long" in str(e) else "invalid_value"
                 raise bad_request(str(e), param, code) from None
@@ -380,6 +432,10 @@ class ServerState:
                 yield chunk
         except SchedulerBusy as e:
             raise APIError(503, str(e), "server_busy") from None
+        except AdapterPoolFullError as e:  # waited --max-lora-wait-s for a pool slot
+            raise APIError(503, str(e), "adapter_pool_full") from None
+        except UnknownAdapterError:  # unloaded (or never loaded): the engine refused it at submit
+            raise self.model_not_found(request.adapter) from None
         except ValueError as e:  # the engine refused the prompt
             raise bad_request(str(e), "input", "invalid_prompt") from None
         finally:

@@ -16,7 +16,7 @@ router = APIRouter()
 def voice_object(v: VoiceInfo) -> dict:
     return {"id": v.id, "object": "audio.voice", "type": "audio_sample", "name": v.name,
             "created_at": int(v.created_at), "transcript": v.transcript, "speaker": v.speaker,
-            "num_frames": v.num_frames, "duration_s": round(v.duration_s, 3)}
+            "num_frames": v.num_frames, "duration_s": round(v.duration_s, 3), "adapter": v.adapter}
 
 
 def _multipart(http: Request) -> None:
@@ -25,16 +25,27 @@ def _multipart(http: Request) -> None:
     if media_type(http.headers.get("content-type")) != "multipart/form-data":
         got = repr(http.headers["content-type"][:100]) if "content-type" in http.headers else "none"
         raise APIError(415, "POST /v1/audio/voices takes multipart/form-data (fields: name, audio_sample as a "
-                       f"file, transcript, speaker), not JSON or another type (got Content-Type {got})",
+                       f"file, transcript, speaker, adapter), not JSON or another type (got Content-Type {got})",
                        "unsupported_media_type")
 
 
 @router.post("/v1/audio/voices", dependencies=[Depends(_multipart)])
 async def create_voice(http: Request, name: str = Form(...), audio_sample: UploadFile = File(...),
-                       transcript: str = Form(""), speaker: int = Form(0)) -> dict:
+                       transcript: str = Form(""), speaker: int = Form(0), adapter: str = Form("")) -> dict:
     """multipart: `name`, `audio_sample` (any common audio file), `transcript` (what the clip says;
-    CSM conditions on it, so give it), `speaker` (CSM speaker id, default 0)."""
+    CSM conditions on it, so give it), `speaker` (CSM speaker id, default 0), `adapter` (a loaded LoRA adapter's
+    name: the voice speaks with it, `voice` alone enough; a request's `model` naming another wins)."""
     state: ServerState = http.app.state.server
+    adapter = adapter.strip() or None
+    if adapter is not None:  # checked before the clip is encoded: a loaded adapter's name
+        state.require_ready()
+        try:
+            state.config.check_adapter_name(adapter)
+        except ValueError as e:
+            raise bad_request(str(e), "adapter", "invalid_adapter_name") from None
+        if adapter not in await state.adapters():
+            raise APIError(404, f"adapter {adapter!r} is not loaded (GET /v1/models lists the adapters; load it "
+                           "first)", "model_not_found", "adapter")
     if not name.strip():
         raise bad_request("'name' must not be empty", "name", "empty_name")
     if len(name) > state.config.max_input_chars:
@@ -45,7 +56,7 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
         raise bad_request(f"'transcript' is longer than {state.config.max_input_chars} characters", "transcript")
     data = await audio_sample.read(state.config.max_upload_bytes + 1)
     codes = await state.encode_clip(data, "audio_sample")
-    voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker)
+    voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter)
     return voice_object(voice)
 
 

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx",
 VOICE_ID_PREFIX = "voice_"  # every stored voice's id starts so: a preset name is never a stored id
 ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
 
-_INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at"
+_INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at, adapter"
 
 
 class VoiceNotFoundError(KeyError):
@@ -44,6 +44,7 @@ class VoiceInfo:
     sample_rate: int  # rate of the audio the codes encode (Mimi: 24000)
     num_frames: int  # 80 ms Mimi frames
     created_at: float  # unix seconds
+    adapter: str | None = None  # the LoRA adapter it speaks with (a request's `model` naming another wins)
 
     @property
     def duration_s(self) -> float:
@@ -52,7 +53,7 @@ class VoiceInfo:
 
 @dataclass(frozen=True, eq=False)  # eq over an array is ambiguous
 class Voice(VoiceInfo):
-    codes: np.ndarray  # [num_frames, 32] int64
+    codes: np.ndarray = field(kw_only=True)  # [num_frames, 32] int64
 
 
 @dataclass(frozen=True)
@@ -84,13 +85,14 @@ class VoiceBackend(ABC):
     path: object  # where (shown in messages): a file path or a URL without its password
 
     def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
-               sample_rate: int = 24_000) -> Voice:
+               sample_rate: int = 24_000, adapter: str | None = None) -> Voice:
+        """adapter: bind the voice to a LoRA adapter (by name: whether it is loaded is checked where it is used)."""
         if not name or not name.strip():
             raise ValueError("voice name must not be empty")
         codes16 = _check_codes(codes)
         voice = Voice(id=f"{VOICE_ID_PREFIX}{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
                       speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
-                      created_at=time.time(), codes=codes16.astype(np.int64))
+                      created_at=time.time(), adapter=adapter or None, codes=codes16.astype(np.int64))
         self._insert(voice, codes16.tobytes())
         return voice
 
@@ -132,6 +134,6 @@ class VoiceBackend(ABC):
 
 
 def _voice(row: tuple) -> Voice:
-    # (id, name, transcript, speaker, sample_rate, num_frames, created_at, codes bytes) -> Voice
+    # (id, name, transcript, speaker, sample_rate, num_frames, created_at, adapter, codes bytes) -> Voice
     codes = np.frombuffer(bytes(row[-1]), dtype="<i2").reshape(-1, NUM_CODEBOOKS).astype(np.int64)
     return Voice(*row[:-1], codes=codes)

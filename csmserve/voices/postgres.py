@@ -25,9 +25,12 @@ CREATE TABLE IF NOT EXISTS csmserve_voices (
     sample_rate INTEGER NOT NULL,
     num_frames INTEGER NOT NULL,
     codes BYTEA NOT NULL,           -- [num_frames, 32] int16 little-endian, row-major
-    created_at DOUBLE PRECISION NOT NULL
+    created_at DOUBLE PRECISION NOT NULL,
+    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
 );
 CREATE INDEX IF NOT EXISTS csmserve_voices_name ON csmserve_voices (name, created_at);
+-- a table made before voices had an adapter (NULL: every old voice speaks with the base)
+ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;
 """
 _SCHEMA_LOCK = 0x63736D76  # pg_advisory_xact_lock key: replicas starting together create the table once
 
@@ -72,9 +75,9 @@ class PostgresVoiceStore(VoiceBackend):
 
     def _insert(self, voice: Voice, codes: bytes) -> None:
         self._run(lambda c: c.execute(
-            f"INSERT INTO csmserve_voices ({_INFO_COLUMNS}, codes) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            f"INSERT INTO csmserve_voices ({_INFO_COLUMNS}, codes) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate, voice.num_frames,
-             voice.created_at, codes)))
+             voice.created_at, voice.adapter, codes)))
 
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""

@@ -18,10 +18,13 @@ CREATE TABLE IF NOT EXISTS voices (
     sample_rate INTEGER NOT NULL,
     num_frames INTEGER NOT NULL,
     codes BLOB NOT NULL,            -- [num_frames, 32] int16 little-endian, row-major
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
 );
 CREATE INDEX IF NOT EXISTS voices_name ON voices (name, created_at);
 """
+# a database made before voices had an adapter: the column added (NULL: every old voice speaks with the base)
+_MIGRATIONS = (("adapter", "ALTER TABLE voices ADD COLUMN adapter TEXT"),)
 
 class VoiceStore(VoiceBackend):
     """SQLite-backed store. One connection guarded by a lock (safe across threads); WAL and a
@@ -37,13 +40,21 @@ class VoiceStore(VoiceBackend):
         with self._lock, self._conn:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.executescript(_SCHEMA)
+            have = {row[1] for row in self._conn.execute("PRAGMA table_info(voices)")}
+            for column, sql in _MIGRATIONS:
+                if column not in have:
+                    try:
+                        self._conn.execute(sql)
+                    except sqlite3.OperationalError as e:  # another process added it meanwhile
+                        if "duplicate column" not in str(e):
+                            raise
 
     def _insert(self, voice: Voice, codes: bytes) -> None:
         with self._lock, self._conn:
             self._conn.execute(
-                f"INSERT INTO voices ({_INFO_COLUMNS}, codes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO voices ({_INFO_COLUMNS}, codes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
-                 voice.num_frames, voice.created_at, codes))
+                 voice.num_frames, voice.created_at, voice.adapter, codes))
 
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""

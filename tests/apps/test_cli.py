@@ -277,3 +277,59 @@ def test_every_flag_says_what_it_does_and_its_default(command):
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
     assert _help_problems(sub) == []
     assert "(default: None)" not in sub.format_help()
+
+
+def test_speak_with_a_lora_adapter(tmp_path, capsys):
+    """`speak --lora [NAME=]PATH` (in-process): the adapter's codes, as CSM.speak with it gives them (greedy); a
+    stored voice bound to an adapter takes its --lora; `--adapter NAME --url`: the server's adapter (the request's
+    `model`); each misuse one line. In this process (csmserve's main), not a subprocess: each run is a second."""
+    import torch
+
+    from csmserve import CSM
+    from csmserve.apps.cli.main import main
+    from csmserve.config import EngineConfig, ServerConfig
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import write_adapter
+    from csmserve.server import create_app
+    from csmserve.voices import VoiceStore
+
+    ann = write_adapter(tmp_path / "ann", tiny_config(), rank=4, seed=1, std=0.3, dtype=torch.float32)
+    csm = CSM("dummy-tiny", device="cpu", dtype="float32", adapters={"ann": str(ann)},
+              engine_config=EngineConfig(max_slots=4, max_seq_len=512, first_chunk_frames=1, chunk_frames=2))
+
+    def codes(adapter):
+        return np.concatenate([c.codes for c in csm.speak("Hello there.", adapter=adapter, temperature=0,
+                                                         max_segment_length_ms=480)])
+
+    def speak(*args) -> int:
+        return main(["speak", "Hello there.", *TINY, "--temperature", "0", "--max-audio-length-ms", "480", "-q",
+                     *args])
+
+    out = tmp_path / "a.npy"
+    assert speak("--lora", str(ann), "-o", str(out)) == 0
+    np.testing.assert_array_equal(np.load(out), codes("ann"))
+    assert not np.array_equal(np.load(out), codes(None))
+    db = tmp_path / "voices.db"
+    with VoiceStore(db) as store:
+        store.create("annie", "Some words.", np.full((3, 32), 7), speaker=1, adapter="ann")
+    capsys.readouterr()
+    assert speak("--voice", "annie", "--voices-db", str(db), "-o", str(out)) == 2
+    assert "--lora ann=PATH" in capsys.readouterr().err
+    assert speak("--voice", "annie", "--voices-db", str(db), "--lora", f"ann={ann}", "-o", str(out)) == 0
+    for args, words in ((("--lora", str(tmp_path / "nope")), "no such adapter directory"),
+                        (("--lora", str(ann), "--url", "http://127.0.0.1:9"), "--adapter NAME"),
+                        (("--adapter", "ann"), "--url")):
+        assert speak(*args, "-o", str(out)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+    server = Server(create_app(csm, ServerConfig(voices_db=str(tmp_path / "v.db")))).start()
+    try:
+        wav = tmp_path / "u.wav"
+        assert speak("--url", server.url, "--adapter", "ann", "-o", str(wav)) == 0
+        assert _wav_seconds(wav.read_bytes()) == pytest.approx(0.48)
+        assert speak("--url", server.url, "--adapter", "nope", "-o", str(wav)) == 2
+        err = capsys.readouterr().err
+        assert "404" in err and "'nope'" in err
+    finally:
+        server.stop()
+        csm.close()

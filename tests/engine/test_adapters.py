@@ -224,3 +224,29 @@ def test_prefix_cache_keys_on_the_adapter():
     assert len(cache.keys()) == 2 and cache.stats["stores"] == 2
     base_key, ann_key = cache.keys()
     assert run("ann2", "ann") == ann_key and run("base2", None) == base_key
+
+
+def test_a_request_parked_past_the_wait_limit_is_taken_out():
+    """Every pool slot pinned: bob's request is parked; overdue_parked(before) takes out (aborts) the ones parked
+    before `before` (the engine ends them with AdapterPoolFullError after max_lora_wait_s), releasing their
+    adapter's wait, and leaves the later ones and everything running."""
+    import time
+
+    s = sched(max_loras=1, max_slots=3)
+    a = req("a", "ann")
+    s.add(a)
+    s.schedule()
+    load_all(s)
+    s.schedule()  # a runs with ann (pinned)
+    b1, b2 = req("b1", "bob"), req("b2", "bob")
+    s.add(b1)
+    s.schedule()
+    t = time.perf_counter()
+    s.add(b2)
+    s.schedule()
+    assert s.num_parked == 2 and s.adapters.get("bob").waiting == 2
+    assert s.overdue_parked(b1.parked_at) == [] and s.num_parked == 2  # none parked before b1 was
+    late = s.overdue_parked(t)
+    assert late == [b1] and b1.status is S.FINISHED_ABORTED and s.num_parked == 1 and b2.status is S.WAITING
+    assert s.adapters.get("bob").waiting == 1 and a.status is S.RUNNING
+    assert s.overdue_parked(time.perf_counter()) == [b2] and s.num_parked == 0 and s.num_waiting == 0

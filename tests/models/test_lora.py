@@ -19,7 +19,8 @@ from tiny_csm import build_hf, hf_config  # noqa: E402
 from tiny_lora import ALL, merged_checkpoint, peft_adapter  # noqa: E402
 
 from csmserve.models.loader import load_csm  # noqa: E402
-from csmserve.models.lora import LoraError, LoraPool, delta_torch, detach, read_adapter  # noqa: E402
+from csmserve.models.lora import (LoraError, LoraPool, delta_torch, detach, read_adapter,  # noqa: E402
+                                  write_adapter)
 from csmserve.models.reference import generate  # noqa: E402
 from csmserve.prompt.tokenizer import load_tokenizer, prompt_frames  # noqa: E402
 from csmserve.sampling import SamplingParams  # noqa: E402
@@ -80,6 +81,21 @@ def test_every_projection_equals_peft(base, tmp_path, extra):
     n = _check_deltas(model, cfg, pm, adapter)
     layers = cfg.backbone.n_layers + cfg.decoder.n_layers
     assert n == adapter.modules == 7 * layers + 1  # q k v o gate up down per layer, and the projection
+
+
+def test_write_adapter_writes_what_peft_reads(base, tmp_path):
+    """models/lora.py's PEFT-free writer (the load benchmark's adapters): PEFT loads its directory onto transformers'
+    model, and every projection's delta there equals ours read back from it."""
+    from peft import PeftModel
+
+    d, hf, model, cfg = base
+    write_adapter(tmp_path / "w", cfg, rank=4, seed=3, std=0.3, dtype=torch.float32)
+    import copy
+
+    pm = PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "w")).eval()
+    adapter = read_adapter(tmp_path / "w", cfg)
+    layers = cfg.backbone.n_layers + cfg.decoder.n_layers
+    assert adapter.rank == 4 and _check_deltas(model, cfg, pm, adapter) == adapter.modules == 7 * layers + 1
 
 
 def test_codec_deltas_zero_dropped_nonzero_refused(base, tmp_path, caplog):

@@ -98,3 +98,31 @@ def test_the_rayservice_manifest_builds():
     assert serve_port == spec.server.port  # KubeRay's serve service and probes reach the ingress there
     pod_env = {e["name"]: e.get("value") for e in head["env"]}
     assert {k: pod_env.get(k) for k in ray_environment()} == ray_environment()  # as `serve --ray`'s own instance
+
+
+def test_lora_adapters_reach_every_replica_and_the_ingress_knows_the_base_names(tmp_path):
+    """--lora goes into the replicas' spec (each loads it at start, also one Ray starts later); the ingress's HAProxy
+    treats as the base exactly the names the server does (anything else in `model`: an adapter's prefix key); the
+    load / unload routes are answered at the ingress: 501, adapters are given at start with --ray."""
+    import asyncio
+    import json
+
+    from csmserve.ray.ingress import ADAPTER_ROUTES, CSMServeIngress, frontend
+
+    import torch
+
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import write_adapter
+
+    d = write_adapter(tmp_path / "ann", tiny_config(), rank=4, dtype=torch.float32)
+    spec, cfg = spec_from_args(parse_flags({"model": "dummy-tiny", "device": "cpu", "lora": [f"ann={d}"],
+                                            "model_name": "mine"}))
+    assert spec.adapters == (("ann", str(d)),) and spec.engine.max_loras == 1
+    ing = IngressSpec.of(spec.server, cfg)
+    assert ing.models == spec.server.base_models and "mine" in ing.models and "csm-1b" in ing.models
+    assert frontend(ing, 9000).models == spec.server.base_models
+    respond = CSMServeIngress.func_or_class.respond
+    for path in ADAPTER_ROUTES:
+        status, ctype, body = asyncio.run(respond(None, "POST", path))
+        err = json.loads(body)["error"]
+        assert status == 501 and err["code"] == "not_supported_with_ray" and "--lora" in err["message"]

@@ -98,7 +98,7 @@ class Control(ThreadingHTTPServer):
             def do_GET(self) -> None:
                 self._send(200, f"control {self.path}".encode())
 
-        self.name = "control"
+        self.name, self.seen = "control", 0
         super().__init__(("127.0.0.1", 0), H)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -222,6 +222,9 @@ def test_a_key_past_the_body_limit_goes_to_the_least_loaded(tmp_path, replicas):
 def test_control_paths_go_to_the_ingress_health_to_a_replica(proxy):
     for path in ("/ready", "/metrics", "/-/healthz"):
         assert httpx.get(proxy.url + path).text == f"control {path}"
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # refused there (--ray: --lora at start)
+        r = httpx.post(proxy.url + path, json={"lora_name": "ann", "lora_path": "ann"})
+        assert r.headers["x-csmserve-replica"] == "control"
     assert httpx.get(proxy.url + "/health").headers["x-csmserve-replica"] in {"r0", "r1", "r2", "r3"}
 
 

@@ -405,3 +405,27 @@ def test_serve_autoscales_on_the_streams_the_replicas_report(cluster):
     finally:
         for ws in sockets:
             ws.close()
+
+
+def test_lora_adapters_given_at_start_are_served_by_every_replica(cluster, tmp_path):
+    """`--ray --lora ann=DIR`: every replica loads it at start (/v1/models on each lists it); a request's model
+    picks it and stays on one replica (the ingress's `lora:<model>` key); a model that is neither the base nor an
+    adapter is a 404; the load / unload routes are answered at the ingress: 501 (adapters are given at start)."""
+    import torch
+
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import write_adapter
+
+    write_adapter(tmp_path / "ann", tiny_config(), rank=4, seed=1, std=0.3, dtype=torch.float32)
+    url = cluster.use(lora=f"ann={tmp_path / 'ann'}")
+    for name in replicas(url):
+        r = on_replica("GET", f"{url}/v1/models", lambda rep, n=name: rep == n)
+        assert {m["id"]: m.get("parent") for m in r.json()["data"]}["ann"] == "dummy-tiny"
+    served = [speak(url, model="ann", temperature=0) for _ in range(4)]
+    assert {s for s, _, _ in served} == {200} and len({r for _, r, _ in served}) == 1
+    assert all(len(body) == PCM_400MS for _, _, body in served) and len({b for _, _, b in served}) == 1
+    status, _, body = speak(url, model="nope")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        r = httpx.post(f"{url}{path}", json={"lora_name": "cat", "lora_path": "cat"}, timeout=30)
+        assert r.status_code == 501 and r.json()["error"]["code"] == "not_supported_with_ray"

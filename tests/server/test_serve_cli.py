@@ -124,3 +124,48 @@ def test_a_bad_boolean_names_what_it_takes(capsys, monkeypatch):
     monkeypatch.setenv("CSMSERVE_CODEC_STREAM", "perhaps")
     with pytest.raises(SystemExit, match="CSMSERVE_CODEC_STREAM='perhaps' .* true/false, 1/0, yes/no"):
         parse([])
+
+
+def test_lora_flags(tmp_path, monkeypatch):
+    """--lora NAME=PATH (any number; PATH alone: named after its directory; CSMSERVE_LORA comma-separated): the
+    engine gets a pool slot per adapter unless --max-loras says; a bad name, a name given twice, the base's name, a
+    missing directory or one whose config the pool cannot take (DoRA, a rank over --max-lora-rank) is one line
+    before anything starts (ValueError)."""
+    from csmserve.server.flags import lora_adapters
+    from csmserve.server.processes import ServeSpec
+
+    import json
+
+    import torch
+
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import write_adapter
+
+    a, b, big, dora = (write_adapter(tmp_path / n, tiny_config(), rank=r, dtype=torch.float32)
+                       for n, r in (("ann", 4), ("bob", 4), ("big", 64), ("dora", 4)))
+    (dora / "adapter_config.json").write_text(json.dumps({**json.loads((dora / "adapter_config.json").read_text()),
+                                                          "use_dora": True}))
+    args = parse(["--lora", f"ann={a}", "--lora", str(b)])
+    assert lora_adapters(args) == {"ann": str(a), "bob": str(b)}
+    server, engine = configs(args)
+    assert engine.max_loras == 2 and server.lora_dir is None
+    assert configs(parse(["--lora", f"ann={a}", "--max-loras", "8"]))[1].max_loras == 8
+    assert configs(parse([]))[1].max_loras == 0  # no --lora: no pool
+    spec = ServeSpec.from_args(args, server, engine)
+    assert spec.adapters == (("ann", str(a)), ("bob", str(b)))
+    assert lora_adapters(parse(["--lora", f"ann={a},{b}"])) == {"ann": str(a), "bob": str(b)}  # comma-separated
+    monkeypatch.setenv("CSMSERVE_LORA", f"ann={a},{b}")
+    assert lora_adapters(parse([])) == {"ann": str(a), "bob": str(b)} and configs(parse([]))[1].max_loras == 2
+    assert lora_adapters(parse(["--lora", f"cat={a}"])) == {"cat": str(a)}  # a flag given wins
+    monkeypatch.delenv("CSMSERVE_LORA")
+    for argv, words in ((["--lora", f"tts-1={a}"], "base model"), (["--lora", f"a b={a}"], "letters"),
+                        (["--lora", f"ann={a}", "--lora", f"ann={b}"], "twice"),
+                        (["--lora", f"ann={tmp_path / 'nope'}"], "no such adapter directory"),
+                        (["--lora", f"ann={tmp_path}"], "not a PEFT adapter directory"),
+                        (["--lora", f"big={big}"], "rank 64 is over the pool's max_lora_rank 32"),
+                        (["--lora", f"dora={dora}"], "DoRA"),
+                        (["--model-name", "mine", "--lora", f"mine={a}"], "base model")):
+        with pytest.raises(ValueError, match=words):
+            lora_adapters(parse(argv))
+    with pytest.raises(SystemExit):
+        parse(["--lora", "ann="])

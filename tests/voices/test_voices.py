@@ -125,3 +125,51 @@ def test_created_in_one_store_seen_by_another_at_once(where):
         assert b.resolve(v.id).voice.id == v.id and b.get("shared").id == v.id
         assert b.delete(v.id)
         assert a.get(v.id) is None and a.list() == [] and not a.delete(v.id)
+
+
+def test_a_voice_bound_to_an_adapter(store):
+    v = store.create("annie", "Hi.", codes(), speaker=1, adapter="ann")
+    plain = store.create("plain", "Hi.", codes())
+    assert v.adapter == "ann" and plain.adapter is None
+    assert store.get("annie").adapter == "ann" and store.get(plain.id).adapter is None
+    assert store.resolve("annie").voice.adapter == "ann"
+    assert {i.name: i.adapter for i in store.list()} == {"annie": "ann", "plain": None}
+    assert store.create("empty", "Hi.", codes(), adapter="").adapter is None
+
+
+_OLD_SQLITE = """CREATE TABLE voices (id TEXT PRIMARY KEY, name TEXT NOT NULL, transcript TEXT NOT NULL,
+    speaker INTEGER NOT NULL, sample_rate INTEGER NOT NULL, num_frames INTEGER NOT NULL, codes BLOB NOT NULL,
+    created_at REAL NOT NULL);"""
+_OLD_PG = """CREATE TABLE csmserve_voices (seq BIGSERIAL, id TEXT PRIMARY KEY, name TEXT NOT NULL,
+    transcript TEXT NOT NULL, speaker INTEGER NOT NULL, sample_rate INTEGER NOT NULL, num_frames INTEGER NOT NULL,
+    codes BYTEA NOT NULL, created_at DOUBLE PRECISION NOT NULL)"""
+
+
+def test_a_database_from_before_adapters_is_migrated(where):
+    """A voices table without the adapter column (made before it existed) gets it when a store opens it: the old
+    voices stay and speak with the base (NULL), new ones may be bound."""
+    blob = codes(3).astype("<i2").tobytes()
+    row = ("voice_old", "old", "Old.", 0, 24000, 3, blob, 1.0)
+    if where.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(where, autocommit=True) as c:
+            c.execute("DROP TABLE IF EXISTS csmserve_voices")
+            c.execute(_OLD_PG)
+            c.execute("INSERT INTO csmserve_voices (id, name, transcript, speaker, sample_rate, num_frames, codes, "
+                      "created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", row)
+    else:
+        import sqlite3
+        from pathlib import Path
+
+        Path(where).parent.mkdir(parents=True, exist_ok=True)
+        with sqlite3.connect(where) as c:
+            c.executescript(_OLD_SQLITE)
+            c.execute("INSERT INTO voices (id, name, transcript, speaker, sample_rate, num_frames, codes, created_at) "
+                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+    for _ in range(2):  # opened again: migrated once
+        with open_voice_store(where) as s:
+            old = s.get("old")
+            assert old.adapter is None and old.transcript == "Old." and np.array_equal(old.codes, codes(3))
+            s.create("new", "New.", codes(), adapter="ann")
+            assert s.get("new").adapter == "ann"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from csmserve.server.flags import configs
+from csmserve.server.flags import configs, lora_adapters
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -14,6 +14,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = configs(args)
+    adapters = lora_adapters(args)
     if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it
         from csmserve.server.processes import serve_processes
 
@@ -27,8 +28,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from csmserve.api import CSM
 
         csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec, codec_dtype=args.codec_dtype,
-                  engine=True, engine_config=engine_config)
-        _ = csm.client  # start the engine (and capture graphs) before /ready says so
+                  engine=True, engine_config=engine_config, adapters=adapters or None)
+        _ = csm.client  # start the engine (and capture graphs), and serve --lora's adapters, before /ready says so
         return csm
 
     app = create_app(None, server_config, load=load)

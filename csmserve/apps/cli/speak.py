@@ -49,12 +49,18 @@ def add_speak_parser(sub: argparse._SubParsersAction) -> None:
                        help="the model's dtype (default: bfloat16 on cuda, float32 on cpu)")
     model.add_argument("--codec", default=None, metavar="PATH",
                        help="Mimi's weights: a kyutai/mimi directory or moshi safetensors (default: beside the model)")
+    model.add_argument("--lora", default=None, metavar="[NAME=]PATH",
+                       help="speak with this PEFT / unsloth LoRA fine-tune (its adapter directory) on the model "
+                            "(default: the model alone; a stored voice bound to an adapter needs it)")
     server = p.add_argument_group("server (instead of in-process)")
     server.add_argument("--url", default=None,
                         help="a running `csmserve serve` (e.g. http://localhost:8000): POST /v1/audio/speech "
                              "(default: the model in this process)")
     server.add_argument("--api-key", default=os.environ.get("CSMSERVE_API_KEY"), metavar="KEY",
                         help="Bearer key for --url (default: $CSMSERVE_API_KEY, else none)")
+    server.add_argument("--adapter", default=None, metavar="NAME",
+                        help="with --url: a LoRA adapter the server serves (the request's `model`; GET /v1/models "
+                             "lists them) (default: the voice's adapter, else the base)")
     voice = p.add_argument_group("voice")
     voice.add_argument("--voice", default=None,
                        help="a stored voice's id or name, or an OpenAI voice name; with --url the server's "
@@ -93,6 +99,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise CLIError("--voices goes with --script (the voices of [S1], [S2], ...)")
     if args.script is not None and (args.ref_audio is not None or args.speaker is not None):
         raise CLIError("--script names its speakers itself: no --ref-audio or --speaker with it")
+    if args.lora is not None and args.url:
+        raise CLIError("--lora loads an adapter into this process's model; with --url name one the server serves "
+                       "with --adapter NAME")
+    if args.adapter is not None and not args.url:
+        raise CLIError("--adapter names an adapter of a server (--url); in-process give its directory with --lora")
     if args.format is None:
         args.format = _format_of(args.output)
     if args.format == "npy" and (args.output == "-" or args.url):
@@ -165,22 +176,26 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
 
     context: list[Segment] = []
     speaker = args.speaker
+    bound = None  # the adapter a stored voice is bound to
     if args.voice is not None and args.lines is None:  # (a script casts its voices itself)
         resolved, = _resolve_voices(args.voices_db, [args.voice])
         if resolved.voice is not None:
             context.append(Segment.of_voice(resolved.voice))
+            bound = resolved.voice.adapter
         speaker = resolved.speaker if speaker is None else speaker
     speaker = 0 if speaker is None else speaker
     script = _cast_script(args) if args.lines is not None else None
+    adapters = _lora(args.lora, bound)
     csm = CSM(args.model, device=args.device, dtype=args.dtype, codec=args.codec,
-              engine_config=EngineConfig(max_slots=2, max_seq_len=2048))
+              engine_config=EngineConfig(max_slots=2, max_seq_len=2048), adapters=adapters)
     try:
         if args.format != "npy" and csm.mimi is None:
             raise CLIError("this model has no Mimi codec, so no audio: write .npy codes, or pass --codec")
         if ref_pcm is not None:
             context.append(Segment(speaker, args.ref_text, codes=csm.encode_audio(ref_pcm)))
         progress.loaded()
-        kw = dict(context=context, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        kw = dict(context=context, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  adapter=next(iter(adapters)) if adapters else None)
         if args.max_audio_length_ms is not None:  # per sentence (the whole text has no cap)
             kw["max_segment_length_ms"] = args.max_audio_length_ms
         elif csm.random_weights:
@@ -202,6 +217,22 @@ def _speak_local(args, text: str, ref_pcm: np.ndarray | None, out: Output, progr
         csm.close()
     done = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
     return f" (segments: {done})" if done else ""
+
+
+def _lora(arg: str | None, bound: str | None) -> dict[str, str] | None:
+    """--lora [NAME=]PATH -> {name: path} (NAME: the voice's adapter, else the directory's name); a voice bound to
+    an adapter without --lora: CLIError (this process has no adapter of that name)."""
+    if arg is None:
+        if bound is not None:
+            raise CLIError(f"the voice speaks with the LoRA adapter {bound!r}: give its directory with "
+                           f"--lora {bound}=PATH (or speak through the server that serves it, --url)")
+        return None
+    name, sep, path = arg.partition("=")
+    if not sep:
+        name, path = bound or Path(arg).resolve().name or "lora", arg
+    if not Path(path).expanduser().is_dir():
+        raise CLIError(f"--lora {path!r}: no such adapter directory")
+    return {name: str(Path(path).expanduser())}
 
 
 def _reading_caps(texts: list[str]) -> dict:
@@ -271,7 +302,7 @@ def _speak_url(args, text: str, ref: bytes | None, out: Output, progress: Progre
 
 def _request_body(args, ref: bytes | None) -> dict:
     """The /v1/audio/speech request's fields but its input (and the seed per request)."""
-    body: dict = {"model": "csm-1b", "voice": args.voice or "alloy", "response_format": "pcm",
+    body: dict = {"model": args.adapter or "csm-1b", "voice": args.voice or "alloy", "response_format": "pcm",
                   "temperature": args.temperature, "top_k": max(args.top_k, 0), "top_p": args.top_p}
     for name in ("speaker", "seed"):
         if getattr(args, name) is not None:

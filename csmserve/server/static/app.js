@@ -50,11 +50,41 @@ async function loadVoices(selectId) {
     }
     sel.appendChild(g);
   };
-  group("Your voices", stored, (v) => `${v.name} (${(v.duration_s ?? 0).toFixed(1)} s clip)`);
+  group("Your voices", stored, (v) => `${v.name} (${(v.duration_s ?? 0).toFixed(1)} s clip` +
+    (v.adapter ? `, fine-tune ${v.adapter})` : ")"));
+  for (const o of sel.querySelectorAll("option")) {
+    const v = stored.find((x) => x.id === o.value);
+    if (v && v.adapter) o.dataset.adapter = v.adapter;
+  }
   group("Built-in (no clip: CSM draws a voice)", aliases, (v) => v.name || v.id);
   if (keep && [...sel.options].some((o) => o.value === keep)) sel.value = keep;
   $("voice-delete").disabled = sel.selectedOptions[0]?.dataset.type === "alias";
+  showVoiceAdapter();
 }
+
+// ------------------------------------------------------------------ fine-tunes (LoRA adapters: /v1/models' entries
+// with a parent); the request's `model`: "" is the base, or the selected voice's fine-tune when it is bound to one
+async function loadModels() {
+  const models = await api("/v1/models");
+  csm.models = models.data || [];
+  const base = csm.models.find((m) => !m.parent)?.id || "?";
+  const adapters = csm.models.filter((m) => m.parent).map((m) => m.id);
+  $("model").textContent = "model: " + base + (adapters.length ? ` + ${adapters.length} fine-tune${adapters.length > 1 ? "s" : ""}` : "");
+  for (const [id, first] of [["model-select", "none (the voice's, if bound)"], ["voice-adapter", "none (the base model)"]]) {
+    const sel = $(id), keep = sel.value;
+    sel.innerHTML = "";
+    for (const [value, text] of [["", first], ...adapters.map((a) => [a, a])]) {
+      const o = document.createElement("option"); o.value = value; o.textContent = text; sel.appendChild(o);
+    }
+    if ([...sel.options].some((o) => o.value === keep)) sel.value = keep;
+    sel.disabled = !adapters.length;
+  }
+}
+function showVoiceAdapter() {
+  const bound = $("voice-select").selectedOptions[0]?.dataset.adapter;
+  $("model-select").options[0] && ($("model-select").options[0].textContent = bound ? `the voice's: ${bound}` : "none (the base model)");
+}
+$("model-select").addEventListener("change", () => newConversation()); // the session's model is set when it starts
 
 let voiceClip = null; // {blob, name}
 $("voice-file").addEventListener("change", () => {
@@ -70,6 +100,7 @@ $("voice-create-btn").addEventListener("click", async () => {
   form.append("name", name);
   form.append("transcript", $("voice-transcript").value.trim());
   form.append("speaker", String(parseInt($("voice-speaker").value || "0", 10)));
+  if ($("voice-adapter").value) form.append("adapter", $("voice-adapter").value);
   form.append("audio_sample", voiceClip.blob, voiceClip.name);
   setStatus("voice-status", "encoding the clip with Mimi…");
   try {
@@ -89,6 +120,7 @@ $("voice-delete").addEventListener("click", async () => {
 });
 $("voice-select").addEventListener("change", () => {
   $("voice-delete").disabled = $("voice-select").selectedOptions[0]?.dataset.type === "alias";
+  showVoiceAdapter();
   newConversation();
 });
 
@@ -262,6 +294,7 @@ async function speak() {
     const msg = { context_id: contextId, text, flush: true, ...settings() };
     if (contextFresh) {
       msg.voice = $("voice-select").value || "alloy";
+      if ($("model-select").value) msg.model = $("model-select").value;
       msg.context = await contextTurns();
       contextFresh = false;
     }
@@ -344,8 +377,7 @@ $("api-key").value = localStorage.getItem("csmserve.apiKey") || "";
 $("api-key").addEventListener("change", () => { localStorage.setItem("csmserve.apiKey", apiKey()); if (ws) ws.close(); init(); });
 async function init() {
   try {
-    const models = await api("/v1/models");
-    $("model").textContent = "model: " + (models.data?.[0]?.id || "?");
+    await loadModels();
     await loadVoices();
     setStatus("status", "");
   } catch (e) { fail("status", e); }

@@ -1,6 +1,6 @@
 """`csmserve bench --serve` end to end on the CPU: it starts a dummy-tiny `csmserve serve`, drives it from 2
-client processes (closed loop pcm and mp3, WebSocket conversations with a stored voice, a burst) and
-writes a report whose numbers are present and sane."""
+client processes (closed loop pcm and mp3, WebSocket conversations with a stored voice, a burst, users spread over
+2 random LoRA adapters over HTTP and the WebSocket) and writes a report whose numbers are present and sane."""
 import json
 import os
 import subprocess
@@ -17,7 +17,8 @@ def test_serve_bench_end_to_end(tmp_path):
            "--max-slots", "8", "--client-procs", "2", "--users", "4", "--ramp", "0.3", "--warmup", "0.3",
            "--duration", "2", "--audio-ms", "480", "--drain", "20", "--out", str(out),
            "--scenario", "closed", "--scenario", "closed:format=mp3", "--scenario", "ws:voices=1",
-           "--scenario", "burst:within=0.3", "--trace"]
+           "--scenario", "burst:within=0.3", "--scenario", "closed:adapters=2", "--scenario", "ws:adapters=2",
+           "--lora-rank", "4", "--trace"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t = time.monotonic()
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -25,7 +26,8 @@ def test_serve_bench_end_to_end(tmp_path):
     assert time.monotonic() - t < 120
     report = json.loads(out.with_suffix(".json").read_text())
     names = [s["name"] for s in report["scenarios"]]
-    assert names == ["closed 4 pcm", "closed 4 mp3", "ws 4 ws 1v", "burst 4 pcm in 0.3s"]
+    assert names == ["closed 4 pcm", "closed 4 mp3", "ws 4 ws 1v", "burst 4 pcm in 0.3s", "closed 4 pcm 2a",
+                     "ws 4 ws 2a"]
     for s in report["scenarios"]:
         req, ttfa = s["requests"], s["ttfa_ms"]
         assert req["ok"] > 0 and req["cut"] == 0 and s["errors"] == {}, s
@@ -45,4 +47,9 @@ def test_serve_bench_end_to_end(tmp_path):
     roles = sorted(f.name.split("-")[0] for f in out.with_suffix(".trace").iterdir())
     assert roles[0] == "engine" and roles[1:] and set(roles[1:]) == {"worker"}, roles
     traces = out.with_suffix(".trace.txt").read_text()
-    assert traces.count("TTFA (received -> written)") == 4 and "### trace: closed 4 pcm" in md, traces
+    assert traces.count("TTFA (received -> written)") == 6 and "### trace: closed 4 pcm" in md, traces
+    # the adapters' scenarios: the requests named the 2 adapters (the server's per-adapter counters); the others none
+    assert "--lora-dir" in " ".join(report["meta"]["server_args"])
+    for s in report["scenarios"]:
+        lora = s["server"]["lora_requests"]
+        assert set(lora) == ({"bench-lora-0", "bench-lora-1"} if s["name"].endswith("2a") else set()), (s["name"], lora)

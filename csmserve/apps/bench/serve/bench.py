@@ -72,8 +72,9 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g = ap.add_argument_group("the load (csmserve bench --serve)")
     g.add_argument("--scenario", action="append", default=None, metavar="SPEC",
                    help="MODE[:key=value,...], repeatable; MODE closed | burst | ws; keys users, format, ramp, "
-                        "warmup, duration, within, audio_ms, voices, fresh, label (default: closed, with the flags "
-                        "below). E.g. closed:users=2048  burst:users=2048,within=3  ws:users=1024,fresh=1")
+                        "warmup, duration, within, audio_ms, voices, adapters, fresh, label (default: closed, with "
+                        "the flags below). E.g. closed:users=2048  burst:users=2048,within=3  ws:users=1024,fresh=1  "
+                        "closed:users=1024,adapters=64 (users spread over 64 random LoRA adapters)")
     g.add_argument("--users", type=int, default=64, help="concurrent users of a scenario (default: 64)")
     g.add_argument("--format", default="pcm", choices=FORMATS, help="a scenario's response_format (default: pcm)")
     g.add_argument("--ramp", type=float, default=10.0,
@@ -83,6 +84,10 @@ def add_arguments(ap: argparse.ArgumentParser, shared: bool = False) -> argparse
     g.add_argument("--duration", type=float, default=20.0, help="closed/ws: the measured window's seconds "
                                                                 "(default: 20)")
     g.add_argument("--audio-ms", type=int, default=10_000, help="max_audio_length_ms of each request (default: 10000)")
+    g.add_argument("--lora-rank", type=int, default=16,
+                   help="a scenario's adapters=N: N random LoRA adapters of this rank on every projection, written "
+                        "for the server's model and loaded through POST /v1/load_lora_adapter (the server started "
+                        "here gets --lora-dir, --max-loras N and --max-lora-rank this; default: 16)")
     g.add_argument("--drain", type=float, default=30.0, help="after the window, seconds to wait for the counted "
                                                              "requests to end (the load goes on; default: 30)")
     g.add_argument("--trace", nargs="?", const="", default=None, metavar="DIR",
@@ -201,6 +206,7 @@ class Bench:
         self.args, self.url, self.clients, self.server = args, url, clients, server
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.voices: list[str] = []
+        self.adapters: list[str] = []
 
     def _cpu_window(self, t0: float, t1: float, out: dict) -> None:
         time.sleep(max(0.0, t0 - time.monotonic()))
@@ -219,7 +225,8 @@ class Bench:
         for i, users in shares:
             self.clients.send(i, {"cmd": "run", "scenario": dataclasses.asdict(sc), "users": users,
                                   "t_start": t_start, "url": self.url, "texts": list(SENTENCES),
-                                  "voices": self.voices[:sc.voices], "api_key": self.args.api_key})
+                                  "voices": self.voices[:sc.voices], "api_key": self.args.api_key,
+                                  "adapters": self.adapters[:sc.adapters]})
         t0, t1 = sc.window(t_start)
         cpu: dict = {}
         if self.server is not None:  # the server's CPU over the window
@@ -262,9 +269,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trace with --url needs the directory that server writes its trace to (--trace DIR)")
     else:
         args.trace_dir = Path(f"{base}.trace") if base else Path(tempfile.mkdtemp(prefix="csmserve-trace-"))
-    serve = srv.serve_args(args, trace_requests=args.trace_dir)
+    adapters = max(s.adapters for s in scenarios_of(args))
     srv.raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix="csmserve-bench-") as tmp:
+        lora = {}
+        if adapters and not args.url:  # random adapters for the server started here: loaded at run time
+            root = srv.write_adapters(args.model, adapters, args.lora_rank, Path(tmp) / "loras")
+            lora = {"lora_dir": root, "max_loras": adapters, "max_lora_rank": args.lora_rank}
+        serve = srv.serve_args(args, trace_requests=args.trace_dir, **lora)
         server = None
         try:
             url, server = srv.start_or_attach(args, serve + getattr(args, "setup_flags", []), base, tmp,
@@ -290,6 +302,8 @@ def measure(args: argparse.Namespace, url: str, server: srv.ServerProcess | None
         clients.ready()
         if (most := max(s.voices for s in scenarios)) > 0:
             bench.voices = srv.create_voices(url, most, bench.headers)
+        if (most := max(s.adapters for s in scenarios)) > 0:
+            bench.adapters = srv.load_adapters(url, most, bench.headers)
         shown = url if server is None else "csmserve serve " + " ".join(server.args[4:])
         emit(f"server: {shown}; commit {commit()}; {len(clients.procs)} client processes on {os.cpu_count()} cores")
         emit()

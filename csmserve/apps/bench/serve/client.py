@@ -28,7 +28,7 @@ TICK_S = 0.05
 async def run_scenario(cmd: dict, commands: asyncio.Queue) -> dict:
     sc, users = Scenario(**cmd["scenario"]), cmd["users"]
     run = Run(cmd["url"], cmd["texts"], cmd["voices"], cmd.get("api_key"), sc, cmd["t_start"],
-              on_drained=lambda: send({"event": "drained"}), num_users=len(users))
+              on_drained=lambda: send({"event": "drained"}), num_users=len(users), adapters=cmd.get("adapters", ()))
     cpu0, wall0, lags = time.process_time(), now(), []
 
     async def ticker() -> None:

@@ -164,6 +164,8 @@ def server_summary(before: Samples | None, after: Samples | None, samples: list[
         "frames_per_s": None,
         "errors": delta_by(before, after, "csmserve:request_errors_total", "status"),
         "finished": delta_by(before, after, "csmserve:request_success_total", "finished_reason"),
+        # requests per LoRA adapter (its own counter, the engine's) during the scenario
+        "lora_requests": delta_by(before, after, "csmserve:lora_requests_total", "adapter"),
         "prefix": {},
     }
     if len(inside) >= 2:

@@ -199,6 +199,55 @@ def create_voices(url: str, n: int, headers: dict, prefix: str = "bench-voice") 
     return ids
 
 
+ADAPTER_PREFIX = "bench-lora"  # the benchmark's adapters: bench-lora-0 .. bench-lora-{N-1}
+
+
+def adapter_names(n: int) -> list[str]:
+    return [f"{ADAPTER_PREFIX}-{i}" for i in range(n)]
+
+
+def write_adapters(model: str, n: int, rank: int, root: Path) -> Path:
+    """n random LoRA adapters of `rank` on every projection of `model`'s shape (models/lora.py write_adapter: PEFT's
+    files, PEFT-free), root/bench-lora-<i> -> root (the server's --lora-dir)."""
+    import torch
+
+    from csmserve.models.csm import CSMConfig
+    from csmserve.models.loader import read_config, resolve_model_dir, tiny_config
+    from csmserve.models.lora import write_adapter
+
+    if model == "paced":
+        raise ValueError("--model paced serves no LoRA adapters (it has no model): a scenario's adapters need one")
+    cfg = {"dummy": CSMConfig, "dummy-tiny": tiny_config}.get(model)
+    cfg = cfg() if cfg is not None else read_config(resolve_model_dir(model))
+    t = time.monotonic()
+    for i, name in enumerate(adapter_names(n)):
+        write_adapter(root / name, cfg, rank=rank, seed=i, dtype=torch.bfloat16)
+    print(f"{n} random rank-{rank} adapters written in {time.monotonic() - t:.1f} s ({root})", file=sys.stderr,
+          flush=True)
+    return root
+
+
+def load_adapters(url: str, n: int, headers: dict) -> list[str]:
+    """The benchmark's n adapters served by the server at `url` -> their names: each one it lists already (GET
+    /v1/models) is kept, the others loaded through POST /v1/load_lora_adapter from its --lora-dir (a started server:
+    write_adapters' directory; --url: one holding bench-lora-<i>)."""
+    import httpx
+
+    names = adapter_names(n)
+    with httpx.Client(base_url=url, headers=headers, timeout=600) as client:
+        listed = {m["id"] for m in client.get("/v1/models").json().get("data", [])}
+        t = time.monotonic()
+        for name in names:
+            if name in listed:
+                continue
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name})
+            if r.status_code != 200:
+                raise RuntimeError(f"POST /v1/load_lora_adapter {name}: HTTP {r.status_code}: {r.text[:300]} (the "
+                                   f"server needs --lora-dir holding {ADAPTER_PREFIX}-<i>, and --max-lora-rank)")
+    print(f"{n} adapters served ({time.monotonic() - t:.1f} s to load)", file=sys.stderr, flush=True)
+    return names
+
+
 def delete_voices(url: str, ids: list[str], headers: dict) -> None:
     import httpx
 

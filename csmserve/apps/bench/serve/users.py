@@ -56,6 +56,7 @@ class Scenario:
     within: float = 3.0  # burst
     audio_ms: int = 10_000  # max_audio_length_ms per request / per turn's sentence
     voices: int = 0  # > 0: stored voices, user u speaks voice u % voices (prefix-cache affinity)
+    adapters: int = 0  # > 0: LoRA adapters, user u's requests name adapter u % adapters in `model`
     fresh: bool = False  # ws: a new context_id per turn
     label: str = ""
 
@@ -70,8 +71,8 @@ class Scenario:
             raise ValueError("ramp and warmup must be >= 0, duration > 0, within >= 0")
         if self.audio_ms < 80:
             raise ValueError(f"audio_ms must be >= 80 (one frame), got {self.audio_ms}")
-        if self.voices < 0:
-            raise ValueError(f"voices must be >= 0, got {self.voices}")
+        if self.voices < 0 or self.adapters < 0:
+            raise ValueError(f"voices and adapters must be >= 0, got {self.voices}, {self.adapters}")
 
     @property
     def name(self) -> str:
@@ -80,7 +81,8 @@ class Scenario:
         what = "ws" + (" fresh" if self.fresh else "") if self.mode == "ws" else self.format
         extra = f" in {self.within:g}s" if self.mode == "burst" else ""
         voices = f" {self.voices}v" if self.voices else ""
-        return f"{self.mode} {self.users} {what}{extra}{voices}"
+        adapters = f" {self.adapters}a" if self.adapters else ""
+        return f"{self.mode} {self.users} {what}{extra}{voices}{adapters}"
 
     def window(self, t_start: float) -> tuple[float, float]:
         """The measured window [t0, t1): requests sent in it are counted."""
@@ -154,10 +156,11 @@ class Run:
 
     def __init__(self, url: str, texts: list[str], voices: list[str], api_key: str | None = None,
                  sc: Scenario | None = None, t_start: float = 0.0,
-                 on_drained: Callable[[], None] | None = None, num_users: int = 0) -> None:
+                 on_drained: Callable[[], None] | None = None, num_users: int = 0,
+                 adapters: list[str] = ()) -> None:
         self.sc, self.url, self.t_start = sc, url.rstrip("/"), t_start
         self.t0, self.t1 = sc.window(t_start) if sc is not None else (t_start, float("inf"))
-        self.texts, self.voices, self.api_key = texts, voices, api_key
+        self.texts, self.voices, self.api_key, self.adapters = texts, voices, api_key, list(adapters)
         self.records: list[list] = []
         self.in_window = 0  # counted requests not yet ended
         self.users_left = num_users  # burst: users whose one request has not ended
@@ -170,6 +173,10 @@ class Run:
 
     def voice(self, user: int) -> str:
         return self.voices[user % len(self.voices)] if self.voices else "alloy"
+
+    def model(self, user: int) -> str:
+        """The request's `model`: the user's adapter, else the base."""
+        return self.adapters[user % len(self.adapters)] if self.adapters else "tts-1"
 
     def begin(self, t_send: float) -> bool:
         counted = self.sc is None or self.sc.mode == "burst" or self.t0 <= t_send < self.t1
@@ -249,7 +256,7 @@ async def http_user(run: Run, user: int) -> None:
         async with http_client(run) as client:
             k = 0
             while not run.stopping:
-                body = {"model": "tts-1", "voice": run.voice(user), "input": run.text(user, k),
+                body = {"model": run.model(user), "voice": run.voice(user), "input": run.text(user, k),
                         "response_format": sc.format, "max_audio_length_ms": sc.audio_ms}
                 status = await speech(run, client, user, body)
                 k += 1
@@ -337,8 +344,8 @@ async def ws_user(run: Run, user: int) -> None:
             continue
         try:
             while not run.stopping:
-                settings = {"voice": run.voice(user), "max_audio_length_ms": sc.audio_ms, **(
-                    {"close": True} if sc.fresh else {})}
+                settings = {"voice": run.voice(user), "model": run.model(user), "max_audio_length_ms": sc.audio_ms,
+                            **({"close": True} if sc.fresh else {})}
                 cid = f"{conversation}-{k}" if sc.fresh else conversation
                 status = await ws_turn(run, ws, user, cid, [run.text(user, k)], settings)
                 k += 1
