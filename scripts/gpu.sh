@@ -17,7 +17,7 @@
 #   ray        Ray Serve against the plain server: TTFA added at 1 user, then load (RAY_*; carry .bundle)
 #   scaleout   issue 40: plain against --ray (1 replica; 2 half-GPU replicas) at 2,048 pcm, 1,024 mp3, 1,024 WS, bursts
 #   ab         before/after: frame step at 1, 64, 2,048 and engine at 1, 2,048 streams, ab_old/ against this tree
-#   lora       LoRA adapters' cost (bench/lora.py, where the tree has it; LORA_ARGS)
+#   lora       LoRA adapters' cost per step and one stream (bench/lora.py), then through the server (LORA_PARTS)
 # WEIGHTS="bf16 fp8-all" runs frame, engine, ttfa and profile once per weights (default bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -227,9 +227,17 @@ m_ab() {  # before/after in one call (issue 41's check): the old tree in ab_old/
   done > "$OUT/ab_summary.txt"
   cat "$OUT/ab_summary.txt"
 }
-m_lora() {  # LoRA adapters: what they cost per step and per request (bench/lora.py, written with the LoRA issue)
-  if [ -f bench/lora.py ]; then python bench/lora.py ${LORA_ARGS:-} 2>&1 | tee "$OUT/lora.txt"
-  else echo "lora: this tree has no bench/lora.py"; return 1; fi
+m_lora() {  # LoRA adapters (issue 42): LORA_PARTS "step" (bench/lora.py: the frame step and one stream with 0, 1, 8, 64
+  # rank-16 / rank-64 adapters at 1, 64, 2,048 rows, the base in the same run) and "serve" (through the server: 1,024
+  # users of the base, then spread over 64 random rank-16 adapters, pcm and WebSocket, one server start)
+  if [[ ${LORA_PARTS:-step serve} == *step* ]]; then
+    timeout ${LORA_STEP_S:-300} python bench/lora.py ${LORA_ARGS:---batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64} \
+      2>&1 | tee "$OUT/lora.txt"
+  fi
+  if [[ ${LORA_PARTS:-step serve} == *serve* ]]; then
+    SERVE_SLOTS=${SERVE_SLOTS:-1100} SERVE_SCENARIOS=${LORA_SCENARIOS:-"closed:users=1024,label=base_1024
+      closed:users=1024,adapters=64,label=lora64_1024 ws:users=1024,adapters=64,label=lora64_ws"} m_serve
+  fi
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
