@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import time
 
 import numpy as np
 import torch
 
+from gpu_profile import admit_rows, frame_step_ms
+
 from csmserve.models import reference
-from csmserve.engine.request import Admission
 from csmserve.sampling import SamplingParams
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.fp8 import FP8Linear, quantize_weights
@@ -94,25 +94,11 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarra
 def frame_ms(model, weights: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
     runner = ModelRunner(model, num_slots=max(batches), max_seq_len=context + steps + 8, buckets=batches,
                          weights=weights)
-    W = model.cfg.frame_width
-    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
-    mask[-1] = True
     out = {}
     for b in batches:
         slots = list(range(b))
-        runner.admit([Admission(s, tok, mask, context, 0.9, 50, 1.0, s) for s in slots])
-        for _ in range(3):
-            runner.step(slots).wait()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        prev = None
-        for _ in range(steps):
-            o = runner.step(slots)
-            if prev is not None:
-                prev.wait()
-            prev = o
-        prev.wait()
-        out[b] = (time.perf_counter() - t) / steps * 1e3
+        admit_rows(runner, slots, context)
+        out[b] = frame_step_ms(runner, slots, steps)
     del runner
     gc.collect()
     torch.cuda.empty_cache()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 
-from csmserve.engine.request import Admission
+from gpu_profile import admit_rows, frame_step_ms
+
 from csmserve.engine.runner import ModelRunner
 
 
@@ -49,27 +49,13 @@ def main() -> None:
     runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches, mimi=mimi,
                          weights=args.weights, codec_stream=not args.no_codec_stream)
     print(f"capture {len(batches)} graphs: {time.perf_counter() - t0:.1f}s", flush=True)
-    W = model.cfg.frame_width
-    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
-    mask[-1] = True
-    runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in range(n)])
+    admit_rows(runner, list(range(n)), args.context)
     print("| batch | frame step ms | frames/s per stream | frames/s total |")
     print("|---|---|---|---|")
     for b in batches:
         slots = list(range(b))
-        for _ in range(3):
-            runner.step(slots).wait()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        prev = None
-        for _ in range(args.steps):
-            out = runner.step(slots)
-            if prev is not None:
-                prev.wait()
-            prev = out
-        prev.wait()
-        dt = (time.perf_counter() - t) / args.steps
-        runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in slots])  # rewind positions
+        dt = frame_step_ms(runner, slots, args.steps) / 1e3
+        admit_rows(runner, slots, args.context)  # rewind positions
         print(f"| {b} | {dt * 1e3:.2f} | {1 / dt:.1f} | {b / dt:.0f} |", flush=True)
 
 

@@ -1,8 +1,11 @@
-"""torch.profiler over a few eager calls of a GPU step: the bench scripts' shared measurement."""
+"""The bench scripts' shared measurements: torch.profiler over a few eager calls of a GPU step, a kernel's time in a
+CUDA graph, the runner's frame step."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -41,3 +44,32 @@ def graph_timed(fn: Callable[[], object], reps: int, tries: int = 5) -> float:
         torch.cuda.synchronize()
         best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
     return best
+
+
+def admit_rows(runner, slots: list[int], context: int, adapters: list[int] | None = None) -> None:
+    """Start a row at each slot as if `context` positions were prefilled (a text-only frame; its slot as its seed;
+    adapters: each row's LoRA pool slot, else none): the rows the frame-step timings step."""
+    from csmserve.engine.request import Admission
+
+    W = runner.model.cfg.frame_width
+    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
+    mask[-1] = True
+    runner.admit([Admission(s, tok, mask, context, 0.9, 50, 1.0, s, adapter=a)
+                  for s, a in zip(slots, adapters or [-1] * len(slots))])
+
+
+def frame_step_ms(runner, slots: list[int], steps: int, warmup: int = 3) -> float:
+    """The runner's frame step over the admitted rows at `slots`: `warmup` steps, then `steps` with the next always
+    launched before the last is waited for (as the engine runs them) -> mean ms per step."""
+    for _ in range(warmup):
+        runner.step(slots).wait()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        out = runner.step(slots)
+        if prev is not None:
+            prev.wait()
+        prev = out
+    prev.wait()
+    return (time.perf_counter() - t) / steps * 1e3

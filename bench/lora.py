@@ -14,10 +14,10 @@ import argparse
 import gc
 import time
 
-import numpy as np
 import torch
 
-from csmserve.engine.request import Admission
+from gpu_profile import admit_rows, frame_step_ms
+
 from csmserve.engine.runner import ModelRunner
 
 
@@ -41,31 +41,17 @@ def load_pool(runner: ModelRunner, model, rank: int, n: int) -> None:
     assert len(runner.lora_loads_done()) == n
 
 
-def frame_step_ms(runner: ModelRunner, b: int, adapters: int, context: int, steps: int, W: int) -> float:
+def adapters_step_ms(runner: ModelRunner, b: int, adapters: int, context: int, steps: int) -> float:
     """Mean frame step (ms) of b rows, the first `adapters` pool slots spread over them in contiguous runs."""
-    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
-    mask[-1] = True
     slots = list(range(b))
-    ad = [s * adapters // b if adapters else -1 for s in slots]
-    runner.admit([Admission(s, tok, mask, context, 0.9, 50, 1.0, s, adapter=a) for s, a in zip(slots, ad)])
-    for _ in range(3):
-        runner.step(slots).wait()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    prev = None
-    for _ in range(steps):
-        out = runner.step(slots)
-        if prev is not None:
-            prev.wait()
-        prev = out
-    prev.wait()
-    return (time.perf_counter() - t) / steps * 1e3
+    admit_rows(runner, slots, context, [s * adapters // b if adapters else -1 for s in slots])
+    return frame_step_ms(runner, slots, steps)
 
 
 def step_table(model, args) -> list[tuple]:
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(a) for a in args.adapters.split(",")]
-    W, n = model.cfg.frame_width, max(batches)
+    n = max(batches)
     rows = []
     runs = [("base", None)] + [(f"r{r}", int(r)) for r in args.ranks.split(",")]
     for label, rank in runs:
@@ -79,7 +65,7 @@ def step_table(model, args) -> list[tuple]:
             for a in (counts if rank else [0]):
                 if a > b:
                     continue
-                ms = frame_step_ms(runner, b, a, args.context, args.steps, W)
+                ms = adapters_step_ms(runner, b, a, args.context, args.steps)
                 rows.append((label, b, a if rank else "-", ms))
                 print(f"| {label} | {b} | {rows[-1][2]} | {ms:.2f} |", flush=True)
         del runner

@@ -35,7 +35,7 @@ import torch
 from csmserve.config import EngineConfig
 from csmserve.engine import messages as m
 from csmserve.engine.engine import ABORT, ADAPTERS, ADD, APPEND, CLOSE, Engine, Inbox, build_engine
-from csmserve.engine.outputs import EngineStats, EngineStep
+from csmserve.engine.outputs import EngineStats, EngineStep, error_payload
 from csmserve.engine.output_ring import StepOutput
 
 log = logging.getLogger("csmserve.engine")
@@ -161,16 +161,16 @@ class _Encoder:
             try:
                 with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
                     codes = self.csm.encode_audio(msg.audio)
-                reply = m.Encoded(msg.call_id, codes, None)
+                reply = m.Reply(msg.call_id, codes, None)
             except Exception as e:  # noqa: BLE001 - the caller gets it
-                reply = m.Encoded(msg.call_id, None, (type(e).__name__, str(e)))
+                reply = m.Reply(msg.call_id, None, error_payload(e))
             self.conns.send(client, reply)
 
 
 class _AdapterCalls:
     """The workers' adapter calls: a load's directory is read on this helper thread (seconds for a large one, never
-    on the loop), then the engine loop registers it (or unloads, or lists); its Future's result goes back as an
-    AdapterReply."""
+    on the loop), then the engine loop registers it (or unloads, or lists); its Future's result goes back as a
+    Reply."""
 
     def __init__(self, engine: Engine, conns: "Connections") -> None:
         self.engine, self.conns, self.q = engine, conns, queue.SimpleQueue()
@@ -193,8 +193,7 @@ class _AdapterCalls:
 
     def _reply(self, client: int, call_id: int, fut: Future) -> None:
         e = fut.exception()
-        self.conns.send(client, m.AdapterReply(call_id, None if e else fut.result(),
-                                               (type(e).__name__, str(e)) if e else None))
+        self.conns.send(client, m.Reply(call_id, None if e else fut.result(), error_payload(e) if e else None))
 
 
 class _nullctx:

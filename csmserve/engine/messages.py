@@ -2,7 +2,7 @@
 
 Worker -> engine: Hello (once), Submit, Abort, Append, Close, Encode, LoadAdapter, UnloadAdapter, ListAdapters.
 Engine -> worker: Welcome (once), outputs.EngineStep (one per step with rows or events for that
-worker, or a heartbeat), Encoded (the reply to an Encode), AdapterReply (to the three adapter calls).
+worker, or a heartbeat), Reply (to an Encode or one of the three adapter calls: the calls with a call_id).
 """
 from __future__ import annotations
 
@@ -75,13 +75,6 @@ class Encode:
 
 
 @dataclass(frozen=True)
-class Encoded:
-    call_id: int
-    codes: np.ndarray | None  # [frames, K] int64
-    error: tuple[str, str] | None  # (exception class name, message)
-
-
-@dataclass(frozen=True)
 class LoadAdapter:
     """Serve the PEFT adapter directory at `path` (on the engine's machine) as `name` (a request's Request.adapter)."""
 
@@ -102,7 +95,8 @@ class ListAdapters:
 
 
 @dataclass(frozen=True)
-class AdapterReply:
+class Reply:
     call_id: int
-    result: dict | None  # LoadAdapter / UnloadAdapter: the adapter's info; ListAdapters: name -> info
-    error: tuple[str, str] | None  # (exception class name, message)
+    # Encode: the codes [frames, K] int64; LoadAdapter / UnloadAdapter: the adapter's info; ListAdapters: name -> info
+    result: np.ndarray | dict | None
+    error: tuple[str, str] | None  # outputs.error_payload (exception class name, message)

@@ -341,13 +341,14 @@ def error_payload(e: BaseException) -> tuple[str, str]:
 
 
 def error_from(payload: tuple[str, str]) -> BaseException:
-    """An engine-side error, rebuilt on the client side as the same kind (busy / bad request / failure)."""
-    from csmserve.engine.adapters import AdapterLimitError, AdapterPoolFullError, UnknownAdapterError
+    """An engine-side error (a stream's, or a call's: encode, the adapter calls), rebuilt on the client side as the
+    same kind (busy / bad request / failure)."""
+    from csmserve.engine.adapters import (AdapterExistsError, AdapterLimitError, AdapterPoolFullError,
+                                          UnknownAdapterError)
     from csmserve.engine.scheduler import SchedulerBusy
     from csmserve.models.lora import LoraError
 
     name, message = payload
-    kind = {"SchedulerBusy": SchedulerBusy, "ValueError": ValueError, "UnknownAdapterError": UnknownAdapterError,
-            "AdapterLimitError": AdapterLimitError, "LoraError": LoraError,
-            "AdapterPoolFullError": AdapterPoolFullError}.get(name, RuntimeError)
-    return kind(message)
+    kinds = {c.__name__: c for c in (SchedulerBusy, ValueError, UnknownAdapterError, AdapterLimitError,
+                                     AdapterExistsError, LoraError, AdapterPoolFullError)}
+    return kinds.get(name, RuntimeError)(message)

@@ -116,6 +116,7 @@ class RemoteEngineClient(ClientBase):
             pass
 
     def _call(self, msg_of, timeout: float):
+        """msg_of(call_id) sent -> its Reply's result (or its error raised), within timeout s."""
         call = next(self._call_ids)
         fut: Future = Future()
         self._calls[call] = fut
@@ -140,14 +141,7 @@ class RemoteEngineClient(ClientBase):
 
     def encode(self, audio: np.ndarray, timeout: float = 120.0) -> np.ndarray:
         """Mimi codes [frames, K] of a 24 kHz waveform, encoded by the engine process (blocking)."""
-        call = next(self._call_ids)
-        fut: Future = Future()
-        self._calls[call] = fut
-        try:
-            self._send(m.Encode(call, np.ascontiguousarray(audio, dtype=np.float32)))
-            return fut.result(timeout)
-        finally:
-            self._calls.pop(call, None)
+        return self._call(lambda c: m.Encode(c, np.ascontiguousarray(audio, dtype=np.float32)), timeout)
 
     # ---- from the engine
     def _on_loop(self, fn, *args) -> None:
@@ -163,18 +157,11 @@ class RemoteEngineClient(ClientBase):
                 msg = pickle.loads(self.conn.recv_bytes())
                 if isinstance(msg, EngineStep):
                     self._step(msg, time.perf_counter() if self.tracer is not None else 0.0)
-                elif isinstance(msg, m.Encoded):
+                elif isinstance(msg, m.Reply):
                     fut = self._calls.get(msg.call_id)
                     if fut is not None:
                         if msg.error is not None:
                             fut.set_exception(error_from(msg.error))
-                        else:
-                            fut.set_result(msg.codes)
-                elif isinstance(msg, m.AdapterReply):
-                    fut = self._calls.get(msg.call_id)
-                    if fut is not None:
-                        if msg.error is not None:
-                            fut.set_exception(adapter_error(msg.error))
                         else:
                             fut.set_result(msg.result)
         except (EOFError, OSError) as e:
@@ -229,17 +216,6 @@ class RemoteEngineClient(ClientBase):
             self.conn.close()
         except OSError:
             pass
-
-
-def adapter_error(payload: tuple[str, str]) -> BaseException:
-    """An adapter call's error from the engine process, as the same class."""
-    from csmserve.engine.adapters import AdapterExistsError, AdapterLimitError, UnknownAdapterError
-    from csmserve.models.lora import LoraError
-
-    name, message = payload
-    kinds = {c.__name__: c for c in (UnknownAdapterError, AdapterLimitError, AdapterExistsError, LoraError,
-                                     ValueError)}
-    return kinds.get(name, RuntimeError)(message)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

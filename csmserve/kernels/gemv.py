@@ -138,13 +138,8 @@ def _gemv_lora_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, s
     t = tl.atomic_add(LCTR, 1)
     n_pieces = LS * LKSPLIT
     if t < n_pieces:
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
-                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False)
-        tl.debug_barrier()  # every thread's sums stored before the count (release)
-        tl.atomic_add(LCTR + 1, 1, sem="release")
+        lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, LCTR, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
+                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False, PDL)
     else:
         _gemv_columns(t - n_pieces, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
                       stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL,
@@ -260,13 +255,8 @@ def _gemv_mma_lora_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, 
     t = tl.atomic_add(LCTR, 1)
     n_pieces = LS * LKSPLIT
     if t < n_pieces:
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
-                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False)
-        tl.debug_barrier()  # every thread's sums stored before the count (release)
-        tl.atomic_add(LCTR + 1, 1, sem="release")
+        lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, LCTR, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
+                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False, PDL)
     else:
         b = t - n_pieces
         _mma_columns(b // SPLIT, b % SPLIT, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,

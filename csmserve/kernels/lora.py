@@ -228,12 +228,16 @@ def x_chunk(x_rows, d_rows, NW, rk, m2, rstd, dt, NORM: tl.constexpr, HAS_DELTA:
 
 
 @triton.jit
-def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, M, K, rows_per, stride_xm, stride_dm, stride_al, stride_ar,
-               eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-               NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr):
+def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, stride_dm, stride_al,
+               stride_ar, eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+               BK: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr,
+               IEEE: tl.constexpr, PDL: tl.constexpr):
     """Shrink piece t = (slice s, K range kp): WS[t] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's range]^T, each
-    row with its adapter (rows without one: zeros). x as the GEMV sees it (NORM: normed x + delta; GATHER: rows of
-    a table)."""
+    row with its adapter (rows without one: zeros), then counted in CTR[1] for lora_wait. x as the GEMV sees it
+    (NORM: normed x + delta; GATHER: rows of a table). PDL: x read after the kernel before (its program waits here)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     s = t // KSPLIT
     kp = t % KSPLIT
     rm = tl.arange(0, BM)
@@ -262,6 +266,8 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, M, K, rows_per, stride_xm
             w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
             acc = _dot(x, w.to(dt), acc, IEEE)
     tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
+    tl.debug_barrier()  # every thread's sums stored before the count (release)
+    tl.atomic_add(CTR + 1, 1, sem="release")
 
 
 @triton.jit
@@ -346,10 +352,8 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
     NP = S * KSPLIT
     dt = Y.dtype.element_ty
     if t < NP:
-        lora_piece(t, X, X, X, X, AD, A, RANKS, WS, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0, dt,
-                   S, KSPLIT, RB, BM, BK, False, False, False, IEEE)
-        tl.debug_barrier()  # every thread's sums stored before the count (release)
-        tl.atomic_add(CTR + 1, 1, sem="release")
+        lora_piece(t, X, X, X, X, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0,
+                   dt, S, KSPLIT, RB, BM, BK, False, False, False, IEEE, False)  # PDL: every program waited above
     else:
         rm = tl.arange(0, BM)
         ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 
@@ -24,6 +25,7 @@ from csmserve.server.schemas import LoadLoraAdapter, UnloadLoraAdapter, check_js
 from csmserve.server.state import ServerState
 
 router = APIRouter()
+T = TypeVar("T", LoadLoraAdapter, UnloadLoraAdapter)
 
 
 def adapter_path(config: ServerConfig, lora_path: str) -> str:
@@ -42,24 +44,26 @@ def adapter_path(config: ServerConfig, lora_path: str) -> str:
     return str(path)
 
 
-def _check(state: ServerState, name: str) -> None:
+async def _adapter_request(http: Request, schema: type[T]) -> tuple[ServerState, T]:
+    """The request's state and its JSON body, once the server serves adapters and the body names a valid one."""
+    state: ServerState = http.app.state.server
+    check_json_type(http.headers.get("content-type"))
+    body = await parse_body(await http.body(), schema)
     state.require_ready()
     if not state.lora:
         raise bad_request("this server serves no LoRA adapters: start it with --max-loras N (or --lora NAME=PATH)",
                           "lora_name", "lora_disabled")
     try:
-        state.config.check_adapter_name(name)
+        state.config.check_adapter_name(body.lora_name)
     except ValueError as e:
         raise bad_request(str(e), "lora_name", "invalid_adapter_name") from None
+    return state, body
 
 
 @router.post("/v1/load_lora_adapter", openapi_extra=openapi.json_body(LoadLoraAdapter))
 async def load_lora_adapter(http: Request) -> dict:
     """Serve the PEFT / unsloth adapter directory `lora_path` as `lora_name` (a request's `model`) from now on."""
-    state: ServerState = http.app.state.server
-    check_json_type(http.headers.get("content-type"))
-    body = await parse_body(await http.body(), LoadLoraAdapter)
-    _check(state, body.lora_name)
+    state, body = await _adapter_request(http, LoadLoraAdapter)
     path = adapter_path(state.config, body.lora_path)
     csm = state.csm
     try:
@@ -79,10 +83,7 @@ async def load_lora_adapter(http: Request) -> dict:
 @router.post("/v1/unload_lora_adapter", openapi_extra=openapi.json_body(UnloadLoraAdapter))
 async def unload_lora_adapter(http: Request) -> dict:
     """Stop serving `lora_name`: new requests naming it get 404 at once; those in flight finish with it."""
-    state: ServerState = http.app.state.server
-    check_json_type(http.headers.get("content-type"))
-    body = await parse_body(await http.body(), UnloadLoraAdapter)
-    _check(state, body.lora_name)
+    state, body = await _adapter_request(http, UnloadLoraAdapter)
     try:
         await asyncio.to_thread(state.csm.unload_adapter, body.lora_name)
     except UnknownAdapterError:

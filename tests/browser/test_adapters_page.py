@@ -11,30 +11,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 sys.path.insert(0, str(Path(__file__).parent))
-from server_helpers import Server, wav_bytes  # noqa: E402
-from test_page import page  # noqa: E402,F401 (the fixture)
+from server_helpers import wav_bytes  # noqa: E402
+from test_page import dummy_server, page  # noqa: E402,F401 (page: the fixture)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     import torch
 
-    from csmserve import CSM
-    from csmserve.config import EngineConfig, ServerConfig
     from csmserve.models.loader import tiny_config
     from csmserve.models.lora import write_adapter
-    from csmserve.server import create_app
 
     root = tmp_path_factory.mktemp("loras")
     ann = write_adapter(root / "ann", tiny_config(), rank=4, seed=1, std=0.3, dtype=torch.float32)
-    csm = CSM("dummy-tiny", device="cpu", dtype="float32", adapters={"ann": str(ann)},
-              engine_config=EngineConfig(max_slots=4, max_seq_len=1024, first_chunk_frames=1, chunk_frames=2))
-    db = tmp_path_factory.mktemp("voices") / "voices.db"
-    s = Server(create_app(csm, ServerConfig(voices_db=str(db), model_name="dummy-tiny",
-                                            default_audio_length_ms=800))).start()
-    yield s
-    s.stop()
-    csm.close()
+    with dummy_server(tmp_path_factory, {"ann": str(ann)}, default_audio_length_ms=800) as s:
+        yield s
 
 
 def test_fine_tunes_are_choices_and_voices_bind_to_them(server, page, tmp_path):  # noqa: F811

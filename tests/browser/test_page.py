@@ -8,6 +8,7 @@ The screenshot of the filled page goes to artifacts/browser/page.png.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,20 +20,29 @@ from server_helpers import Server, wav_bytes  # noqa: E402
 from chromium import ARGS, CHROMIUM  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextmanager
+def dummy_server(tmp_path_factory, adapters: dict[str, str] | None = None, **config):
+    """The pages' server: dummy-tiny on the CPU (chunks of 1, then 2 frames), its voices in a fresh SQLite file;
+    adapters: CSM's; config: ServerConfig's. Stopped on exit."""
     from csmserve import CSM
     from csmserve.config import EngineConfig, ServerConfig
     from csmserve.server import create_app
 
-    csm = CSM("dummy-tiny", device="cpu", dtype="float32",
+    csm = CSM("dummy-tiny", device="cpu", dtype="float32", adapters=adapters,
               engine_config=EngineConfig(max_slots=4, max_seq_len=1024, first_chunk_frames=1, chunk_frames=2))
     db = tmp_path_factory.mktemp("voices") / "voices.db"
-    s = Server(create_app(csm, ServerConfig(voices_db=str(db), model_name="dummy-tiny",
-                                            default_audio_length_ms=800))).start()
-    yield s
-    s.stop()
-    csm.close()
+    s = Server(create_app(csm, ServerConfig(voices_db=str(db), model_name="dummy-tiny", **config))).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+        csm.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with dummy_server(tmp_path_factory, default_audio_length_ms=800) as s:
+        yield s
 
 
 @pytest.fixture

@@ -15,27 +15,19 @@ sys.path.insert(0, str(ROOT))
 from server_helpers import Server, free_port, wav_bytes  # noqa: E402
 from tests.apps.test_talk import REPLY, TRANSCRIPTS, StandIns  # noqa: E402
 from chromium import ARGS, CHROMIUM  # noqa: E402
+from test_page import dummy_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     from fastapi.middleware.cors import CORSMiddleware
 
-    from csmserve import CSM
-    from csmserve.config import EngineConfig, ServerConfig
-    from csmserve.server import create_app
-
-    csm = CSM("dummy-tiny", device="cpu", dtype="float32",
-              engine_config=EngineConfig(max_slots=4, max_seq_len=1024, first_chunk_frames=1, chunk_frames=2))
-    db = tmp_path_factory.mktemp("voices") / "voices.db"
-    s = Server(create_app(csm, ServerConfig(voices_db=str(db), model_name="dummy-tiny"))).start()
-    stand = StandIns()
-    stand.app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    e = Server(stand.app).start()
-    yield s, e, stand
-    e.stop()
-    s.stop()
-    csm.close()
+    with dummy_server(tmp_path_factory) as s:
+        stand = StandIns()
+        stand.app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+        e = Server(stand.app).start()
+        yield s, e, stand
+        e.stop()
 
 
 def speak_turn(page, n_before: int, seconds: float = 0.6) -> None:

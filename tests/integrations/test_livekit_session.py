@@ -6,6 +6,7 @@ speaker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -39,6 +40,28 @@ def cuts(log: list[dict]) -> list[tuple[str, str, int]]:
     return out
 
 
+@contextlib.asynccontextmanager
+async def talk(server, texts: list[str], replies: list[list[str]], cut: dict[int, float], **kw):
+    """The TTS against `server` in a session (livekit_session.session: the STT's `texts`, the LLM's `replies`),
+    the speaker cutting the n-th reply it gets at cut[n] s -> (tts, session, mic, speaker, the WebSocket's log);
+    both closed after."""
+    tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
+    log = watch(tts.conversation)
+    s, mic, speaker = session(tts, texts, replies, **kw)
+    speaker.cut = cut
+    try:
+        yield tts, s, mic, speaker, log
+    finally:
+        await s.aclose()
+        await tts.aclose()
+
+
+async def say(mic, done) -> None:
+    """The user speaks (0.3 s: the STT's next text), then until done()."""
+    mic.say(tone(0.3))
+    await until(done)
+
+
 def heard(server, index: int) -> list[tuple[str, int | None]]:
     """The turns of the index-th request's prompt (what CSM heard): (text, frames) for its own, (text, None)
     for the user's (their length depends on when the STT's events came)."""
@@ -49,28 +72,22 @@ def test_synthesize_before_between_and_after_turns_never_shifts_a_cut(server, cs
     server.chunk_delay = 0.03  # 2 frames a chunk: a barge-in may come while the reply still generates
 
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
-        log = watch(tts.conversation)
-        s, mic, speaker = session(tts, ["Hi.", "Tell me.", "Stop.", "More.", "Wait.", "Bye."],
-                                  [["One."], ["Two."], ["Three."], ["Four."], ["Five."]])
-        speaker.cut = {1: 0.16, 3: 0.08}  # the 2nd and 4th replies the speaker gets are cut there
-        # before: a greeting spoken outside the session's output
-        assert await drain(tts.synthesize("Hello there.")) >= FRAMES * 1920
-        await s.start(ConversationAgent(instructions="Be brief."))
-        mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
-        await until(lambda: len(speaker.reports) == 1)
-        assert await drain(tts.synthesize("By the way.")) >= FRAMES * 1920  # between
-        mic.say(tone(0.3))  # "Tell me." -> "Two.", cut at 160 ms by "Stop."
-        await until(lambda: len(speaker.segments) == 2 and speaker.pushed >= 0.24)
-        mic.say(tone(0.3))  # "Stop." -> "Three.", heard in full
-        await until(lambda: len(speaker.reports) == 3)
-        assert await drain(tts.synthesize("And another thing.")) >= FRAMES * 1920  # after
-        mic.say(tone(0.3))  # "More." -> "Four.", cut at 80 ms by "Wait."
-        await until(lambda: len(speaker.segments) == 4 and speaker.pushed >= 0.24)
-        mic.say(tone(0.3))  # "Wait." -> "Five."
-        await until(lambda: len(speaker.reports) == 5)
-        await s.aclose()
-        await tts.aclose()
+        # the 2nd and 4th replies the speaker gets are cut there
+        async with talk(server, ["Hi.", "Tell me.", "Stop.", "More.", "Wait.", "Bye."],
+                        [["One."], ["Two."], ["Three."], ["Four."], ["Five."]],
+                        {1: 0.16, 3: 0.08}) as (tts, s, mic, speaker, log):
+            # before: a greeting spoken outside the session's output
+            assert await drain(tts.synthesize("Hello there.")) >= FRAMES * 1920
+            await s.start(ConversationAgent(instructions="Be brief."))
+            await say(mic, lambda: len(speaker.reports) == 1)  # "Hi." -> "One.", heard in full
+            assert await drain(tts.synthesize("By the way.")) >= FRAMES * 1920  # between
+            # "Tell me." -> "Two.", cut at 160 ms by "Stop."
+            await say(mic, lambda: len(speaker.segments) == 2 and speaker.pushed >= 0.24)
+            await say(mic, lambda: len(speaker.reports) == 3)  # "Stop." -> "Three.", heard in full
+            assert await drain(tts.synthesize("And another thing.")) >= FRAMES * 1920  # after
+            # "More." -> "Four.", cut at 80 ms by "Wait."
+            await say(mic, lambda: len(speaker.segments) == 4 and speaker.pushed >= 0.24)
+            await say(mic, lambda: len(speaker.reports) == 5)  # "Wait." -> "Five."
         return log, speaker
 
     log, speaker = asyncio.run(main())
@@ -91,31 +108,26 @@ def test_a_reply_that_never_reached_the_speaker_is_cut_to_nothing_and_shifts_not
     subscribe): the reply's audio reached the TTS, not the speaker, and no playback report comes for it."""
 
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
-        log = watch(tts.conversation)
-        s, mic, speaker = session(tts, ["Hi.", "Tell me.", "Stop.", "More.", "Wait."],
-                                  [["One."], ["Two."], ["Three."], ["Four."], ["Five."]])
-        speaker.cut = {2: 0.08}  # the 3rd reply the speaker gets ("Four.") is cut at 80 ms
-        await s.start(ConversationAgent(instructions="Be brief."))
-        mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
-        await until(lambda: len(speaker.reports) == 1)
-        speaker.accepting.clear()
-        if when == "generating":  # "Two." stops after 3 frames (chunks of 1 and 2), still generating
-            server.hold_after, server.hold_only = 2, 1
-        mic.say(tone(0.3))  # "Tell me." -> "Two.": its audio reaches the TTS ...
-        await until(lambda: len(server.built) == 2 and server.built[1].frames >= 2)
-        if when == "generated":
-            await until(lambda: sum("flush_done" == e.get("got", {}).get("type") for e in log) == 2)
-        mic.say(tone(0.3))  # ... "Stop." before the speaker took any: -> "Three.", heard in full
-        await until(lambda: len(server.built) == 3)
-        speaker.accepting.set()
-        await until(lambda: len(speaker.reports) == 2)
-        mic.say(tone(0.3))  # "More." -> "Four.", cut at 80 ms by "Wait."
-        await until(lambda: len(speaker.segments) == 3 and speaker.pushed >= 0.24)
-        mic.say(tone(0.3))  # "Wait." -> "Five."
-        await until(lambda: len(speaker.reports) == 4)
-        await s.aclose()
-        await tts.aclose()
+        # the 3rd reply the speaker gets ("Four.") is cut at 80 ms
+        async with talk(server, ["Hi.", "Tell me.", "Stop.", "More.", "Wait."],
+                        [["One."], ["Two."], ["Three."], ["Four."], ["Five."]],
+                        {2: 0.08}) as (_tts, s, mic, speaker, log):
+            await s.start(ConversationAgent(instructions="Be brief."))
+            await say(mic, lambda: len(speaker.reports) == 1)  # "Hi." -> "One.", heard in full
+            speaker.accepting.clear()
+            if when == "generating":  # "Two." stops after 3 frames (chunks of 1 and 2), still generating
+                server.hold_after, server.hold_only = 2, 1
+            # "Tell me." -> "Two.": its audio reaches the TTS ...
+            await say(mic, lambda: len(server.built) == 2 and server.built[1].frames >= 2)
+            if when == "generated":
+                await until(lambda: sum("flush_done" == e.get("got", {}).get("type") for e in log) == 2)
+            # ... "Stop." before the speaker took any: -> "Three.", heard in full
+            await say(mic, lambda: len(server.built) == 3)
+            speaker.accepting.set()
+            await until(lambda: len(speaker.reports) == 2)
+            # "More." -> "Four.", cut at 80 ms by "Wait."
+            await say(mic, lambda: len(speaker.segments) == 3 and speaker.pushed >= 0.24)
+            await say(mic, lambda: len(speaker.reports) == 4)  # "Wait." -> "Five."
         return log, speaker
 
     log, speaker = asyncio.run(main())
@@ -138,17 +150,12 @@ def test_a_speaker_at_another_rate_gets_the_cut_right(server, csm):
     """A 48 kHz output: the agent resamples each reply itself, and its frames still say whose they are."""
 
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
-        log = watch(tts.conversation)
-        s, mic, speaker = session(tts, ["Hi.", "Stop.", "Bye."], [["One."], ["Two."]], rate=48_000)
-        speaker.cut = {0: 0.16}
-        await s.start(ConversationAgent(instructions="Be brief."))
-        mic.say(tone(0.3))  # "Hi." -> "One.", cut at 160 ms by "Stop."
-        await until(lambda: len(speaker.segments) == 1 and speaker.pushed >= 0.24)
-        mic.say(tone(0.3))  # "Stop." -> "Two."
-        await until(lambda: len(speaker.reports) == 2)
-        await s.aclose()
-        await tts.aclose()
+        async with talk(server, ["Hi.", "Stop.", "Bye."], [["One."], ["Two."]], {0: 0.16},
+                        rate=48_000) as (_tts, s, mic, speaker, log):
+            await s.start(ConversationAgent(instructions="Be brief."))
+            # "Hi." -> "One.", cut at 160 ms by "Stop."
+            await say(mic, lambda: len(speaker.segments) == 1 and speaker.pushed >= 0.24)
+            await say(mic, lambda: len(speaker.reports) == 2)  # "Stop." -> "Two."
         return log, speaker
 
     log, speaker = asyncio.run(main())
@@ -169,19 +176,13 @@ def test_without_the_tap_nothing_is_cut(server, csm):
             pass
 
     async def main():
-        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
-        log = watch(tts.conversation)
-        s, mic, speaker = session(tts, ["Hi.", "Tell me.", "Stop."], [["One."], ["Two."], ["Three."]])
-        speaker.cut = {1: 0.16}
-        await s.start(NoTap(instructions="Be brief."))
-        mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
-        await until(lambda: len(speaker.reports) == 1)
-        mic.say(tone(0.3))  # "Tell me." -> "Two.", cut at 160 ms by "Stop."
-        await until(lambda: len(speaker.segments) == 2 and speaker.pushed >= 0.24)
-        mic.say(tone(0.3))  # "Stop." -> "Three."
-        await until(lambda: len(speaker.reports) == 3)
-        await s.aclose()
-        await tts.aclose()
+        async with talk(server, ["Hi.", "Tell me.", "Stop."], [["One."], ["Two."], ["Three."]],
+                        {1: 0.16}) as (_tts, s, mic, speaker, log):
+            await s.start(NoTap(instructions="Be brief."))
+            await say(mic, lambda: len(speaker.reports) == 1)  # "Hi." -> "One.", heard in full
+            # "Tell me." -> "Two.", cut at 160 ms by "Stop."
+            await say(mic, lambda: len(speaker.segments) == 2 and speaker.pushed >= 0.24)
+            await say(mic, lambda: len(speaker.reports) == 3)  # "Stop." -> "Three."
         return log
 
     log = asyncio.run(main())
