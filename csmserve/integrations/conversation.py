@@ -103,6 +103,8 @@ class Conversation:
         self._ws = None
         self._reader: asyncio.Task | None = None
         self._dropping = 0  # cancels sent whose `cancelled` has not come back: their turn's audio is dropped
+        self._cancelled: deque[Reply] = deque()  # the replies those cancels stopped, oldest first: one that
+        # the server finished before the cancel reached it still gets its flush_done (request_id, frames)
         self._waiters: deque[tuple[str, asyncio.Future]] = deque()  # ("cancelled" | "truncated", future)
         self._lock = asyncio.Lock()
 
@@ -222,7 +224,9 @@ class Conversation:
     async def interrupt(self, audio_end_ms: int | None = None) -> dict:
         """Barge-in: stop every reply in flight; the generating one keeps its first `audio_end_ms` (what
         was played; whole 80 ms frames) in the session, None: nothing of it. (A finished reply still
-        playing is cut with `truncate`.) -> the server's `cancelled` message (request_id, num_frames)."""
+        playing is cut with `truncate`; so is one the server finished before the cancel reached it: it gets
+        its flush_done's `request_id` and `frames`, and `done`.) -> the server's `cancelled` message
+        (request_id and num_frames of the turn it stopped; neither if none was generating)."""
         async with self._lock:
             replies = list(self.replies)
             self.replies.clear()
@@ -231,6 +235,7 @@ class Conversation:
             if audio_end_ms is not None:
                 msg["audio_end_ms"] = max(0, int(audio_end_ms))
             self._dropping += 1
+            self._cancelled.extend(replies)
             fut = self._expect("cancelled")
             await self._send(msg)
             for r in replies:
@@ -269,6 +274,8 @@ class Conversation:
         if kind in ("cancelled", "truncated"):
             if kind == "cancelled":
                 self._dropping = max(0, self._dropping - 1)
+                if not self._dropping:
+                    self._cancelled.clear()
             for i, (k, fut) in enumerate(self._waiters):
                 if k == kind:
                     del self._waiters[i]
@@ -280,6 +287,11 @@ class Conversation:
             _, fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(ConversationError(m.get("error", {}).get("message", str(m))))
+            return
+        if self._dropping and kind == "flush_done" and self._cancelled:  # finished before the cancel came
+            r = self._cancelled.popleft()
+            r.done, r.request_id, r.finish_reason = True, m.get("request_id"), m.get("finish_reason")
+            r.frames = m.get("num_frames", r.frames)
             return
         if self._dropping or not self.replies:
             if kind == "error":
@@ -317,6 +329,7 @@ class Conversation:
                 fut.set_exception(ConversationError(why))
         self._waiters.clear()
         self._dropping = 0
+        self._cancelled.clear()
 
 
 def wav_bytes(pcm: bytes, rate: int) -> bytes:

@@ -341,7 +341,10 @@ class SynthesizeStream(tts.SynthesizeStream):
         except (ConversationError, asyncio.TimeoutError):
             return
         if tracked is not None and not tracked.done.done():
-            tracked.done.set_result((msg.get("request_id"), msg.get("num_frames", 0)))
+            if msg.get("request_id") is None and reply.done:  # it finished before the cancel came: whole
+                tracked.done.set_result((reply.request_id, reply.frames))
+            else:
+                tracked.done.set_result((msg.get("request_id"), msg.get("num_frames", 0)))
 
 
 class ConversationAgent(Agent):

@@ -48,7 +48,7 @@ from pipecat.processors.frame_processor import FrameDirection  # noqa: E402
 from pipecat.services.settings import TTSSettings  # noqa: E402
 from pipecat.services.tts_service import TTSService  # noqa: E402
 
-from csmserve.config import SAMPLE_RATE  # noqa: E402
+from csmserve.config import FRAME_MS, SAMPLE_RATE  # noqa: E402
 from csmserve.integrations.conversation import Conversation, ConversationError, Reply, ReplyAudio  # noqa: E402
 from csmserve.integrations.playout import Playout  # noqa: E402
 
@@ -227,6 +227,9 @@ class CSMTTSService(TTSService):
             if generating is not None:
                 played = self.playout.played_ms(generating.key, now)
                 msg = await self.conversation.interrupt(audio_end_ms=played)
+                if msg.get("request_id") is None and generating.done:  # it finished before the cancel came
+                    if generating.request_id is not None and played < generating.frames * FRAME_MS:
+                        msg = await self.conversation.truncate(generating.request_id, played)
                 self._record(generating.key, played, msg)
             for key, request_id in list(self._finished.items()):
                 if not self.playout.finished(key, now):

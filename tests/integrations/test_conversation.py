@@ -70,3 +70,59 @@ def test_the_server_going_away_ends_the_reply_with_the_reason(server, csm):
 
     asyncio.run(main())
     settle(csm)  # the server aborted the turn of the connection that left
+
+
+def hold_from(conv: Conversation, kind: str) -> tuple[list[dict], callable]:
+    """The client reads the server's messages up to the first `kind` one; it and all after it wait (as
+    if still on the wire) until release() hands them on in order."""
+    held: list[dict] = []
+    dispatch = conv._dispatch
+
+    def reading(m: dict) -> None:
+        if held or m.get("type") == kind:
+            held.append(m)
+        else:
+            dispatch(m)
+
+    def release() -> None:
+        conv._dispatch = dispatch
+        for m in held:
+            dispatch(m)
+
+    conv._dispatch = reading
+    return held, release
+
+
+def test_a_reply_the_server_finished_before_the_cancel_came_keeps_its_request_id(server, csm):
+    """The barge-in's cancel crosses the reply's flush_done: the server stops nothing (its `cancelled` names
+    no turn), and the reply learns its request_id and length from the flush_done that was on the wire, so
+    a truncate can still cut it at what was played."""
+
+    async def main():
+        conv = Conversation(server.url, voice="alloy", temperature=0, max_audio_length_ms=5 * 80)
+        await conv.connect()
+        held, release = hold_from(conv, "flush_done")
+        reply = await conv.say("Four.", key="r")
+        await conv.flush("r")
+        for _ in range(3000):
+            if any(m.get("type") == "flush_done" for m in held):
+                break
+            await asyncio.sleep(0.01)
+        interrupted = asyncio.create_task(conv.interrupt(audio_end_ms=400))
+        for _ in range(3000):
+            if any(m.get("type") == "cancelled" for m in held):
+                break
+            await asyncio.sleep(0.01)
+        assert not reply.done and reply.cancelled
+        release()
+        cancelled = await interrupted
+        truncated = await conv.truncate(reply.request_id, 80)
+        await conv.close(forget=True)
+        return reply, cancelled, truncated
+
+    reply, cancelled, truncated = asyncio.run(main())
+    assert "request_id" not in cancelled  # nothing was generating
+    assert reply.done and reply.request_id == server.built[0].request_id and reply.frames == 5
+    assert reply.finish_reason == server.built[0].reason == "length"
+    assert truncated["num_frames"] == 1
+    settle(csm)

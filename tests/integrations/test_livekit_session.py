@@ -15,6 +15,7 @@ pytest.importorskip("livekit.agents", reason="pip install 'csmserve[livekit]'")
 from csmserve.integrations.livekit import TTS, ConversationAgent  # noqa: E402
 from helpers import settle, tone  # noqa: E402
 from livekit_session import session, until, watch  # noqa: E402
+from test_conversation import hold_from  # noqa: E402
 
 FRAMES = 5  # each reply and greeting: 400 ms
 
@@ -143,6 +144,39 @@ def test_a_reply_that_never_reached_the_speaker_is_cut_to_nothing_and_shifts_not
     assert heard(server, 4) == [  # "Two." is not in it: none of it was heard
         ("Hi.", None), ("One.", FRAMES), ("Tell me.", None), ("Stop.", None), ("Three.", FRAMES), ("More.", None),
         ("Four.", 1), ("Wait.", None), ("Five.", 0)]
+    settle(csm)
+
+
+def test_a_reply_finished_before_the_barge_in_reached_the_server_is_still_cut(server, csm):
+    """The barge-in's cancel crosses the reply's flush_done (the server had generated all of it): the cancel
+    stops nothing there, and the playback report still cuts the reply to what was played."""
+
+    async def main():
+        tts = TTS(base_url=server.url, voice="alloy", temperature=0, max_audio_length_ms=FRAMES * 80)
+        log = watch(tts.conversation)
+        s, mic, speaker = session(tts, ["Hi.", "More.", "Wait."], [["One."], ["Four."], ["Five."]])
+        speaker.cut = {1: 0.08}  # the 2nd reply the speaker gets ("Four.") is cut at 80 ms
+        await s.start(ConversationAgent(instructions="Be brief."))
+        mic.say(tone(0.3))  # "Hi." -> "One.", heard in full
+        await until(lambda: len(speaker.reports) == 1)
+        held, release = hold_from(tts.conversation, "flush_done")
+        mic.say(tone(0.3))  # "More." -> "Four.", generated whole; its flush_done stays on the wire
+        await until(lambda: held and len(speaker.segments) == 2 and speaker.pushed >= 0.24)
+        mic.say(tone(0.3))  # "Wait." -> the cancel, answered with nothing stopped
+        await until(lambda: any(m.get("type") == "cancelled" for m in held))
+        release()
+        await until(lambda: len(speaker.reports) == 3)
+        await s.aclose()
+        await tts.aclose()
+        return log, speaker
+
+    log, speaker = asyncio.run(main())
+    assert speaker.reports == [(0.4, False), (0.08, True), (0.4, False)]
+    _one, four, _five = (b.request_id for b in server.built)
+    assert server.built[1].reason == "length"
+    assert [c for c in cuts(log) if c[0] == "truncate"] == [("truncate", four, 80)]
+    assert heard(server, 2) == [("Hi.", None), ("One.", FRAMES), ("More.", None), ("Four.", 1), ("Wait.", None),
+                                ("Five.", 0)]
     settle(csm)
 
 

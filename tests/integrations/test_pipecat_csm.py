@@ -153,6 +153,35 @@ def test_interruption_after_generation_truncates_the_reply_still_playing(server,
     settle(csm)
 
 
+def test_a_reply_finished_before_the_barge_in_reached_the_server_is_truncated(server, csm):
+    """The server finished the reply, but its flush_done was still on the wire when the user barged in: the
+    cancel stops nothing there, and the reply is cut by a truncate at what was played instead."""
+    from test_conversation import hold_from
+
+    text = "A short answer."
+    tts = service(server, max_audio_length_ms=10 * 80, clock=StepClock(0.32))  # 4 of its frames played
+    held, release = hold_from(tts.conversation, "flush_done")
+
+    def release_after_the_cancel() -> bool:
+        if any(m.get("type") == "cancelled" for m in held):
+            release()
+            return True
+        return False
+
+    frames = script(*reply(text), reply_done(server, 1), lambda: held, SleepFrame(0.3), InterruptionFrame(),
+                    release_after_the_cancel, SleepFrame(0.3), *reply("Sorry."), reply_done(server, 2),
+                    SleepFrame(0.3))
+    asyncio.run(run_test(tts, frames_to_send=frames))
+    (cut,) = tts.cuts
+    full = server.built[0].frames
+    assert server.built[0].reason in ("eos", "length") and full > 4
+    assert cut["request_id"] == server.built[0].request_id and cut["played_ms"] == 320 and cut["num_frames"] == 4
+    np.testing.assert_array_equal(session_codes(server, tts.conversation.context_id, index=0),
+                                  greedy(csm, text, 0, [], full)[:4])
+    assert [(s, len(c)) for s, _, c in server.built[1].turns()] == [(0, 4), (0, 0)]
+    settle(csm)
+
+
 def test_playout_model():
     from csmserve.integrations.playout import Playout
 
