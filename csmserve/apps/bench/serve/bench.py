@@ -4,6 +4,7 @@ With --setup (bench/paced_ray.py): the same scenarios against each setup's serve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from csmserve.apps.bench.serve import report, server as srv
@@ -256,10 +258,31 @@ class Bench:
         return summary
 
 
+@contextlib.contextmanager
+def session(args: argparse.Namespace, serve: Callable[[Path], list[str]], base: Path | None, prefix: str,
+            env: dict[str, str] | None = None) -> Iterator[tuple[str, srv.ServerProcess | None, Clients]]:
+    """`csmserve serve` with serve(a temp dir)'s flags started (or --url) and the client processes ready ->
+    (its URL, the server started or None, the clients); all stopped after."""
+    srv.raise_fd_limit()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        server = clients = None
+        try:
+            url, server = srv.start_or_attach(args, serve(Path(tmp)), base, tmp, env)
+            clients = Clients(args.client_procs or default_client_procs())
+            clients.ready()
+            yield url, server, clients
+        finally:
+            if clients is not None:
+                clients.close()
+            if server is not None:
+                server.stop()
+
+
 def run(args: argparse.Namespace) -> int:
+    """Every scenario against one server: the table printed, JSON and markdown written to --out."""
     if args.setup:
         return compare(args)
-    scenarios_of(args)  # (a bad spec: an error before anything starts)
+    scenarios, lines = scenarios_of(args), []  # (a bad spec: an error before anything starts)
     base = out_base(args.out)
     if args.trace is None:
         args.trace_dir = None
@@ -269,71 +292,56 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trace with --url needs the directory that server writes its trace to (--trace DIR)")
     else:
         args.trace_dir = Path(f"{base}.trace") if base else Path(tempfile.mkdtemp(prefix="csmserve-trace-"))
-    adapters = max(s.adapters for s in scenarios_of(args))
-    srv.raise_fd_limit()
-    with tempfile.TemporaryDirectory(prefix="csmserve-bench-") as tmp:
+    adapters = max(s.adapters for s in scenarios)
+
+    def serve(tmp: Path) -> list[str]:
         lora = {}
         if adapters and not args.url:  # random adapters for the server started here: loaded at run time
-            root = srv.write_adapters(args.model, adapters, args.lora_rank, Path(tmp) / "loras")
+            root = srv.write_adapters(args.model, adapters, args.lora_rank, tmp / "loras")
             lora = {"lora_dir": root, "max_loras": adapters, "max_lora_rank": args.lora_rank}
-        serve = srv.serve_args(args, trace_requests=args.trace_dir, **lora)
-        server = None
-        try:
-            url, server = srv.start_or_attach(args, serve + getattr(args, "setup_flags", []), base, tmp,
-                                              getattr(args, "setup_env", None))
-            measure(args, url, server, base)
-        finally:
-            if server is not None:
-                server.stop()
-    return 0
-
-
-def measure(args: argparse.Namespace, url: str, server: srv.ServerProcess | None, base: Path | None) -> list[dict]:
-    """Every scenario against the server at `url` -> their summaries (printed, and written to --out)."""
-    scenarios, lines = scenarios_of(args), []
+        return srv.serve_args(args, trace_requests=args.trace_dir, **lora) + getattr(args, "setup_flags", [])
 
     def emit(s: str = "") -> None:
         print(s, flush=True)
         lines.append(s)
 
-    clients = Clients(args.client_procs or default_client_procs())
-    bench = Bench(args, url, clients, server)
-    try:
-        clients.ready()
-        if (most := max(s.voices for s in scenarios)) > 0:
-            bench.voices = srv.create_voices(url, most, bench.headers)
-        if (most := max(s.adapters for s in scenarios)) > 0:
-            bench.adapters = srv.load_adapters(url, most, bench.headers)
-        shown = url if server is None else "csmserve serve " + " ".join(server.args[4:])
-        emit(f"server: {shown}; commit {commit()}; {len(clients.procs)} client processes on {os.cpu_count()} cores")
-        emit()
-        emit(report.HEADER)
-        results = []
-        for sc in scenarios:
-            t = time.monotonic()
-            results.append(bench.run(sc) | {"elapsed_s": round(time.monotonic() - t, 1)})
-            emit(report.row(results[-1]))
-        emit()
-        for s in results:
-            emit(f"- {report.details(s)} ({s['elapsed_s']} s)")
-        # --trace: each scenario's trace_report (computed after it ran, over its window), after the table
-        traces = [line for s in results if "trace" in s
-                  for line in ["", f"### trace: {s['name']}", "", "```", *s["trace"], "```"]]
-        for line in traces:
-            emit(line)
-        if base:
-            base.parent.mkdir(parents=True, exist_ok=True)
-            if traces:
-                Path(f"{base}.trace.txt").write_text("\n".join(traces) + "\n")
-            meta = {"url": url, "server_args": server.args[4:] if server else None,
-                    "client_procs": len(clients.procs), "cores": os.cpu_count(), "commit": commit()}
-            Path(f"{base}.json").write_text(json.dumps({"meta": meta, "scenarios": results}, indent=1) + "\n")
-            Path(f"{base}.md").write_text("\n".join(lines) + "\n")
-        return results
-    finally:
-        if bench.voices and server is None:  # leave a running server as it was
-            srv.delete_voices(url, bench.voices, bench.headers)
-        clients.close()
+    with session(args, serve, base, "csmserve-bench-", getattr(args, "setup_env", None)) as (url, server, clients):
+        bench = Bench(args, url, clients, server)
+        try:
+            if (most := max(s.voices for s in scenarios)) > 0:
+                bench.voices = srv.create_voices(url, most, bench.headers)
+            if adapters > 0:
+                bench.adapters = srv.load_adapters(url, adapters, bench.headers)
+            shown = url if server is None else "csmserve serve " + " ".join(server.args[4:])
+            emit(f"server: {shown}; commit {commit()}; {len(clients.procs)} client processes on {os.cpu_count()} "
+                 "cores")
+            emit()
+            emit(report.HEADER)
+            results = []
+            for sc in scenarios:
+                t = time.monotonic()
+                results.append(bench.run(sc) | {"elapsed_s": round(time.monotonic() - t, 1)})
+                emit(report.row(results[-1]))
+            emit()
+            for s in results:
+                emit(f"- {report.details(s)} ({s['elapsed_s']} s)")
+            # --trace: each scenario's trace_report (computed after it ran, over its window), after the table
+            traces = [line for s in results if "trace" in s
+                      for line in ["", f"### trace: {s['name']}", "", "```", *s["trace"], "```"]]
+            for line in traces:
+                emit(line)
+            if base:
+                base.parent.mkdir(parents=True, exist_ok=True)
+                if traces:
+                    Path(f"{base}.trace.txt").write_text("\n".join(traces) + "\n")
+                meta = {"url": url, "server_args": server.args[4:] if server else None,
+                        "client_procs": len(clients.procs), "cores": os.cpu_count(), "commit": commit()}
+                Path(f"{base}.json").write_text(json.dumps({"meta": meta, "scenarios": results}, indent=1) + "\n")
+                Path(f"{base}.md").write_text("\n".join(lines) + "\n")
+        finally:
+            if bench.voices and server is None:  # leave a running server as it was
+                srv.delete_voices(url, bench.voices, bench.headers)
+    return 0
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -1,15 +1,10 @@
 """A client process (`python -m csmserve.apps.bench.serve.client`): one asyncio loop (uvloop when installed)
-running its share of a scenario's users (users.py), JSON lines on stdin/stdout to the parent (bench.py, soak.py):
+running its share of the users, JSON lines on stdin/stdout to the parent (bench.py, soak.py):
 
-    parent -> {"cmd": "run", "scenario": {...}, "users": [...], "t_start": T, "url": ..., ...}
-    client -> {"event": "drained"}             every counted request of this process has ended
-    parent -> {"cmd": "stop"}                  (the window and the drain are over: stop every user)
-    client -> {"event": "result", "records": [...], "cpu_s": ..., "wall_s": ..., "lag_ms": {...}}
-    parent -> {"cmd": "exit"}
-
-or, for the soak: parent -> {"cmd": "soak", ...} (soak_users.py); client -> {"event": "records", ...} every few
-seconds; parent -> {"cmd": "stop"}; client -> {"event": "result", ...}. Besides its users a process measures
-its CPU time and its event loop's lag (how late a 50 ms ticker wakes), which bounds how late it stamps an arrival.
+    parent -> {"cmd": "run", "scenario": {...}, "users": [...], "t_start": T, "url": ..., ...}   (users.py)
+              or {"cmd": "soak", ...}   (soak_users.py: the client sends {"event": "records"} every few s)
+    client -> {"event": "drained"}   (run: every counted request of this process has ended)
+    parent -> {"cmd": "stop"}; client -> {"event": "result", "records": [...], "cpu_s": ..., ...}; parent -> exit
 """
 from __future__ import annotations
 
@@ -17,10 +12,9 @@ import asyncio
 import json
 import sys
 import threading
-import time
 
 from csmserve.apps.bench.serve.report import pct
-from csmserve.apps.bench.serve.users import Run, Scenario, http_user, now, run_until_stop, send, ws_user
+from csmserve.apps.bench.serve.users import Run, Scenario, http_user, run_users, send, ws_user
 
 TICK_S = 0.05
 
@@ -29,21 +23,10 @@ async def run_scenario(cmd: dict, commands: asyncio.Queue) -> dict:
     sc, users = Scenario(**cmd["scenario"]), cmd["users"]
     run = Run(cmd["url"], cmd["texts"], cmd["voices"], cmd.get("api_key"), sc, cmd["t_start"],
               on_drained=lambda: send({"event": "drained"}), num_users=len(users), adapters=cmd.get("adapters", ()))
-    cpu0, wall0, lags = time.process_time(), now(), []
-
-    async def ticker() -> None:
-        while True:
-            t = now()
-            await asyncio.sleep(TICK_S)
-            if run.t0 <= t < run.t1:
-                lags.append((now() - t - TICK_S) * 1e3)
-            run.check_drained()
-
     tasks = [asyncio.create_task((ws_user if sc.mode == "ws" else http_user)(run, u)) for u in users]
-    errors = await run_until_stop(run, commands, tasks, asyncio.create_task(ticker()))
-    return {"event": "result", "records": run.records, "cpu_s": time.process_time() - cpu0, "wall_s": now() - wall0,
-            "users": len(users), "user_errors": errors,
-            "lag_ms": {"p50": pct(lags, 50), "p99": pct(lags, 99), "max": max(lags, default=None)}}
+    result, lags = await run_users(run, commands, tasks, TICK_S, run.check_drained)
+    return result | {"users": len(users),
+                     "lag_ms": {"p50": pct(lags, 50), "p99": pct(lags, 99), "max": max(lags, default=None)}}
 
 
 async def main_async() -> None:

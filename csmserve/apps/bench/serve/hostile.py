@@ -10,33 +10,16 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from csmserve.apps.bench.serve.server import wav
 
 GOOD = {"model": "tts-1", "voice": "alloy", "input": "Hello.", "response_format": "pcm",
         "max_audio_length_ms": 240}
 WS_OK = {"text": "Fine.", "flush": True, "max_audio_length_ms": 240}
 CID = "@CID@"  # in a ws case's messages: replaced by a context_id of the sending user's own
-
-
-def wav(channels: int = 1, rate: int = 24_000, seconds: float = 0.5, data: np.ndarray | None = None,
-        extensible: bool = False, float32: bool = False) -> bytes:
-    """A RIFF/WAVE file built byte by byte (any channel count, NaN floats: what no encoder writes)."""
-    n = int(rate * seconds)
-    if data is None:
-        tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(n) / rate)
-        data = np.repeat(tone[:, None], channels, 1)  # [n, channels]
-    tag, bits = (3, 32) if float32 else (1, 16)
-    raw = np.asarray(data).astype("<f4").tobytes() if float32 else (np.asarray(data) * 32767).astype("<i2").tobytes()
-    block = channels * bits // 8
-    head = struct.pack("<HIIHH", channels, rate, rate * block, block, bits)
-    fmt = (struct.pack("<H", 0xFFFE) + head + struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag)
-           + b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71") if extensible \
-        else struct.pack("<H", tag) + head
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(raw)) + raw
-    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 def _b64(data: bytes) -> str:
@@ -67,7 +50,7 @@ class Case:
 def _cases() -> list[Case]:
     good = json.dumps(GOOD).encode()
     nested = good[:-1] + b', "context": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
-    c = [
+    return [
         # speech JSON: types, numbers, sizes, unicode, context
         Case("input-null", "json", {"input": None}, 400, "invalid_value"),
         Case("input-list", "json", {"input": ["Hello."]}, 400, "invalid_value"),
@@ -143,7 +126,6 @@ def _cases() -> list[Case]:
                                                              "add_context": [{"audio": _b64(wav(8))}]})],
              0, "flush_done"),
     ]
-    return c
 
 
 CASES = _cases()

@@ -21,17 +21,9 @@ import struct
 PCM_RATE = 24_000
 
 
-class Meter:
-    """Base: `feed(bytes) -> seconds`."""
-
-    seconds: float = 0.0
-
-    def feed(self, data: bytes) -> float:
-        raise NotImplementedError
-
-
-class PcmMeter(Meter):
+class PcmMeter:
     def __init__(self, rate: int = PCM_RATE, sample_bytes: int = 2) -> None:
+        self.seconds = 0.0
         self.bytes_per_s = rate * sample_bytes
         self.sample_bytes = sample_bytes
         self.nbytes = 0
@@ -42,10 +34,11 @@ class PcmMeter(Meter):
         return self.seconds
 
 
-class WavMeter(Meter):
+class WavMeter:
     """RIFF/WAVE: chunks up to `data`, then PCM bytes (the streaming header's sizes are 0xFFFFFFFF)."""
 
     def __init__(self) -> None:
+        self.seconds = 0.0
         self.head = b""
         self.pcm: PcmMeter | None = None
 
@@ -97,8 +90,9 @@ def mp3_frame(h: bytes | bytearray, i: int) -> tuple[int, int, int] | None:
     return size, 1152 if mpeg1 else 576, rate
 
 
-class Mp3Meter(Meter):
+class Mp3Meter:
     def __init__(self) -> None:
+        self.seconds = 0.0
         self.buf = bytearray()
         self.samples = 0
         self.rate = 0
@@ -135,12 +129,13 @@ class Mp3Meter(Meter):
         return self.seconds
 
 
-class OggOpusMeter(Meter):
+class OggOpusMeter:
     """Ogg pages; audio = the last complete page's granule position (48 kHz) - OpusHead's pre-skip."""
 
     RATE = 48_000
 
     def __init__(self) -> None:
+        self.seconds = 0.0
         self.buf = bytearray()
         self.pre_skip = 0
 
@@ -172,6 +167,7 @@ class OggOpusMeter(Meter):
 
 
 METERS = {"pcm": PcmMeter, "wav": WavMeter, "mp3": Mp3Meter, "opus": OggOpusMeter}
+Meter = PcmMeter | WavMeter | Mp3Meter | OggOpusMeter
 
 
 def make_meter(fmt: str) -> Meter:

@@ -6,17 +6,12 @@ sent -> first audio; WebSocket: flush sent -> first binary audio), per-stream au
 wall second after the first audio; p1 = the slowest streams), and how many complete streams would have run dry
 with a 100 ms / 300 ms jitter buffer (users.Playback). requests/s = requests that ended well inside the window /
 its length (burst: all that ended well, over the time from the first arrival to the last end). Errors are counted
-by status over every request.
-
-The server's view: /metrics (Prometheus text) scraped before, during (every second) and after a scenario -> its
-time-to-first-audio histogram over the scenario, the running/waiting gauges in the window, frames/s in the
-window, errors and finish reasons, and any prefix-cache metric it exposes.
+by status over every request. The server's view: its /metrics scraped before, during (every second) and after.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import threading
 import time
 from collections import Counter
@@ -25,8 +20,6 @@ from csmserve.apps.bench.serve.users import RECORD, Scenario, ran_dry
 
 BUFFERS_S = (0.1, 0.3)
 I = {name: i for i, name in enumerate(RECORD)}  # noqa: E741 - a record's column indexes
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 TTFA = "csmserve:time_to_first_audio_seconds"
 RUNNING, WAITING = "csmserve:num_requests_running", "csmserve:num_requests_waiting"
 FRAMES = "csmserve:generated_frames_total"
@@ -56,20 +49,10 @@ def f_(x, fmt: str = "{:.0f}") -> str:
 # ---------------------------------------------------------------- the server's /metrics
 def parse(text: str) -> Samples:
     """Prometheus exposition text -> {(name, sorted labels): value}."""
-    out: Samples = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        out[(name, tuple(sorted(_LABEL.findall(labels or ""))))] = v
-    return out
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for family in text_string_to_metric_families(text) for x in family.samples}
 
 
 def total(s: Samples, name: str, **where: str) -> float:
@@ -126,9 +109,9 @@ class Sampler:
 
         try:
             r = httpx.get(f"{self.url}/metrics", timeout=5)
-        except httpx.HTTPError:
+            return parse(r.text) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):  # (no /metrics there, or not Prometheus text)
             return None
-        return parse(r.text) if r.status_code == 200 else None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -193,13 +176,17 @@ def ms(x: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------- the clients' records
+def ttfa_ms(records: list[list], qs: tuple[int, ...]) -> dict:
+    """Over the records with a first audio: how many, TTFA percentiles and max, ms."""
+    xs = [(r[I["t_first"]] - r[I["t_send"]]) * 1e3 for r in records if r[I["t_first"]] is not None]
+    return {"n": len(xs)} | {f"p{q}": r_(pct(xs, q)) for q in qs} | {"max": r_(max(xs, default=None))}
+
+
 def summarize(sc: Scenario, records: list[list], t_start: float, workers: list[dict],
               server: dict | None) -> dict:
     t0, t1 = sc.window(t_start)
     counted = [r for r in records if r[I["counted"]]]
     ok = [r for r in counted if r[I["status"]] == "ok"]
-    first = [r for r in counted if r[I["t_first"]] is not None]
-    ttfa = [(r[I["t_first"]] - r[I["t_send"]]) * 1e3 for r in first]
     rates = []
     for r in ok:
         span = r[I["t_end"]] - r[I["t_first"]] if r[I["t_first"]] is not None else 0
@@ -221,8 +208,7 @@ def summarize(sc: Scenario, records: list[list], t_start: float, workers: list[d
         "t_start": t_start, "window": [round(t0 - t_start, 3), round(t1 - t_start, 3)],
         "requests": {"counted": len(counted), "ok": len(ok), "cut": cut, "all": len(records),
                      "per_s": r_(per_s, 2)},
-        "ttfa_ms": {"n": len(ttfa), "p50": r_(pct(ttfa, 50)), "p90": r_(pct(ttfa, 90)),
-                    "p99": r_(pct(ttfa, 99)), "max": r_(max(ttfa, default=None))},
+        "ttfa_ms": ttfa_ms(counted, (50, 90, 99)),
         "audio_rate": {"p1": r_(pct(rates, 1), 2), "p50": r_(pct(rates, 50), 2)},
         "audio_s_mean": r_(sum(r[I["audio_s"]] for r in ok) / len(ok), 2) if ok else None,
         "dry": {f"{int(b * 1e3)}ms": sum(ran_dry(r[I["worst_lag"]], b) for r in ok) for b in BUFFERS_S}

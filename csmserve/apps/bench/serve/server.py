@@ -1,22 +1,18 @@
 """The server under test: `csmserve serve` started as a subprocess (or one already running, --url), readiness
 (every Ray replica's too), stored voices made for the benchmark; and its processes: the tree under the `csmserve
 serve` pid (parent, engine-core process, API workers; /proc, Linux), each one's resident memory and CPU, which of
-them exited, and GPU memory.
-
-Each child names itself (csmserve/server/processes.py: /proc/PID/comm `csmserve-engine`, `csmserve-api-N`);
-multiprocessing's resource tracker is left out (it holds no request state)."""
+them exited, and GPU memory."""
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +163,24 @@ def start_or_attach(args, serve: list[str], base: Path | None, tmpdir: str,
     return server.url, server
 
 
+def wav(channels: int = 1, rate: int = 24_000, seconds: float = 0.5, data: np.ndarray | None = None,
+        extensible: bool = False, float32: bool = False) -> bytes:
+    """A RIFF/WAVE file built byte by byte from `data` in [-1, 1] ([n] or [n, channels]; default a 220 Hz tone):
+    any channel count, NaN floats, WAVE_FORMAT_EXTENSIBLE (what the soak's hostile uploads need)."""
+    if data is None:
+        tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(int(rate * seconds)) / rate)
+        data = np.repeat(tone[:, None], channels, 1)  # [n, channels]
+    tag, bits = (3, 32) if float32 else (1, 16)
+    raw = np.asarray(data).astype("<f4").tobytes() if float32 else (np.asarray(data) * 32767).astype("<i2").tobytes()
+    block = channels * bits // 8
+    head = struct.pack("<HIIHH", channels, rate, rate * block, block, bits)
+    fmt = (struct.pack("<H", 0xFFFE) + head + struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag)
+           + b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71") if extensible \
+        else struct.pack("<H", tag) + head
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(raw)) + raw
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def voice_wav(seconds: float = 5.0, rate: int = 24_000, seed: int = 0) -> bytes:
     """A speech-like clip: a gliding harmonic tone with a syllable-rate envelope, 16-bit mono."""
     t = np.arange(int(seconds * rate)) / rate
@@ -174,14 +188,7 @@ def voice_wav(seconds: float = 5.0, rate: int = 24_000, seed: int = 0) -> bytes:
     phase = 2 * np.pi * np.cumsum(f0) / rate
     tone = sum(np.sin(k * phase) / k for k in range(1, 6))
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
-    pcm = (0.25 * tone * envelope / np.abs(tone).max() * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    return wav(rate=rate, data=0.25 * tone * envelope / np.abs(tone).max())
 
 
 def create_voices(url: str, n: int, headers: dict, prefix: str = "bench-voice") -> list[str]:
@@ -311,7 +318,8 @@ def descendants(root: int) -> list[int]:
 
 
 def label(pid: int, root: int) -> str | None:
-    """parent / engine / api-N / child; None for multiprocessing's trackers."""
+    """parent / engine / api-N (each child names itself: server/processes.py sets /proc/PID/comm) / child-PID;
+    None for multiprocessing's trackers (they hold no request state)."""
     if pid == root:
         return "parent"
     comm = (_read(PROC / str(pid) / "comm") or "").strip()

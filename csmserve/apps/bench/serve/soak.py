@@ -1,22 +1,16 @@
-"""The soak (`python bench/soak.py`): hours-shaped load with everything a careless or hostile client does,
-bounded by --duration and --max-requests, against a `csmserve serve` it starts (or --url).
-
-    users      http (speech in several formats; --disconnect of them cut mid-stream by FIN / RST; --hostile
-               of them hostile.py's cases), ws (conversations: a context_id each, several turns), voice
-               (create / use / delete / check gone); soak_users.py, in --client-procs processes
-    watches    every server process's pid (crashes) and RSS, GPU memory (nvidia-smi), sampled through
-               the run; /metrics before and after
-    after      the stop: the engine's running/waiting gauges back to 0; every voice acknowledged created
-               and not deleted listed and usable, every deleted one 404
-    reports    requests by kind, client disconnects, hostile answers, responses >= 500, crashes, slots in
-               use after, voices, memory at start / middle / end (growth), TTFA p50 / p99 per 30 s window;
-               markdown on stdout, JSON with every sample in --out
+"""The soak (`python bench/soak.py`): hours-shaped load with everything a careless or hostile client does
+(soak_users.py, in --client-procs processes), bounded by --duration and --max-requests, against a `csmserve
+serve` it starts (or --url). Through the run: every server process's pid (crashes), RSS and GPU memory
+(nvidia-smi); /metrics before and after. After the stop: the running/waiting gauges back to 0, every voice
+acknowledged created and not deleted listed and usable, every deleted one 404. Reported (markdown on stdout,
+JSON with every sample in --out): requests by kind, client disconnects, hostile answers, responses >= 500,
+crashes, slots in use after, voices, memory, TTFA p50 / p99 per 30 s window.
 
 TTFA: request sent -> first audio (HTTP speech read to its end, `voice-use` included), flush sent -> first
-binary audio (WebSocket turns). Memory: every server process's RSS and GPU memory sampled through the run;
-`start` is the first sample after the ramp and a warm-up (allocators and caches filling: the engine's RSS
-climbs for its first ~30 s on the CPU), `middle` the one nearest the midpoint of start..end, `end` the last
-before the stop, `after` once the slots are free again; growth = end - start (and end - middle).
+binary audio (WebSocket turns). Memory: `start` is the first sample after the ramp and a warm-up (allocators
+and caches filling: the engine's RSS climbs for its first ~30 s on the CPU), `middle` the one nearest the
+midpoint of start..end, `end` the last before the stop, `after` once the slots are free again; growth = end -
+start (and end - middle).
 """
 from __future__ import annotations
 
@@ -25,16 +19,14 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from csmserve.apps.bench.serve import report, server as srv
-from csmserve.apps.bench.serve.bench import (SENTENCES, Clients, add_server_arguments, commit, default_client_procs,
-                                             out_base, settle)
+from csmserve.apps.bench.serve.bench import SENTENCES, Clients, add_server_arguments, commit, out_base, session, settle
 from csmserve.apps.bench.serve.hostile import CASES, GOOD
-from csmserve.apps.bench.serve.report import I, f_, pct, r_
+from csmserve.apps.bench.serve.report import I, f_, r_, ttfa_ms
 from csmserve.apps.bench.serve.users import SPEECH_PATH
 
 # short texts beside the 10 s sentences: several sentences make a long-form request (one slot, segments)
@@ -123,8 +115,8 @@ class Soak:
         self.sample("idle")
         for i in range(n):
             self.clients.send(i, {"cmd": "soak", "url": self.url, "api_key": a.api_key, "t_start": t_start,
-                                  "ramp": ramp, "num_users": a.users,
-                                  "users": [[u, who[u]] for u in range(i, a.users, n)], "texts": list(TEXTS), "voices": stored, "formats": list(FORMATS),
+                                  "ramp": ramp, "num_users": a.users, "users": [[u, who[u]] for u in range(i, a.users, n)],
+                                  "texts": list(TEXTS), "voices": stored, "formats": list(FORMATS),
                                   "audio_ms": _pair(a.audio_ms, "audio-ms"), "turns": _pair(a.turns, "turns"),
                                   "disconnect": a.disconnect, "hostile": a.hostile, "seed": 0, "run_id": run_id})
         t_end, next_sample, next_note, stopped_by = t_start + a.duration, t_start + ramp, t_start + 60.0, "duration"
@@ -196,21 +188,15 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--users must be >= 1 and --duration > 0")
     _pair(args.audio_ms, "audio-ms"), _pair(args.turns, "turns"), roles(args)
     base = out_base(args.out)
-    srv.raise_fd_limit()
     run_id = f"soak{int(time.time()) % 10**6}"
     serve = srv.serve_args(args, max_slots=args.max_slots or int(args.users * 1.1) + 16)
-    with tempfile.TemporaryDirectory(prefix="csmserve-soak-") as tmp:
-        server = clients = soak = None
-        stored: list[str] = []
+    with session(args, lambda tmp: serve, base, "csmserve-soak-") as (url, server, clients):
+        root = server.proc.pid if server is not None else args.server_pid
+        tree = srv.ServerTree(root) if root is not None and srv.alive(root) else None
+        if tree is not None:
+            tree.start()
+        soak, stored = Soak(args, url, clients, server, tree), []
         try:
-            url, server = srv.start_or_attach(args, serve, base, tmp)
-            root = server.proc.pid if server is not None else args.server_pid
-            tree = srv.ServerTree(root) if root is not None and srv.alive(root) else None
-            if tree is not None:
-                tree.start()
-            clients = Clients(args.client_procs or default_client_procs())
-            soak = Soak(args, url, clients, server, tree)
-            clients.ready()
             stored = srv.create_voices(url, STORED_VOICES, soak.headers, prefix=f"{run_id}-stored")
             before = report.Sampler(url).scrape()
             print(f"soak: {args.users} users for {args.duration:g} s ({len(clients.procs)} client processes)",
@@ -229,7 +215,8 @@ def run(args: argparse.Namespace) -> dict:
                 "meta": {"server": url if args.url else "csmserve serve " + " ".join(serve), "commit": commit(),
                          "cores": os.cpu_count(), "client_procs": len(clients.procs), "users": args.users,
                          "roles": {r: roles(args).count(r) for r in ("http", "ws", "voice")},
-                         "duration_s": round(load_s, 1), "ramp_s": ramp, "stopped_by": stopped_by, "argv": sys.argv[1:],
+                         "duration_s": round(load_s, 1), "ramp_s": ramp, "stopped_by": stopped_by,
+                         "argv": sys.argv[1:],
                          "server_processes": {str(p): n for p, n in tree.procs.items()} if tree else {},
                          "client_cpu_max": max((r["cpu_s"] / r["wall_s"] for r in soak.results if r["wall_s"]),
                                                default=None),
@@ -241,13 +228,10 @@ def run(args: argparse.Namespace) -> dict:
                 "server_5xx": None, "server_ttfa_ms": {"p50": None, "p99": None},
                 "clients": [{k: v for k, v in r.items() if k != "voices"} for r in soak.results],
             })
-            if before is not None and after is not None:
-                errs = report.delta_by(before, after, "csmserve:request_errors_total", "status")
-                summary["server_5xx"] = sum(v for k, v in errs.items() if k.startswith("5"))
-                summary["server_errors_by_status"] = errs
-                h = report.histogram_delta(before, after, report.TTFA)
-                summary["server_ttfa_ms"] = {"p50": report.ms(report.quantile(h, 0.5)),
-                                             "p99": report.ms(report.quantile(h, 0.99))}
+            if (seen := report.server_summary(before, after, [], 0.0, 0.0)) is not None:
+                summary["server_5xx"] = sum(v for k, v in seen["errors"].items() if k.startswith("5"))
+                summary["server_errors_by_status"] = seen["errors"]
+                summary["server_ttfa_ms"] = {"p50": seen["ttfa_p50_ms"], "p99": seen["ttfa_p99_ms"]}
             md = markdown(summary)
             print(md, flush=True)
             if base:
@@ -256,20 +240,11 @@ def run(args: argparse.Namespace) -> dict:
                 Path(f"{base}.md").write_text(md)
             return summary
         finally:
-            if args.url and soak is not None:  # leave a running server as it was
+            if args.url:  # leave a running server as it was
                 srv.delete_voices(url, stored + [v for r in soak.results for v in r["voices"]["live"]], soak.headers)
-            if clients is not None:
-                clients.close()
-            if server is not None:
-                server.stop()
 
 
 # ---------------------------------------------------------------- the report
-def _ttfa(records: list[list]) -> dict:
-    xs = [(r[I["t_first"]] - r[I["t_send"]]) * 1e3 for r in records]
-    return {"n": len(xs), "p50": r_(pct(xs, 50)), "p99": r_(pct(xs, 99)), "max": r_(max(xs, default=None))}
-
-
 def _timed(records: list[list], ws: bool) -> list[list]:
     return [r for r in records if r[I["status"]] == "ok" and r[I["t_first"]] is not None
             and (r[I["kind"]] == "ws-turn" if ws else r[I["kind"]].startswith(SPEECH_KINDS))]
@@ -283,7 +258,7 @@ def ttfa_windows(records: list[list], t0: float, t1: float) -> list[dict]:
         end = t1 if end > t1 or t1 - end < WINDOW_S / 3 else end  # a short tail joins the last window
         sent = [[r for r in rs if start <= r[I["t_send"]] < end] for rs in (http, ws)]
         out.append({"from_s": round(start - t0, 1), "to_s": round(end - t0, 1),
-                    "http": _ttfa(sent[0]), "ws": _ttfa(sent[1])})
+                    "http": ttfa_ms(sent[0], (50, 99)), "ws": ttfa_ms(sent[1], (50, 99))})
         start = end
     return out
 
@@ -334,7 +309,7 @@ def summarize(records: list[list], t0: float, t1: float) -> dict:
         "hostile": {"n": len(hostile), "as_expected": sum(r[I["status"]] == "ok" for r in hostile),
                     "cut_by_stop": sum(r[I["status"]] == "cut" for r in hostile),
                     "cases_sent": len({r[I["detail"]] for r in hostile}), "cases": len(CASES)},
-        "ttfa_ms": {"http": _ttfa(_timed(records, False)), "ws": _ttfa(_timed(records, True))},
+        "ttfa_ms": {"http": ttfa_ms(_timed(records, False), (50, 99)), "ws": ttfa_ms(_timed(records, True), (50, 99))},
         "ttfa_windows": ttfa_windows(records, t0, t1),
         "audio_s": round(sum(r[I["audio_s"]] for r in records), 1),
     }

@@ -21,14 +21,13 @@ import json
 import random
 import socket
 import struct
-import time
 from collections import deque
 from urllib.parse import urlsplit
 
 from csmserve.apps.bench.serve.hostile import CID, GOOD, HTTP_CASES, WS_CASES, Case, error_shape
 from csmserve.apps.bench.serve.server import VOICE_TRANSCRIPT, voice_wav
 from csmserve.apps.bench.serve.users import (BACKOFF_S, READ_TIMEOUT, SPEECH_PATH, Run, close_quietly, error_code,
-                                             http_client, now, run_until_stop, send, sleep_until, speech, ws_connect,
+                                             http_client, now, run_users, send, sleep_until, speech, ws_connect,
                                              ws_error, ws_turn)
 
 VOICES_PATH = "/v1/audio/voices"
@@ -56,10 +55,6 @@ class SoakRun(Run):
 
     def rng(self, user: int) -> random.Random:
         return random.Random(self.seed * 1_000_003 + user)
-
-    def take(self) -> list[list]:
-        out, self.records = self.records, []
-        return out
 
     def ms(self, rng: random.Random, long: bool = False) -> int:
         lo, hi = self.audio_ms
@@ -410,18 +405,12 @@ USERS = {"http": http_user, "ws": ws_user, "voice": voice_user}
 async def run_soak(cmd: dict, commands: asyncio.Queue) -> dict:
     """This process's users until the parent says stop; records go up every FLUSH_S as they end."""
     run = SoakRun(cmd)
-    cpu0, wall0, lags = time.process_time(), now(), []
     tasks = [asyncio.create_task(USERS[role](run, user)) for user, role in cmd["users"]]
 
-    async def flush() -> None:
-        while True:
-            t = now()
-            await asyncio.sleep(FLUSH_S)
-            lags.append(now() - t - FLUSH_S)
-            if run.records:
-                send({"event": "records", "records": run.take()})
+    def flush() -> None:
+        if run.records:
+            send({"event": "records", "records": run.take()})
 
-    errors = await run_until_stop(run, commands, tasks, asyncio.create_task(flush()))
-    return {"event": "result", "records": run.take(), "cpu_s": time.process_time() - cpu0, "wall_s": now() - wall0,
-            "user_errors": errors, "loop_lag_max_ms": round(max(lags, default=0.0) * 1e3, 1),
-            "voices": {"live": run.created, "deleted": run.deleted, "uncertain": run.uncertain}}
+    result, lags = await run_users(run, commands, tasks, FLUSH_S, flush)
+    return result | {"loop_lag_max_ms": round(max(lags, default=0.0), 1),
+                     "voices": {"live": run.created, "deleted": run.deleted, "uncertain": run.uncertain}}

@@ -87,17 +87,13 @@ def _by_step(table: dict[str, np.ndarray] | None, col: str) -> dict[int, float]:
 def timelines(procs: list[Proc]) -> list[dict]:
     """One dict per request the workers saw: every stamp of STAMPS that exists, plus `worker` (its
     process), `dstep` / `fstep` (the step its drain fed / that ran its first frame)."""
-    engine_reqs = {}
-    engine = next((p for p in procs if p.role == "engine"), None)
-    for p in procs:
-        for r in p.requests:
-            if "drained" in r:
-                engine_reqs[r["id"]] = r
-    launched = _by_step(engine.tables.get("step") if engine else None, "t_launched")
-    collected = _by_step(engine.tables.get("collect") if engine else None, "t_done")
-    em = engine.tables.get("emit") if engine else None
-    emitted = {} if not em else dict(zip(zip(em["step"].astype(np.int64).tolist(), em["client"].astype(np.int64).tolist()),
-                                         em["t"].tolist()))
+    engine_reqs = {r["id"]: r for p in procs for r in p.requests if "drained" in r}
+    engine = next((p.tables for p in procs if p.role == "engine"), {})
+    launched = _by_step(engine.get("step"), "t_launched")
+    collected = _by_step(engine.get("collect"), "t_done")
+    em = engine.get("emit")
+    emitted = {} if not em else dict(zip(zip(em["step"].astype(np.int64).tolist(),
+                                             em["client"].astype(np.int64).tolist()), em["t"].tolist()))
     out = []
     for p in procs:
         recv = _by_step(p.tables.get("recv"), "t_recv")

@@ -1,7 +1,5 @@
 """The simulated users of a client process (client.py): HTTP streaming speech requests and WebSocket
-conversations, run in a scenario.
-
-A scenario (`MODE[:key=value,...]` on the command line, keys not given take the flags):
+conversations, run in a scenario (`MODE[:key=value,...]` on the command line; keys not given take the flags):
 
     closed   C users; each sends a request and the next as soon as the last ends; users start spread
              over `ramp` s; then `warmup` s; then `duration` s measured (requests sent in the window)
@@ -10,15 +8,11 @@ A scenario (`MODE[:key=value,...]` on the command line, keys not given take the 
              flush, the next turn as soon as flush_done arrives (closed loop, windows as `closed`);
              `fresh=1`: a new context_id per turn (closed with `close`), no conversation carried
 
-Every request (or WebSocket turn) is one record, a list in RECORD order: its kind, user, t_send, t_first
-(first audio; None if none), t_end, status ("ok", "http 503 server_busy", "transport ReadTimeout", "ws
-server_busy", "empty": ended well with no audio, "cut": stopped before it ended), server_error (HTTP >= 500
-or a WebSocket server_error), audio_s, first_audio_s, worst_lag (Playback), counted (sent inside the
-measured window), detail. Times are time.monotonic() (one clock for every process of the machine).
-
-Each HTTP user has its own httpx.AsyncClient holding one keep-alive connection: one shared pool of
-thousands of connections costs O(connections) per request in httpcore, which a loop of many users
-cannot afford.
+One record per request or turn, a list in RECORD order. status: "ok", "empty" (ended well, no audio), "cut"
+(stopped before it ended), else what failed ("http 503 server_busy", "transport ReadTimeout", "ws server_busy");
+server_error: HTTP >= 500 or a WebSocket server_error; counted: sent inside the window. Times are
+time.monotonic() (one clock for every process of the machine). Each HTTP user has its own httpx.AsyncClient
+with one keep-alive connection: a shared pool of thousands costs O(connections) per request in httpcore.
 """
 from __future__ import annotations
 
@@ -167,6 +161,10 @@ class Run:
         self.stopping = self.drained = False
         self.on_drained = on_drained
         self.ssl = ssl.create_default_context()  # shared by every client: one per client costs ms each
+
+    def take(self) -> list[list]:
+        out, self.records = self.records, []
+        return out
 
     def text(self, user: int, k: int) -> str:
         return self.texts[(user + k) % len(self.texts)]
@@ -363,16 +361,30 @@ def send(payload: dict) -> None:
     sys.stdout.flush()
 
 
-async def run_until_stop(run: Run, commands: asyncio.Queue, tasks: list, *helpers: asyncio.Task) -> list[str]:
-    """Let the users run until the parent sends "stop"; cancel them (then the helper tasks) -> the first
-    errors the users raised (a cancellation is not one)."""
+async def run_users(run: Run, commands: asyncio.Queue, tasks: list[asyncio.Task], tick_s: float,
+                    on_tick: Callable[[], None]) -> tuple[dict, list[float]]:
+    """The users until the parent sends "stop", then cancelled; beside them a ticker calls on_tick every tick_s
+    -> (the result message: its records, CPU and wall seconds, the users' first errors (a cancellation is not
+    one); the ticker's lags in the window, ms: how late it woke, which bounds how late an arrival is stamped)."""
+    cpu0, wall0, lags = time.process_time(), now(), []
+
+    async def ticker() -> None:
+        while True:
+            t = now()
+            await asyncio.sleep(tick_s)
+            if run.t0 <= t < run.t1:
+                lags.append((now() - t - tick_s) * 1e3)
+            on_tick()
+
+    tick = asyncio.create_task(ticker())
     while (await commands.get()).get("cmd") != "stop":
         pass
     run.stopping = True
     for t in tasks:
         t.cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    for h in helpers:
-        h.cancel()
-    return [f"{type(r).__name__}: {r}" for r in results
-            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)][:5]
+    tick.cancel()
+    errors = [f"{type(r).__name__}: {r}" for r in results
+              if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)][:5]
+    return {"event": "result", "records": run.take(), "cpu_s": time.process_time() - cpu0, "wall_s": now() - wall0,
+            "user_errors": errors}, lags
