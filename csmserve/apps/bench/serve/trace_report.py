@@ -130,14 +130,9 @@ def _ms(x: np.ndarray, f) -> str:
 
 
 def _gc_pauses(procs: list[Proc]) -> dict[int, np.ndarray]:
-    """pid -> the pauses >= GC_SLOW_S as [n, 3] (t0, t1, generation)."""
-    out = {}
-    for p in procs:
-        g = p.tables.get("gc")
-        if g:
-            m = g["t1"] - g["t0"] >= GC_SLOW_S
-            out[p.pid] = np.stack([g["t0"][m], g["t1"][m], g["gen"][m]], 1)
-    return out
+    """pid -> the pauses >= GC_SLOW_S as [n, 2] (t0, t1)."""
+    gcs = {p.pid: p.tables["gc"] for p in procs if p.tables.get("gc")}
+    return {pid: np.stack([g["t0"], g["t1"]], 1)[g["t1"] - g["t0"] >= GC_SLOW_S] for pid, g in gcs.items()}
 
 
 def _overlaps(t: dict, pauses: np.ndarray) -> bool:
@@ -184,7 +179,7 @@ def report(directory: str | Path, since: float | None = None, until: float | Non
     engine_pids = {p.pid for p in procs if p.role == "engine"}
     lines.append("")
     for name, g in groups[1:]:
-        own = sum(_overlaps(t, pauses.get(t["worker"], np.zeros((0, 3)))) for t in g)
+        own = sum(_overlaps(t, pauses.get(t["worker"], np.zeros((0, 2)))) for t in g)
         eng = sum(any(_overlaps(t, pauses[pid]) for pid in engine_pids if pid in pauses) for t in g)
         other = sum(any(_overlaps(t, v) for pid, v in pauses.items() if pid != t["worker"] and pid not in engine_pids)
                     for t in g)
