@@ -130,8 +130,7 @@ class CSM:
 
     @classmethod
     def attach(cls, client) -> "CSM":
-        """A CSM without weights over an engine in another process (an API worker's, `client` a
-        RemoteEngineClient): prompts are built here; generation and audio encoding run in the engine."""
+        """A CSM without weights that builds prompts for an engine in another process (a RemoteEngineClient)."""
         from csmserve.models.csm import CSMConfig
 
         info = client.info
@@ -182,8 +181,7 @@ class CSM:
 
     @property
     def random_weights(self) -> bool:
-        """`dummy` / `dummy-tiny`: never end a sentence (no EOS), so an unnamed length is a reader's length for
-        the text (config.reading_ms)."""
+        """`dummy` / `dummy-tiny`: no EOS, so an unnamed length is a reader's length (config.reading_ms)."""
         return self.model_name in DUMMY_MODELS
 
     @property
@@ -214,8 +212,7 @@ class CSM:
         self._pending = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
 
     def take_adapters(self) -> dict:
-        """The adapters read at construction, not served yet (name -> LoraAdapter), handed over once (the
-        engine-core process serves them from its first step)."""
+        """The adapters read at construction, not served yet (name -> LoraAdapter), handed over once."""
         pending, self._pending = self._pending, {}
         return pending
 

@@ -68,8 +68,7 @@ class Lead:
         self.queue.stop()
 
     def delay(self, t_first: float, audio_s: float, now: float) -> float:
-        """Seconds to wait before encoding more of a stream whose first chunk went at `t_first` (monotonic)
-        and which has `audio_s` seconds of audio out."""
+        """Seconds to wait before encoding more of a stream whose first chunk went at `t_first`, `audio_s` out."""
         if not self.max_lead_s or not self.busy:
             return 0.0
         ahead = audio_s - (now - t_first)

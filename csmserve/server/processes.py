@@ -247,12 +247,10 @@ WORKER_EXITS_S = 60.0
 
 
 class Supervisor:
-    """One unit: the listening socket (port 0: any, `port` says which), the engine-core process, `workers` API
-    workers and the dispatch thread."""
+    """One unit: the listening socket (`port`: the one bound), the engine-core process, API workers, dispatch."""
 
     def __init__(self, spec: ServeSpec, workers: int) -> None:
         self.spec, self.server, self.workers_n = spec, spec.server, workers
-        self.log_level = spec.log_level
         self.rundir = new_rundir()
         self.sessions_db = str(self.rundir / "sessions.db")
         metrics = self.rundir / "metrics"
@@ -261,10 +259,9 @@ class Supervisor:
         self.engine_spec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
                                        spec.log_level, self.rundir)
         self.ctx = multiprocessing.get_context("spawn")
-        server = spec.server
-        self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in self.server.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((server.host, server.port))
+        self.sock.bind((self.server.host, self.server.port))
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
         self.port: int = self.sock.getsockname()[1]
@@ -292,7 +289,7 @@ class Supervisor:
 
     def _start_worker(self, i: int) -> None:
         spec = WorkerSpec(i, self._next_client, self.server, self.engine_spec.address, self.engine_spec.authkey,
-                          self.sessions_db, self.log_level, parent_pid=os.getpid(), replica=self.spec.replica)
+                          self.sessions_db, self.spec.log_level, parent_pid=os.getpid(), replica=self.spec.replica)
         self._next_client += 1
         link = self.dispatcher.new_link(i)  # connections come from the parent's dispatch thread
         args = (f"csmserve-api-{i}", run_worker, spec, link, self.dispatcher.counters)
@@ -329,8 +326,7 @@ class Supervisor:
                 self._start_worker(i)
 
     def fatal(self) -> str | None:
-        """Why this unit cannot serve (None: it can, or is still starting): the engine failed or exited, or
-        its API workers keep exiting."""
+        """Why this unit cannot serve (None: it can, or is still starting)."""
         if self.engine_error is not None:
             return f"the engine failed to start: {self.engine_error}"
         if self.engine.process is not None and not self.engine.alive:

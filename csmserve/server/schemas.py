@@ -114,8 +114,7 @@ def media_type(content_type: str | None) -> str:
 
 
 def check_json_type(content_type: str | None) -> None:
-    """JSON routes take `Content-Type: application/json` only (415 otherwise): a text/plain POST is a browser's
-    simple request (server/origin.py)."""
+    """JSON routes take `Content-Type: application/json` only (415): text/plain is a browser's simple request."""
     if media_type(content_type) != "application/json":
         got = repr(content_type[:100]) if content_type else "none"
         raise APIError(415, f"this route takes a JSON object: send it with Content-Type: application/json "

@@ -43,8 +43,7 @@ INLINE_CHARS = 2000
 
 @dataclass(frozen=True)
 class RequestArgs:
-    """One speech request's choices (ServerState.resolve): who speaks, after what context, how it is sampled,
-    its caps, its LoRA adapter. `kw()`: what CSM's request builders take."""
+    """One speech request's choices (ServerState.resolve); `kw()`: what CSM's request builders take."""
 
     speaker: int
     context: tuple[Segment, ...]
@@ -372,8 +371,7 @@ class ServerState:
     # ---- generation
     async def stream(self, request: Request, arrival: float,
                      on_submit: Callable[[], None] | None = None) -> AsyncIterator[AudioChunk]:
-        """The engine's chunks with the concurrency limit and the metrics around them. Closing this generator
-        early aborts the request. on_submit: called once the engine has the request."""
+        """The engine's chunks within the concurrency limit, with metrics; closing it early aborts the request."""
         csm = self.require_ready()
         limit = self.config.max_concurrent_requests
         if limit is not None and self.active >= limit:

@@ -34,7 +34,7 @@ from csmserve.server.state import ServerState, Session, SessionTurn
 from csmserve.server.timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
 if TYPE_CHECKING:
-    from csmserve.api import CSM
+    from csmserve.api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
@@ -55,7 +55,6 @@ class Utterance:
         self.cancelled = False
         self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
         self.last_text = time.monotonic()
-        self._cursor = 0
         # while it generates: its request, speaker and codes so far per segment (a cancel may keep some)
         self.request_id: str | None = None
         self.speaker = 0
@@ -76,10 +75,8 @@ class Utterance:
         self._spans(self.text_feed.end())
 
     def _spans(self, segments: list[str]) -> int:
-        spans = segment_spans(self.received, segments, self._cursor)  # the next words of the text, in order
-        if spans:
-            self.spans += spans
-            self._cursor = spans[-1][1]
+        cursor = self.spans[-1][1] if self.spans else 0  # the next words of the text, in order
+        self.spans += segment_spans(self.received, segments, cursor)
         return len(segments)
 
 
@@ -222,8 +219,12 @@ class Connection:
         await asyncio.wait([task])  # its codes are final, and the next message sees the session as cut
         if audio_end_ms is None:  # nothing kept: the turn is dropped
             return {}
-        out = {"request_id": running.request_id, "num_frames": 0}
-        segments = _played(running.speaker, running.texts, running.codes, audio_end_ms // FRAME_MS)
+        from csmserve.api import Segment
+
+        out, texts = {"request_id": running.request_id, "num_frames": 0}, running.texts
+        spoken = [Segment(running.speaker, texts[i] if i < len(texts) else "", codes=np.concatenate(c))
+                  for i, c in sorted(running.codes.items())]
+        segments = _first_frames(spoken, audio_end_ms // FRAME_MS)  # a segment partly played keeps its text
         if segments:
             self.state.sessions.add_turn(running.session, SessionTurn("assistant", segments,
                                                                       request_id=running.request_id))
@@ -242,18 +243,9 @@ class Connection:
             raise APIError(400, f"context {cid!r} has no assistant turn" + (
                 f" from request {msg.request_id!r}" if msg.request_id else "") + " to truncate",
                 "invalid_value", "request_id" if msg.request_id else "context_id")
-        turn, left = turns[-1], msg.audio_end_ms // FRAME_MS
-        kept = []
-        for seg in turn.segments:
-            if left <= 0:
-                break
-            if seg.codes is None:
-                kept.append(seg)
-                continue
-            kept.append(type(seg)(seg.speaker, seg.text, codes=seg.codes[:left]))
-            left -= len(kept[-1].codes)
-        turn.segments = kept
-        if not kept:
+        turn = turns[-1]
+        turn.segments = _first_frames(turn.segments, msg.audio_end_ms // FRAME_MS)
+        if not turn.segments:
             session.turns.remove(turn)
         self.state.sessions.save(session)  # every API worker sees the cut
         return {"request_id": turn.request_id, "num_frames": turn.frames}
@@ -351,19 +343,17 @@ class Connection:
                          **span.fields(), **where})
 
 
-def _played(speaker: int, texts: list[str], codes: dict[int, list[np.ndarray]], frames: int) -> list:
-    """The first `frames` frames of a turn as context Segments (a segment partly played keeps its text)."""
-    from csmserve.api import Segment
-
-    out = []
-    for i, parts in sorted(codes.items()):
+def _first_frames(segments: list[Segment], frames: int) -> list[Segment]:
+    """The first `frames` frames of a turn's segments (one without codes is kept whole)."""
+    kept = []
+    for seg in segments:
         if frames <= 0:
             break
-        c = np.concatenate(parts)[:frames]
-        if len(c):
-            out.append(Segment(speaker, texts[i] if i < len(texts) else "", codes=c))
-            frames -= len(c)
-    return out
+        if seg.codes is not None:
+            seg = type(seg)(seg.speaker, seg.text, codes=seg.codes[:frames])
+            frames -= len(seg.codes)
+        kept.append(seg)
+    return kept
 
 
 _CONTEXT_ID = re.compile(r'"context_id"\s*:\s*"([^"\\]{1,256})"')
