@@ -1,18 +1,12 @@
 """The offline Python API: `CSM(model)` with `prompt`, `generate`, `stream`, `astream`, `speak`, `aspeak`,
-`dialogue`, `encode_audio`.
+`dialogue`, `encode_audio`. `CSM` is the one builder of requests (`request`, `long_request`), its own and the server's.
 
-`CSM` is the one builder of requests (`request`, `long_request`): its own methods' and the server's.
-`speak` is long-form: text of any length (or text streamed in, piece by piece) is cut into sentences
-(csmserve/prompt/segments.py) and spoken in one slot, each sentence seeing the earlier ones as context, as one
-continuous audio stream. `TextFeed` is how text streamed in reaches an open long-form request (speak,
-aspeak, the server's WebSocket turns).
-
-Generation runs on the engine (continuous batching; CUDA graphs on a GPU) started on first use;
-`engine=False` keeps the plain reference generator (batch 1), the golden path the tests compare to.
-
-Fine-tuned voices: `CSM(model, adapters={"ann": "path/to/peft-adapter"})`, `load_adapter` / `unload_adapter` at run
-time; every generating method takes `adapter="ann"` (None: the base model), `generate` with a list of texts one
-adapter per text; rows of different adapters (and none) run in the same batch (models/lora.py, engine/adapters.py).
+`speak` is long-form: text of any length, or streamed in piece by piece (`TextFeed`, also the server's WebSocket
+turns), is cut into sentences (prompt/segments.py) and spoken in one slot as one continuous stream, each sentence
+seeing the earlier ones. Generation runs on the engine, started on first use; `engine=False` keeps the reference
+generator (batch 1), the golden path the tests compare to. LoRA: `CSM(model, adapters={"ann": path})`,
+`load_adapter` / `unload_adapter`; every generating method takes `adapter="ann"` (None: the base model), rows of
+different adapters in one batch (models/lora.py, engine/adapters.py).
 """
 from __future__ import annotations
 
@@ -30,7 +24,7 @@ import numpy as np
 import torch
 
 from csmserve.models import reference
-from csmserve.config import EngineConfig
+from csmserve.config import FRAME_SAMPLES, SAMPLE_RATE, EngineConfig
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.sampling import SamplingParams
 from csmserve.models.codec import load_codec
@@ -39,7 +33,6 @@ from csmserve.engine.adapters import UnknownAdapterError
 from csmserve.prompt.segments import SentenceSplitter
 from csmserve.prompt.tokenizer import (FRAME_MS, PromptPart, PromptSegment, assemble, load_tokenizer, prompt_part,
                                        segment_ids, text_frames)
-from csmserve.config import FRAME_SAMPLES, SAMPLE_RATE
 from csmserve.engine.paced import PACED_MODEL
 
 if TYPE_CHECKING:
@@ -58,8 +51,7 @@ class Segment:
     text: str
     codes: np.ndarray | None = None  # [frames, 32] int
     audio: np.ndarray | None = None  # [samples] float at 24 kHz (encoded with Mimi once)
-    # CSM's tokenized form of this turn (tokenizer, codes, speaker, text, PromptPart): a conversation's
-    # turns are tokenized and checked once, not per request; never pickled (a session's store)
+    # (tokenizer, codes, speaker, text, PromptPart): tokenized once, not per request; never pickled
     _prompt_part: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
@@ -67,8 +59,7 @@ class Segment:
 
     @classmethod
     def of_voice(cls, voice, speaker: int | None = None) -> Segment:
-        """A stored voice's clip (csmserve.voices.Voice: transcript, codes) as a context turn, spoken as
-        `speaker` (default: the voice's own)."""
+        """A stored voice's clip as a context turn, spoken as `speaker` (default: the voice's own)."""
         return cls(voice.speaker if speaker is None else speaker, voice.transcript, codes=voice.codes)
 
 
@@ -98,13 +89,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 class CSM:
     """CSM-1B: `model` is a hub id, a local directory, `dummy` or `dummy-tiny`.
 
-    codec: None = the Mimi weights beside the model (`codec_model.*`, a moshi/kyutai file in the same
-    directory, or random weights for dummy models); a path = a kyutai/mimi dir or moshi safetensors;
-    "none" = no codec (codes only).
-    adapters: LoRA fine-tunes to serve beside the base, name -> PEFT / unsloth adapter directory (read and checked
-    here: LoraError); without max_loras in engine_config the pool is sized for them (one slot each, their
-    largest rank).
-    """
+    codec: None = the Mimi weights beside the model (or random ones for dummy models); a path = a kyutai/mimi
+    dir or moshi safetensors; "none" = codes only. adapters: name -> PEFT / unsloth adapter directory (checked
+    here: LoraError); without max_loras in engine_config the pool is sized for them (a slot each, their largest
+    rank)."""
 
     def __init__(self, model: str = "sesame/csm-1b", device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, codec: str | Path | None = None,
@@ -117,15 +105,16 @@ class CSM:
         self._engine = None
         self._client = None
         self._pending: dict = {}  # adapters read before the engine starts: registered when it does
-        self._paced = model == PACED_MODEL
-        if self._paced:  # no model: the engine's steps take the GPU's measured time (engine/paced.py)
+        # paced: no model, a stand-in engine paced at the GPU's measured step times (engine/paced.py)
+        self.paced = model == PACED_MODEL
+        if self.paced:
             from csmserve.models.csm import CSMConfig
 
             self.device, self.dtype = torch.device("cpu"), torch.float32
             self.model = self.mimi = self.model_dir = None
             self.config = CSMConfig()
             self.tokenizer = load_tokenizer(None)
-            self.frame_size, self._has_codec = FRAME_SAMPLES, True
+            self.frame_size, self.has_codec = FRAME_SAMPLES, True
             return
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
@@ -135,15 +124,13 @@ class CSM:
         cdtype = resolve_dtype(codec_dtype, self.device)
         self.mimi = load_codec(model, self.model_dir, codec, self.device, cdtype)
         self.frame_size = self.mimi.cfg.frame_size if self.mimi is not None else 1920
-        self._has_codec = self.mimi is not None
+        self.has_codec = self.mimi is not None  # chunks carry audio (here, in the engine's process, or paced)
         if adapters:
             self._read_adapters(dict(adapters))
 
     @classmethod
     def attach(cls, client) -> "CSM":
-        """A CSM without weights over an engine in another process (an API worker's): prompts are built
-        here with the model's tokenizer; generation and audio encoding run in the engine process.
-        `client` is an engine.remote.RemoteEngineClient (its `info` describes the model)."""
+        """A CSM without weights that builds prompts for an engine in another process (a RemoteEngineClient)."""
         from csmserve.models.csm import CSMConfig
 
         info = client.info
@@ -158,23 +145,12 @@ class CSM:
         self.use_engine, self.engine_config = True, info.engine
         self._engine, self._client = None, client
         self._pending = {}
-        self._has_codec, self._paced = info.has_codec, False
+        self.has_codec, self.paced = info.has_codec, False
         return self
 
     # ---- engine
-    @property
-    def paced(self) -> bool:
-        """`CSM("paced")`: no model; a stand-in engine paced at the GPU's measured step times (engine/paced.py)."""
-        return self._paced
-
-    @property
-    def has_codec(self) -> bool:
-        """Chunks carry audio (a Mimi codec here, in the engine's process, or the paced stand-in's)."""
-        return self._has_codec
-
     def build_engine(self, config: EngineConfig, **kw):
-        """An engine for this model (engine.build_engine's keywords: start, emit, inbox, ring_path, ring_slots);
-        the paced stand-in's for `CSM("paced")`. The engine-core process builds its engine here too."""
+        """An engine for this model (engine.build_engine's keywords), the paced stand-in for `CSM("paced")`."""
         if self.paced:
             from csmserve.engine.paced import build_paced_engine
 
@@ -205,8 +181,7 @@ class CSM:
 
     @property
     def random_weights(self) -> bool:
-        """`dummy` / `dummy-tiny`: they never end a sentence (no EOS), so a request that names no length stops
-        at a reader's length for its text (config.reading_ms) in the CLI and the server."""
+        """`dummy` / `dummy-tiny`: no EOS, so an unnamed length is a reader's length (config.reading_ms)."""
         return self.model_name in DUMMY_MODELS
 
     @property
@@ -237,21 +212,18 @@ class CSM:
         self._pending = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
 
     def take_adapters(self) -> dict:
-        """The adapters read at construction and not served yet (name -> LoraAdapter), handed over once: the
-        engine-core process serves them from its first step (Engine.register_adapters)."""
+        """The adapters read at construction, not served yet (name -> LoraAdapter), handed over once."""
         pending, self._pending = self._pending, {}
         return pending
 
     def load_adapter(self, name: str, path: str | Path) -> dict:
-        """Serve the PEFT / unsloth LoRA adapter directory `path` as `name` from now on (other streams go on) ->
-        its info. LoraError: it cannot be served right (another base, DoRA, a rank over the pool's, ...);
-        ValueError: the name is taken, or the engine has no adapter pool (EngineConfig.max_loras = 0)."""
+        """Serve the PEFT / unsloth adapter directory `path` as `name` (other streams go on) -> its info.
+        LoraError: it cannot be served right; ValueError: the name is taken, or no adapter pool (max_loras 0)."""
         self._need_engine()
         return self.client.load_adapter(name, str(path))
 
     def unload_adapter(self, name: str) -> dict:
-        """Stop serving `name`: new requests for it are refused at once (UnknownAdapterError), the ones in flight
-        finish with it, then its pool slot is freed."""
+        """Stop serving `name`: new requests are refused (UnknownAdapterError), those in flight finish with it."""
         self._need_engine()
         return self.client.unload_adapter(name)
 
@@ -268,8 +240,6 @@ class CSM:
             raise ValueError("LoRA adapters run on the engine: CSM(..., engine=True)")
 
     def _check_adapter(self, name: str | None) -> None:
-        """An unknown adapter is the caller's error here, before anything is submitted (in this process; an API
-        worker's engine refuses it at submit)."""
         if name is None:
             return
         self._need_engine()
@@ -281,27 +251,24 @@ class CSM:
     # ---- prompts
     def encode_audio(self, audio: np.ndarray) -> np.ndarray:
         """A 24 kHz mono waveform -> Mimi codes [frames, 32] int64."""
-        if self._paced:
+        if self.paced:
             from csmserve.engine.paced import stand_in_codes
 
             return stand_in_codes(audio)
-        if self.mimi is None and self._has_codec:  # attached: the engine process encodes
-            audio = np.asarray(audio, dtype=np.float32)
-            if audio.ndim != 1 or audio.size == 0:
-                raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {audio.shape}")
-            return self._client.encode(audio)
-        if self.mimi is None:
+        if self.mimi is None and not self.has_codec:
             raise RuntimeError("no codec loaded: pass codes=, or load CSM with a Mimi codec")
-        wav = torch.as_tensor(np.asarray(audio, dtype=np.float32), device=self.device)
-        if wav.ndim != 1 or wav.numel() == 0:
-            raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {tuple(wav.shape)}")
+        audio = np.asarray(audio, dtype=np.float32)
+        if audio.ndim != 1 or audio.size == 0:
+            raise ValueError(f"audio must be a non-empty 1-D waveform at 24 kHz, got shape {audio.shape}")
+        if self.mimi is None:  # attached: the engine process encodes
+            return self._client.encode(audio)
+        wav = torch.as_tensor(audio, device=self.device)
         with torch.inference_mode():
             codes = self.mimi.encode(wav[None, None].to(self.mimi.dtype))[0]  # [Q, T]
         return codes[: self.config.num_codebooks].T.cpu().numpy().astype(np.int64)
 
     def _part(self, seg: Segment) -> PromptPart:
-        """seg tokenized and its codes checked, kept on seg for the next request with it (while its
-        speaker, text and codes are the same objects; a waveform is encoded per request)."""
+        """seg tokenized and checked, cached on seg while its speaker, text and codes are the same objects."""
         hit = seg._prompt_part
         if hit is not None and hit[0] is self.tokenizer and hit[1] is seg.codes and hit[2] == seg.speaker \
                 and hit[3] is seg.text and seg.audio is None:
@@ -340,22 +307,19 @@ class CSM:
                 top_k: int = 50, top_p: float = 1.0, seed: int | None = None,
                 max_audio_length_ms: int | None = 10_000, max_segment_length_ms: int | None = None,
                 fit_cap: bool = False, adapter: str | None = None) -> Request:
-        """A request speaking `text` as `speaker` after the `context` turns. max_audio_length_ms caps the
-        whole request (None: no cap); max_segment_length_ms one segment of a long-form request. The prompt
-        must leave room for one segment's audio: its cap, unless that cap is past the slot's positions
-        (the engine stops at the slot's end); fit_cap=True: its cap whatever it is (the server refuses a
-        cap the slot cannot hold). adapter: a LoRA adapter's name (None: the base model). ValueError: a prompt
-        that does not fit, codes out of range; UnknownAdapterError."""
+        """A request speaking `text` as `speaker` after the `context` turns. max_audio_length_ms caps the whole
+        (None: no cap), max_segment_length_ms one segment of a long-form request. The prompt must leave room for
+        one segment's cap, unless it is past the slot's positions (the engine stops at the slot's end);
+        fit_cap=True: whatever it is (the server refuses a cap the slot cannot hold). ValueError: a prompt that
+        does not fit, codes out of range; UnknownAdapterError."""
         self._check_adapter(adapter)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms)
         room = self._room(params, fit_cap)
         tokens, mask, bounds = self.prompt_and_boundaries(text, speaker, context,
                                                           None if room is None else room * FRAME_MS)
-        # the context turns (a voice's reference, a conversation's earlier turns) are a reusable prefix:
-        # the engine's prefix cache keeps their KV, so the next request with the same context prefills
-        # only its own text, and one whose context grew by a turn only that turn and its text. The turn
-        # boundaries before the last are its shorter candidates (the last one is the prefix itself)
+        # the context turns are a reusable prefix (the engine's prefix cache keeps their KV); the boundaries
+        # before the last are its shorter candidates
         prefix = bounds[-1] if bounds else 0
         return Request(tokens, mask, params=params, prefix_len=prefix, prefix_boundaries=tuple(bounds[:-1]),
                        adapter=adapter)
@@ -370,12 +334,9 @@ class CSM:
                          top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
                          max_segment_length_ms: int | None = 20_000, fit_cap: bool = False,
                          adapter: str | None = None) -> int:
-        """How many of the oldest segments of `history` (a conversation's turns, oldest first) a request
-        speaking `text` after `context` + `history` (long_request's keywords; `adapter` changes nothing here) must
-        leave out to fit: the
-        prompt of `context + history[n:]` then fits, or nothing of history is left (n = len(history)) and
-        the request's own error says why. Counted from each segment's frames (tokenized once per
-        Segment), newest first. ValueError: codes out of range anywhere in context or history."""
+        """How many of the oldest segments of `history` (oldest first) a request speaking `text` after
+        `context + history` (long_request's keywords) must leave out so that `context + history[n:]` fits, or
+        n = len(history) (the request's own error then says why). ValueError: codes out of range anywhere."""
         room = self._room(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                          max_audio_length_ms=max_audio_length_ms,
                                          max_segment_length_ms=max_segment_length_ms), fit_cap)
@@ -398,19 +359,15 @@ class CSM:
                  seed: int | None = None, max_audio_length_ms: int = 10_000,
                  adapter: str | None | Sequence[str | None] = None) -> GenerationResult | list[GenerationResult]:
         """Speech for `text` as `speaker`, after `context`. temperature 0 = greedy; seed None = a random seed.
-        adapter: a LoRA adapter's name (None: the base model).
-
-        A list of texts (same keyword arguments for all; `adapter` one name for all, or a list of one per text)
-        or of `Request`s runs together on the engine and returns a list of results in the same order.
-        """
+        A list of texts (`adapter`: one for all, or one per text) or of `Request`s runs together on the engine
+        -> a list of results in the same order."""
         kw = dict(speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   max_audio_length_ms=max_audio_length_ms)
         if isinstance(text, str):
             if not isinstance(adapter, (str, type(None))):
                 raise ValueError("one text takes one adapter (a name or None), not a list")
-            if not self.use_engine:
-                return self._reference(self.request(text, adapter=adapter, **kw))
-            return self._results([self.request(text, adapter=adapter, **kw)])[0]
+            req = self.request(text, adapter=adapter, **kw)
+            return self._results([req])[0] if self.use_engine else self._reference(req)
         text = list(text)
         adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(text)
         if len(adapters) != len(text):
@@ -440,9 +397,7 @@ class CSM:
                      fit_cap: bool = False, adapter: str | None = None) -> Request:
         """One request speaking `segments` in order in one slot (max_audio_length_ms caps the whole,
         max_segment_length_ms each segment; fit_cap: see `request`); open=True: more may be appended
-        (EngineClient.append, as TextFeed does) until EngineClient.close. speakers: each segment's speaker
-        (a dialogue); default `speaker` for all. Every long-form request is built here: speak, aspeak,
-        dialogue, and the server's (multi-sentence speech, dialogues, WebSocket turns)."""
+        (EngineClient.append) until EngineClient.close. speakers: each segment's (default `speaker`)."""
         if not segments:
             raise ValueError("no text to speak")
         spk = [int(speaker)] * len(segments) if speakers is None else [int(s) for s in speakers]
@@ -460,12 +415,9 @@ class CSM:
               max_audio_length_ms: int | None = None, max_segment_length_ms: int | None = 20_000,
               max_words: int = 25, max_chars: int = 250, adapter: str | None = None) -> Iterator[AudioChunk]:
         """Long-form speech as one stream of AudioChunks (chunk.segment / chunk.text: which sentence).
-
-        `text`: a string (cut into sentences, clauses when long) or an iterable of pieces (text streamed
-        in, e.g. from an LLM): speech starts once the first sentence is complete and the slot waits for
-        the rest (read on a thread of its own). max_audio_length_ms caps the whole (None: no cap),
-        max_segment_length_ms each segment. The same text gives the same segments (and, greedy or seeded,
-        the same audio) whole or in pieces."""
+        `text`: a string or an iterable of pieces (e.g. from an LLM): speech starts once the first sentence is
+        complete; the rest is read on a thread of its own. The same text gives the same segments (and, greedy
+        or seeded, the same audio) whole or in pieces."""
         speech = _Speech(self, max_words, max_chars, dict(
             speaker=speaker, context=context, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             max_audio_length_ms=max_audio_length_ms, max_segment_length_ms=max_segment_length_ms, adapter=adapter))
@@ -531,9 +483,8 @@ class CSM:
     def dialogue(self, lines: Sequence[tuple[int, str]], context: Sequence[Segment] = (), temperature: float = 0.9,
                  top_k: int = 50, top_p: float = 1.0, seed: int | None = None, max_audio_length_ms: int | None = None,
                  max_segment_length_ms: int | None = 20_000, adapter: str | None = None) -> Iterator[AudioChunk]:
-        """A multi-speaker script, `[(speaker, text), ...]`, as one stream of AudioChunks: every line (cut
-        into sentences) in one slot, each seeing the earlier lines' text and generated audio with their
-        speaker ids. `context` goes first (e.g. each speaker's voice clip). chunk.text: its sentence."""
+        """A multi-speaker script, `[(speaker, text), ...]`, as one stream of AudioChunks: every line's sentences
+        in one slot, after `context` (e.g. each speaker's voice clip). chunk.text: its sentence."""
         from csmserve.prompt.dialogue import Line, segments
 
         segs = segments([Line(t) for _, t in lines], [s for s, _ in lines])
@@ -548,13 +499,11 @@ class CSM:
         out = []
         for req, chunks in zip(reqs, self.client.run(reqs)):
             codes = np.concatenate([c.codes for c in chunks])
-            audio = np.concatenate([c.audio for c in chunks]) if self._has_codec else None  # attached: decoded there
+            audio = np.concatenate([c.audio for c in chunks]) if self.has_codec else None  # attached: decoded there
             out.append(GenerationResult(codes, audio, chunks[-1].finish_reason or "length", req.params.seed))
         return out
 
-    def _reference(self, req: Request) -> GenerationResult:
-        if req.adapter is not None:
-            raise ValueError("LoRA adapters run on the engine: CSM(..., engine=True)")
+    def _reference(self, req: Request) -> GenerationResult:  # (request() refused an adapter: no engine)
         out = reference.generate(self.model, req.tokens, req.mask, req.params)
         return GenerationResult(out.codes, self.decode(out.codes), out.finish_reason, out.seed)
 
@@ -580,14 +529,11 @@ def label(chunk: AudioChunk, texts: Sequence[str]) -> AudioChunk:
 
 
 class TextFeed:
-    """Text streamed into one long-form request: the one way `CSM.speak`, `CSM.aspeak` and the server's
-    WebSocket turns feed one. Pieces are cut into segments as they arrive (SentenceSplitter: the same
-    segments as the whole text); `open` builds the request (CSM.long_request) with the segments so far,
-    open while more may come; once the engine has it (`start`: the stream's on_submit) every later segment
-    is appended to it (EngineClient.append: its text frames) as it completes, and `end` (the text's end)
-    appends the rest and closes it (EngineClient.close). `texts`: every segment so far, in order
-    (AudioChunk.segment indexes it). Fed from one thread or event loop at a time; `open` may run on
-    another (a thread that tokenizes) while pieces still arrive."""
+    """Text streamed into one long-form request (`CSM.speak`, `CSM.aspeak`, the server's WebSocket turns).
+    Pieces are cut into segments as they arrive (the same segments as the whole text); `open` builds the request
+    with the segments so far; once the engine has it (`start`) each later segment is appended as it completes,
+    and `end` appends the rest and closes it. `texts`: every segment so far (AudioChunk.segment indexes it).
+    Fed from one thread or loop at a time; `open` may run on another while pieces still arrive."""
 
     def __init__(self, csm: CSM, max_words: int = 25, max_chars: int = 250) -> None:
         self.csm = csm
@@ -605,7 +551,7 @@ class TextFeed:
         return bool(self.texts) or self.ended
 
     def feed(self, piece: str) -> list[str]:
-        """A piece of text -> the segments it completed (appended to the request once the engine has it)."""
+        """A piece of text -> the segments it completed."""
         new = self.splitter.feed(piece)
         self.texts += new
         self._give()
@@ -630,8 +576,7 @@ class TextFeed:
         return self.request
 
     def start(self) -> None:
-        """The engine has the request (its stream's on_submit): the segments since `open` are appended,
-        and from now on each as it completes."""
+        """The engine has the request (its stream's on_submit): appending starts."""
         self._started = True
         self._give()
 
@@ -660,9 +605,8 @@ class TextFeed:
 
 
 class _Speech:
-    """One `speak` or `aspeak` call, whichever loop drives it (speak: the caller's thread and a reader
-    thread; aspeak: the event loop and a reader task): its TextFeed, its request once the first segment
-    is complete, and the error of reading the rest of its text (re-raised after the stream)."""
+    """One `speak` or `aspeak` call: its TextFeed, its request once the first segment is complete, and the
+    error of reading the rest of its text (re-raised after the stream)."""
 
     def __init__(self, csm: CSM, max_words: int, max_chars: int, kw: dict) -> None:
         self.feed = TextFeed(csm, max_words, max_chars)
@@ -676,15 +620,13 @@ class _Speech:
         return self.feed.ready
 
     def request(self, whole: bool = False) -> Request:
-        """The request, once take() said so or the pieces ran out (then the text ended). whole: the text
-        ends here (a string: every segment in the request, nothing streamed)."""
+        """The request, once take() said so or the pieces ran out. whole: the text ends here."""
         if whole or not self.feed.ready:
             self.feed.end()
         return self.feed.open(**self.kw)
 
     def on_submit(self, read_rest: Callable[[], None]) -> Callable[[], None] | None:
-        """The stream's on_submit: appending starts, then `read_rest` reads the rest of the text; None
-        when the text has ended already."""
+        """The stream's on_submit: appending starts, then `read_rest`; None when the text has ended."""
         if self.feed.ended:
             return None
 
@@ -696,8 +638,7 @@ class _Speech:
 
     @contextmanager
     def reading(self, keep: type[BaseException]) -> Iterator[TextFeed]:
-        """Around reading the rest of the text (which ends with feed.end()): an error of type `keep` is
-        kept for the caller; the request is closed whatever happens."""
+        """Around reading the rest of the text: an error of type `keep` is kept; the request is closed."""
         try:
             yield self.feed
         except keep as e:  # noqa: BLE001

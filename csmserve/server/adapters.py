@@ -1,12 +1,9 @@
 """LoRA adapters at run time, vLLM's routes: POST /v1/load_lora_adapter `{"lora_name", "lora_path"}` and
-POST /v1/unload_lora_adapter `{"lora_name"}` (JSON, behind the API key like every /v1 route). Other streams go on:
-an adapter is read off the engine's loop (its process's helper thread, or this worker's thread) and copied into a
-pool slot between steps; an unloaded one is refused for new requests at once, its requests in flight finish with it.
+POST /v1/unload_lora_adapter `{"lora_name"}`. Other streams go on (an adapter is read off the engine's loop).
 
-Trust: `lora_path` is read on the server's machine by the engine. The route is off unless the server was started
-with --lora-dir DIR, and then reads only directories under DIR (a relative path is taken from DIR; one that resolves
-outside it, through `..` or a symlink, is refused before anything is read, so no caller learns what exists
-elsewhere). Whoever holds the API key may load and unload adapters; whoever may write into DIR chooses what they are.
+Trust: `lora_path` is read on the server's machine. The route is off unless the server was started with
+--lora-dir DIR, and then reads only directories under DIR (one that resolves outside it, through `..` or a
+symlink, is refused before anything is read, so no caller learns what exists elsewhere).
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The FastAPI app: `create_app(csm, config)`.
-
-    app = create_app(CSM("sesame/csm-1b", engine=True), ServerConfig(api_key="secret"))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
-
-`csm` may be None with `load` given: the app then answers /health at once, /ready and every model
-route 503 until `load()` (run in a thread at startup) returns the CSM.
+"""The FastAPI app: `create_app(CSM("sesame/csm-1b"), ServerConfig(api_key="secret"))`. `csm` may be None with
+`load` given: /health answers at once, /ready and every model route 503 until `load()` (a thread) returns the CSM.
 """
 from __future__ import annotations
 
@@ -13,11 +8,12 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from csmserve.config import ServerConfig
@@ -36,22 +32,22 @@ log = logging.getLogger("csmserve.server")
 def create_app(csm: CSM | None, config: ServerConfig | None = None, store: VoiceBackend | None = None,
                load: Callable[[], CSM] | None = None, sessions_path: str | None = None,
                worker: int | None = None, replica: str | None = None) -> FastAPI:
-    """sessions_path: a SQLite file holding the WebSocket conversation sessions, shared by the API
-    workers of one server (None: in this process's memory); worker: this API worker's index (sent as
-    the `X-Csmserve-Worker` response header); replica: the Ray replica this server is (`X-Csmserve-Replica`)."""
+    """sessions_path: the WebSocket sessions' SQLite file shared by the API workers (None: in memory); worker,
+    replica: sent as the `X-Csmserve-Worker` / `X-Csmserve-Replica` response headers."""
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
     state = ServerState(csm, config, store if store is not None else open_voice_store(config.voices_db), sessions_path)
-    state.worker = worker
     state.headers = [(b"x-csmserve-worker", str(worker).encode())] if worker is not None else []
     if replica is not None:
         state.headers.append((b"x-csmserve-replica", replica.encode()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = load
-        if loader is None and state.csm is not None and not state.ready:
-            loader = partial(_start_engine, state.csm)
+        loader, csm = load, state.csm
+        if loader is None and csm is not None and not state.ready:
+            def loader() -> CSM:
+                _ = csm.client  # CSM starts its engine on first use
+                return csm
         task = asyncio.create_task(_load(state, loader)) if loader is not None else None
         _bind(state.csm)
         state.lead.start()
@@ -73,7 +69,12 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     openapi.install(app)
     for module in (speech, voices, models, adapters, ws):
         app.include_router(module.router)
-    _add_page(app)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:  # the page to try voices and conversations; its files under /static
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.add_middleware(OriginMiddleware, allowed=config.cors_origins)  # inside the guard: its 403s are counted
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_error=state.metrics.error, body_timeout_s=config.body_timeout_s,
@@ -87,23 +88,6 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
 
 
 STATIC_DIR = Path(__file__).parent / "static"
-
-
-def _add_page(app: FastAPI) -> None:
-    """The web page to try voices and conversations: `/` and its files under `/static` (no build step)."""
-    from fastapi.responses import FileResponse
-    from fastapi.staticfiles import StaticFiles
-
-    @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
-
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-
-def _start_engine(csm: CSM) -> CSM:
-    _ = csm.client  # CSM starts its engine on first use
-    return csm
 
 
 def _bind(csm: CSM | None) -> None:
@@ -134,14 +118,12 @@ _PROBES = ("/health", "/ready")  # their 503 is the server's state (loading, eng
 
 
 class GuardMiddleware:
-    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (a body
-    must arrive within body_timeout_s + 1 s per body_min_rate bytes: a client sending a byte a second gets
-    a 408), error counts."""
+    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (body_timeout_s
+    + 1 s per body_min_rate bytes, else 408), error counts; `headers` added to every response."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None],
                  body_timeout_s: float | None = None, body_min_rate: int = 16384,
                  headers: list[tuple[bytes, bytes]] = ()) -> None:
-        """headers: added to every response (which worker, which replica served it)."""
         self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
         self.body_timeout_s, self.body_min_rate = body_timeout_s, body_min_rate
         self.headers = list(headers)

@@ -1,9 +1,6 @@
-"""A dialogue as one speech request: `input` as a list of lines `{"text", "speaker"?, "voice"?}` or a
-string tagged `[S1] ... [S2] ...` (with `voices`: [S1]'s voice, [S2]'s, ...) -> its voices (each as the
-speaker id it has in the dialogue) and every line cut into sentences, each segment with its line's
-speaker (csmserve/prompt/dialogue.py has the casting rules). ServerState.plan builds the ONE long-form
-Request: each voice's clip first, then `context`, then the segments, so each line sees the earlier
-lines' text and generated audio."""
+"""A dialogue as one speech request: `input` as a list of lines `{"text", "speaker"?, "voice"?}` or a string
+tagged `[S1] ... [S2] ...` (with `voices`: [S1]'s voice, ...) -> its voices (each as its speaker id there) and
+every line's sentences with its speaker (prompt/dialogue.py has the casting rules)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -3,20 +3,12 @@
     parent:  Dispatcher(sock, n).start()      accept -> least-loaded ready worker -> its fd over a Unix socket
     worker:  DispatchedServer(config, link)   uvicorn with no listener of its own: serves the sockets it is sent
 
-Why: with one listening socket shared by every worker (the way before; docs/tried-and-dropped.md) the
-kernel gives a new connection to whichever worker reaches accept() first, and a keep-alive connection then
-stays there for its whole life. Under a closed loop of 1,024 mp3 users (docs/benchmarks.md) that left the
-busiest worker at 0.99 of a core, saturated, and the least busy at 0.64, so the first chunks of the busiest
-one's streams waited. Here the parent counts each worker's open connections (what it sent minus what the
-worker reports closed: uvicorn's own connection set, so a WebSocket upgrade still counts) and sends each new
-one to the lowest.
-
-The worker's count lives in a shared array (`Counters`, one row per worker: received, open, ready),
-written by the worker every REPORT_S and read by the parent's dispatch thread; a worker restarted in its
-place starts from zero. Ready is SERVING (worker 0 answers while its engine link is still attaching:
-/health 200, the routes 503 model_not_ready) or ATTACHED; connections go to the attached workers while
-any is, so a client told /ready 200 by one worker never lands on one still attaching. No worker ready
-(all starting): the connection waits in the dispatch thread.
+Why: with one listening socket shared by every worker (docs/tried-and-dropped.md) a keep-alive connection stays
+on whichever worker reached accept() first; under 1,024 mp3 users that left the busiest worker saturated (0.99 of
+a core) and the least busy at 0.64. Here the parent counts each worker's open connections (sent minus what the
+worker reports closed, in `Counters`, every REPORT_S) and sends each new one to the lowest. Ready is SERVING
+(worker 0 answers while its engine link attaches: routes 503) or ATTACHED; connections go to attached workers
+while any is, so a client told /ready 200 never lands on one still attaching. None ready: the connection waits.
 """
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ SERVING, ATTACHED = 1, 2  # values of _READY (0: not ready)
 
 
 class Counters:
-    """[n, 3] int64 in shared memory: per worker (received, open, ready). Created by the parent, passed to
-    the (spawned) workers as a Process argument."""
+    """[n, 3] int64 in shared memory: per worker (received, open, ready); a Process argument of the workers."""
 
     def __init__(self, n: int, ctx=None) -> None:
         self.n = n
@@ -139,10 +130,8 @@ class Dispatcher:
 
 
 class DispatchedServer:
-    """Builds a uvicorn.Server that listens on nothing and serves the sockets its link brings (in a worker).
-
-    The protocol of each socket is uvicorn's own (config.http_protocol_class, as uvicorn's create_server
-    would make it), so timeouts, limits, WebSocket upgrades and graceful shutdown behave the same."""
+    """A uvicorn.Server that listens on nothing and serves the sockets its link brings, with uvicorn's own
+    protocol class (so timeouts, limits, WebSocket upgrades and graceful shutdown behave the same)."""
 
     def __new__(cls, config, link: socket.socket, counters: Counters, index: int, attached=lambda: True):
         """attached() -> whether the worker's model (its engine link) is up: until then, SERVING only."""

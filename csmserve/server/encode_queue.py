@@ -1,17 +1,12 @@
 """EncodeQueue: an API worker's compressed-audio encodes (mp3, opus, aac, flac), earliest deadline first, in
 bounded slices of its event loop.
 
-Every hop of a request through a worker (submit to the engine, the first chunk handed from the reader thread to
-the Router, the Router to the response, the response's write) waits for one turn of the event loop. Encoded
-inline, a turn runs every chunk that became ready in it: an engine step hands a worker ~40 chunks at once, ~1.5 ms
-each for mp3 on the H200's host, so a turn took 60 ms and more, and a new request's first audio waited for several
-(the traced load benchmark at 1,024 mp3 users: p99 ~900 ms, mostly `built -> sent` and `reader thread -> Router`,
-docs/benchmarks.md). Here each response awaits `run(deadline, fn)` instead; one task runs the queued encodes in
-deadline order, at most `slice_s` of them per turn, then yields. A hop then waits one slice, not the backlog, and
-a first chunk (deadline: now) goes before the chunks of streams already ahead of real time (deadline: their first
-chunk's time + the audio they have out), so under a saturated CPU the streams with audio to spare wait, not the
-new ones. `busy` (a queued encode waited over `busy_wait_s`, within `hold_s`) feeds server/lead.py's bound on how
-far ahead a stream may run while the worker is saturated.
+Every hop of a request through a worker waits for one turn of the event loop. Encoded inline, a turn ran every
+chunk that became ready in it (an engine step hands a worker ~40 chunks, ~1.5 ms each for mp3): 60 ms and more,
+and a new request's first audio waited for several (p99 ~900 ms at 1,024 mp3 users). Here each response awaits
+`run(deadline, fn)`; one task runs the queued encodes in deadline order, at most `slice_s` per turn, so a hop
+waits one slice, and a first chunk (deadline: now) goes before the streams already ahead of real time. `busy`
+(an encode waited over `busy_wait_s`, within `hold_s`) feeds server/lead.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The `serve` flags: one for every ServerConfig, EngineConfig and RayConfig field, each mirrored by a
-CSMSERVE_<FIELD> environment variable (flag > environment > default). Every flag's help says what it does
-and its real default (`_HELP`; where the field's default is None, `_UNSET` says what None means);
-tests/server/test_serve_cli.py checks that each has one.
+CSMSERVE_<FIELD> environment variable (flag > environment > default). Every flag's help (`_HELP`) says what it
+does and its real default (`_UNSET`: what a None default means).
 
     csmserve serve --model sesame/csm-1b --port 8000 --api-key secret --max-slots 64
     CSMSERVE_API_KEY=secret CSMSERVE_MAX_SLOTS=64 csmserve serve
@@ -237,9 +236,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="serve on Ray Serve: replicas behind HAProxy on one port (the 'ray' flags; "
                             "pip install 'csmserve[ray]'; docs/scale-out.md)")
     group_of = {name: title for title, names in _GROUPS.items() for name in names}
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for title in _GROUPS:
-        groups[title] = p.add_argument_group(title)
+    groups = {title: p.add_argument_group(title) for title in _GROUPS}
     env = os.environ.get(ENV_PREFIX + "LORA")
     groups["LoRA adapters"].add_argument(
         "--lora", action="extend", metavar="NAME=PATH", type=_lora_args, default=None,
@@ -284,9 +281,9 @@ def lora_list(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
-    """`--lora`'s adapters, name -> path: each name valid and not the base model's, none twice, each path an adapter
-    directory here whose config the pool can take (ValueError / LoraError: one line, before anything starts; the
-    tensors are checked against the model by the engine). On a Ray cluster (--ray-address) the paths are its nodes'."""
+    """`--lora`'s adapters, name -> path: each name valid and not the base's, none twice, each path an adapter
+    directory the pool can take (ValueError / LoraError: one line, before anything starts; with --ray-address the
+    paths are the cluster nodes', not checked here)."""
     server = ServerConfig(model_name=getattr(args, "model_name", None) or args.model)
     out: dict[str, str] = {}
     for name, path in lora_list(args):

@@ -1,13 +1,9 @@
 """Lead: how far ahead of real time a response is encoded while its API worker's event loop is saturated.
 
-A worker encodes its streams' chunks on its event loop (speech.py). The GPU makes audio far faster than
-real time (1.4-1.7x at 1,024 streams), so for mp3 the workers' CPU (LAME ~5-7 ms per second of audio),
-not the GPU, is the bound: with every core busy, chunks queue behind each other and a new request's first
-chunk waits seconds (measured on the H200, docs/benchmarks.md). The worker's EncodeQueue runs encodes most
-urgent first (server/encode_queue.py); while the loop runs late (`LoopLoad`) or queued encodes wait
-(`EncodeQueue.busy`), a stream already more than `max_lead_s` of audio ahead of real time (playback from its
-first chunk) also waits before its next chunk is encoded, so no stream ends sooner than its audio minus
-`max_lead_s`. A worker with spare CPU holds nothing back.
+The GPU makes audio faster than real time (1.4-1.7x at 1,024 streams), so for mp3 the workers' CPU is the bound:
+with every core busy a new request's first chunk waited seconds. While the loop runs late (`LoopLoad`) or queued
+encodes wait (`EncodeQueue.busy`), a stream more than `max_lead_s` of audio ahead of real time waits before its
+next chunk is encoded. A worker with spare CPU holds nothing back.
 """
 from __future__ import annotations
 
@@ -52,9 +48,8 @@ class LoopLoad:
 
 
 class Lead:
-    """max_lead_s: seconds of audio a stream may run ahead of real time while the worker is saturated (`load`,
-    the loop's lag, or `queue`, the worker's EncodeQueue, busy; 0: no bound). `queue` also gives the heavy
-    encoders their turns (server/speech.py)."""
+    """max_lead_s: seconds of audio a stream may run ahead of real time while `load` or `queue` is busy (0: no
+    bound). `queue` also gives the heavy encoders their turns (server/speech.py)."""
 
     def __init__(self, load: LoopLoad, max_lead_s: float, queue: EncodeQueue | None = None) -> None:
         self.load, self.max_lead_s = load, max_lead_s
@@ -73,8 +68,7 @@ class Lead:
         self.queue.stop()
 
     def delay(self, t_first: float, audio_s: float, now: float) -> float:
-        """Seconds to wait before encoding more of a stream whose first chunk went at `t_first` (monotonic)
-        and which has `audio_s` seconds of audio out."""
+        """Seconds to wait before encoding more of a stream whose first chunk went at `t_first`, `audio_s` out."""
         if not self.max_lead_s or not self.busy:
             return 0.0
         ahead = audio_s - (now - t_first)

@@ -1,10 +1,8 @@
 """Prometheus metrics with vLLM-style names (`csmserve:<name>`), in a registry per app.
 
-Request metrics (histograms, counters) are kept by whichever API worker served the request; with
-several workers (PROMETHEUS_MULTIPROC_DIR set by `csmserve serve`) prometheus_client's multiprocess
-mode sums them over all workers, so /metrics on any worker answers for the whole server. The engine's
-own numbers (requests running and waiting, prefix-cache hits) come from the engine itself, through
-`stats()` (engine.outputs.EngineStats), whichever worker renders them.
+Request metrics are kept by the API worker that served the request; with several workers (PROMETHEUS_MULTIPROC_DIR)
+prometheus_client's multiprocess mode sums them, so /metrics on any worker answers for the whole server. The
+engine's own numbers come from the engine itself (`stats()`: engine.outputs.EngineStats).
 """
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 30
 
 
 class _EngineCollector:
-    """The engine's gauges and counters, read at scrape time; with `adapters` (the scrape's snapshot of the engine's
-    adapters, name -> info), a series per adapter served now: an unloaded adapter's are gone (at most
-    --max-cpu-loras adapters, so the label's values are bounded)."""
+    """The engine's gauges and counters, read at scrape time, and a series per adapter served now (`adapters`:
+    name -> info; at most --max-cpu-loras, so the label's values are bounded)."""
 
     def __init__(self, model_name: str, stats: Callable[[], object | None]) -> None:
         self.model_name, self.stats = model_name, stats

@@ -1,8 +1,5 @@
-"""GET /v1/models, /v1/audio/models, /health, /ready, /metrics.
-
-The models: the base (every name that means it: ServerConfig.base_models, --model-name first) and each LoRA adapter
-the engine serves, as vLLM lists them (OpenAI's model object with `parent`: the base's id, and `root`: where it was
-read from)."""
+"""GET /v1/models, /v1/audio/models, /health, /ready, /metrics. The models: the base under each of its names
+(ServerConfig.base_models) and each LoRA adapter served, as vLLM lists them (`parent`: the base, `root`: its path)."""
 from __future__ import annotations
 
 import time
@@ -19,14 +16,9 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-def model_ids(state: ServerState) -> list[str]:
-    """The base model's names (not its adapters)."""
-    return list(state.config.base_models)
-
-
 async def model_objects(state: ServerState) -> list[dict]:
     """OpenAI's model objects: the base under each of its names, then every adapter served (parent: the base)."""
-    base = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "csmserve"} for m in model_ids(state)]
+    base = [{"id": m, "object": "model", "created": _STARTED, "owned_by": "csmserve"} for m in state.config.base_models]
     adapters = [{"id": name, "object": "model", "created": _STARTED, "owned_by": "csmserve",
                  "parent": state.config.model_name, "root": a.get("path") or name, "rank": a.get("rank")}
                 for name, a in sorted((await state.adapters()).items())]

@@ -1,12 +1,10 @@
 """Cross-site requests: a request whose `Origin` is another site is refused (403, OpenAI's error shape), over
 HTTP and at the WebSocket handshake, unless --cors-origins names that origin (`*`: any).
 
-CORS headers alone do not protect a server on localhost: a "simple request" (a POST of text/plain,
-multipart/form-data or a form) runs without a preflight, so any page a user opens could make their browser
-create voices or drive the engine; a WebSocket handshake is not subject to CORS at all. Browsers send
-`Origin` on every such request, so this is where they are told apart (as Jupyter does). Requests without an
-`Origin` (curl, the OpenAI SDK, servers) and the server's own page (same host and port) are not affected.
-docs/reliability.md has the policy.
+CORS alone does not protect a server on localhost: a "simple request" (a POST of text/plain or a form) runs
+without a preflight, and a WebSocket handshake is not subject to CORS at all. Browsers send `Origin` on every
+such request, so this is where they are told apart (as Jupyter does). Requests without an `Origin` and the
+server's own page are not affected (docs/reliability.md).
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """`csmserve serve` as processes: the engine core alone, N API workers, and the parent watching them.
 
-    parent (this module's serve_processes): binds the listening socket, starts the engine-core process
-      (EngineProcess: engine/core.py: model, scheduler, runner, CUDA graphs; nothing else; it exits if
-      the parent is killed) and N API worker processes
-      (uvicorn + FastAPI over the connections the parent accepts and hands to the worker with the fewest
-      open ones, server/dispatch.py: validation, voices, prompts, sessions, audio encoding), restarts a
-      worker that dies, and stops everything on SIGINT / SIGTERM.
-    worker i: create_app(...) whose CSM is CSM.attach(RemoteEngineClient(...)): prompts are built in
-      the worker, requests go to the engine as messages, every engine step comes back as one message
-      (codes and PCM read from the engine's shared-memory output ring).
+    parent (serve_processes): binds the listening socket, starts the engine-core process (EngineProcess:
+      engine/core.py; it exits if the parent is killed) and N API workers, hands each accepted connection
+      to the worker with the fewest open ones (server/dispatch.py), restarts a worker that dies, stops
+      everything on SIGINT / SIGTERM.
+    worker i: create_app(...) over CSM.attach(RemoteEngineClient(...)): prompts are built in the worker,
+      requests go to the engine as messages, each engine step comes back as one (PCM in a shared-memory ring).
 
-Shared by the workers: the voice store (one SQLite file), conversation sessions (a SQLite file in the
-run directory, so a context_id continues on whichever worker its next connection lands), metrics
-(prometheus_client's multiprocess mode: /metrics on any worker sums them all; the engine's gauges
-come from the engine itself) and the API key (the same config). If the engine process dies, every
-worker answers /health and /ready 503 `engine_failed` at once: an orchestrator restarts the server.
-
-A Ray replica (csmserve/ray/replica.py) is this same unit: its actor runs a Supervisor (ServeSpec.replica
-names it in every response's `x-csmserve-replica`) on a port of its own, and polls it (`check`) where
-`csmserve serve`'s parent loops over it (`watch`).
+Shared by the workers: the voice store, the sessions (a SQLite file in the run directory, so a context_id
+continues on any worker), metrics (prometheus multiprocess mode) and the config. If the engine process dies,
+every worker answers /health and /ready 503 `engine_failed`. A Ray replica (ray/replica.py) runs this same
+unit, a Supervisor, and polls it (`check`) where `csmserve serve`'s parent loops over it (`watch`).
 """
 from __future__ import annotations
 
@@ -44,16 +36,14 @@ log = logging.getLogger("csmserve.server")
 
 
 def default_api_workers(cores: int | None = None) -> int:
-    """Every core but the engine's and two more (the encoders are the API workers' CPU: 1,024 mp3 streams
-    took 7 workers at 100% on the H200 machine's 16 cores), at least 1, at most 32. cores: the unit's share of
-    the machine (a Ray replica's); None: all of it."""
+    """Every core but the engine's and two more (1,024 mp3 streams took 7 workers at 100% of 16 cores), 1 to 32.
+    cores: the unit's share of the machine (a Ray replica's); None: all of it."""
     return max(1, min(32, (cores if cores is not None else os.cpu_count() or 2) - 3))
 
 
 @dataclass(frozen=True)
 class ServeSpec:
-    """One `csmserve serve` unit: the model and its configs (the `serve` flags), its share of a GPU and, for a
-    Ray replica, its name."""
+    """One `csmserve serve` unit: the model, its configs, its share of a GPU, a Ray replica's name."""
 
     model: str = "sesame/csm-1b"
     device: str | None = None
@@ -65,8 +55,7 @@ class ServeSpec:
     log_level: str = "info"
     gpu_share: float = 1.0  # the fraction of a GPU the engine has: sizes its slots when max_slots is None
     replica: str | None = None  # every response's `x-csmserve-replica` (a Ray replica's id)
-    # `--lora NAME=PATH`: LoRA adapters the engine serves from its start (read by the engine-core process; a
-    # path on the machine of the engine, of every replica's with --ray)
+    # `--lora NAME=PATH`: adapters served from the start (paths on the engine's machine)
     adapters: tuple[tuple[str, str], ...] = ()
 
     @classmethod
@@ -92,8 +81,7 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
-    """An API worker's main: the FastAPI app over the connections the parent sends on `link`
-    (server/dispatch.py), its CSM attached to the engine."""
+    """An API worker's main: the app over the connections the parent sends on `link`, attached to the engine."""
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.index}]: %(message)s")
     from csmserve.engine.core import exit_with_parent, freeze_gc
@@ -108,11 +96,8 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
 
     # worker 0 answers at once (/health 200, /ready and the routes 503 while the engine loads); the others
     # accept connections only once attached, so no request lands on a worker still connecting
-    if spec.index == 0:
-        app = create_app(None, spec.server, load=load, sessions_path=spec.sessions_db, worker=spec.index,
-                         replica=spec.replica)
-    else:
-        app = create_app(load(), spec.server, sessions_path=spec.sessions_db, worker=spec.index, replica=spec.replica)
+    kw = dict(sessions_path=spec.sessions_db, worker=spec.index, replica=spec.replica)
+    app = create_app(None, spec.server, load=load, **kw) if spec.index == 0 else create_app(load(), spec.server, **kw)
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     freeze_gc()  # torch and the app imported: a full collection no longer walks them
     state = app.state.server
@@ -120,8 +105,7 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
 
 
 def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600):
-    """The CSM of an API side (an API worker, a Ray replica) over an engine-core process: no weights, the
-    engine reached through a RemoteEngineClient (waits up to `timeout` for the engine to listen)."""
+    """An API side's CSM over an engine-core process (waits up to `timeout` for the engine to listen)."""
     from csmserve.api import CSM
     from csmserve.engine.remote import RemoteEngineClient
 
@@ -129,11 +113,9 @@ def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float =
 
 
 def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, str], ...] = ()):
-    """The engine-core process's model: CSM without an engine of its own (weights, codec, tokenizer).
-    gpu_share < 1 (a Ray replica with a fraction of a GPU) and no max_slots: the slots are sized to that
-    share of the GPU's memory here, in the process that holds the weights (slots_in_share). adapters: `--lora`'s
-    (name, path) pairs, read and checked here (a bad one fails the start with LoraError's line) and served from the
-    engine's first step (serve_engine: CSM.take_adapters), so /ready is 200 only once every one is."""
+    """The engine-core process's model (CSM without an engine of its own). gpu_share < 1 and no max_slots:
+    the slots are sized to that share of the GPU's memory (slots_in_share). adapters: `--lora`'s (name, path)
+    pairs, checked here (a bad one fails the start) and served from the engine's first step."""
     from csmserve.api import CSM
 
     csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
@@ -144,8 +126,7 @@ def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, s
 
 
 def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
-    """Slots that fit in a share of the GPU (engines sharing one must not each size against all of its
-    free memory): share x total, less what this process holds (the weights). Run where the weights are."""
+    """Slots that fit in share x the GPU's memory, less what this process holds (run where the weights are)."""
     import torch
 
     from csmserve.engine.prefix_cache import default_prefix_cache_bytes
@@ -159,17 +140,15 @@ def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
 
 
 def new_rundir() -> Path:
-    """A run directory named after this process (tmp/csmserve-PID-*; sweep_stale removes it once this pid
-    is gone), after sweeping what killed servers left."""
+    """A run directory tmp/csmserve-PID-* (sweep_stale removes it once PID is gone), after sweeping."""
     sweep_stale(Path("/dev/shm"), Path(tempfile.gettempdir()))
     return Path(tempfile.mkdtemp(prefix=f"csmserve-{os.getpid()}-"))
 
 
 def engine_spec(model: str, device: str | None, dtype: str | None, codec: str | None, codec_dtype: str | None,
                 engine: EngineConfig, log_level: str, rundir: Path):
-    """An engine-core process's spec, its own: the output ring's shared-memory file (/dev/shm/csmserve-PID-*,
-    PID this process's), the Unix socket rundir/engine.sock, a fresh authkey; the engine exits when this
-    process is gone (parent_pid)."""
+    """An engine-core process's spec: its ring file /dev/shm/csmserve-PID-*, socket rundir/engine.sock, a fresh
+    authkey; the engine exits when this process is gone."""
     from csmserve.engine.core import EngineSpec
 
     shm = Path("/dev/shm")
@@ -179,9 +158,8 @@ def engine_spec(model: str, device: str | None, dtype: str | None, codec: str | 
 
 
 class EngineProcess:
-    """One engine-core process (engine/core.py serve_engine) started by this one: `csmserve serve`'s
-    parent's, or a Ray replica's. Its word on the ready pipe ("ready", EngineInfo) or ("error", why);
-    stop() ends it and removes its ring file and socket."""
+    """One engine-core process (engine/core.py serve_engine). Its word on the ready pipe: ("ready", EngineInfo)
+    or ("error", why); stop() ends it and removes its ring file and socket."""
 
     def __init__(self, spec, load=load_engine_model, name: str = "csmserve-engine") -> None:
         self.spec, self.load, self.name = spec, load, name
@@ -254,8 +232,7 @@ class EngineProcess:
 
 
 def run_named(name: str, target, *args) -> None:
-    """A child's main under its own process name (/proc/PID/comm, what ps and top show; 15 bytes):
-    csmserve-engine, csmserve-api-N. bench_serve's soak tells the server tree's processes apart by it."""
+    """A child's main under its own process name (/proc/PID/comm, 15 bytes: what ps shows and the soak reads)."""
     try:
         import ctypes
 
@@ -270,13 +247,10 @@ WORKER_EXITS_S = 60.0
 
 
 class Supervisor:
-    """One unit: the listening socket (spec.server.host/port; port 0: any, `port` says which), the engine-core
-    process, `workers` API workers and the dispatch thread. `csmserve serve`'s parent runs it with `watch()`;
-    a Ray replica's actor calls `check()` itself."""
+    """One unit: the listening socket (`port`: the one bound), the engine-core process, API workers, dispatch."""
 
     def __init__(self, spec: ServeSpec, workers: int) -> None:
         self.spec, self.server, self.workers_n = spec, spec.server, workers
-        self.log_level = spec.log_level
         self.rundir = new_rundir()
         self.sessions_db = str(self.rundir / "sessions.db")
         metrics = self.rundir / "metrics"
@@ -285,16 +259,14 @@ class Supervisor:
         self.engine_spec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
                                        spec.log_level, self.rundir)
         self.ctx = multiprocessing.get_context("spawn")
-        server = spec.server
-        self.sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in self.server.host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((server.host, server.port))
+        self.sock.bind((self.server.host, self.server.port))
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
         self.port: int = self.sock.getsockname()[1]
         from csmserve.server.dispatch import Dispatcher
 
-        # the parent accepts; each connection goes to the worker with the fewest open ones (server/dispatch.py)
         self.dispatcher = Dispatcher(self.sock, workers, self.ctx)
         load = load_engine_model if spec.gpu_share >= 1 and not spec.adapters else functools.partial(
             load_engine_model, gpu_share=spec.gpu_share, adapters=spec.adapters)
@@ -317,7 +289,7 @@ class Supervisor:
 
     def _start_worker(self, i: int) -> None:
         spec = WorkerSpec(i, self._next_client, self.server, self.engine_spec.address, self.engine_spec.authkey,
-                          self.sessions_db, self.log_level, parent_pid=os.getpid(), replica=self.spec.replica)
+                          self.sessions_db, self.spec.log_level, parent_pid=os.getpid(), replica=self.spec.replica)
         self._next_client += 1
         link = self.dispatcher.new_link(i)  # connections come from the parent's dispatch thread
         args = (f"csmserve-api-{i}", run_worker, spec, link, self.dispatcher.counters)
@@ -354,8 +326,7 @@ class Supervisor:
                 self._start_worker(i)
 
     def fatal(self) -> str | None:
-        """Why this unit cannot serve (None: it can, or is still starting): the engine failed or exited, or
-        its API workers keep exiting."""
+        """Why this unit cannot serve (None: it can, or is still starting)."""
         if self.engine_error is not None:
             return f"the engine failed to start: {self.engine_error}"
         if self.engine.process is not None and not self.engine.alive:
@@ -365,8 +336,8 @@ class Supervisor:
         return None
 
     def watch(self) -> int:
-        """`csmserve serve`'s parent: until stopped; an engine that failed to start (a bad --model or --lora) ends
-        it with that reason (RuntimeError: the command's one line, exit code 2), not a server answering 503."""
+        """`csmserve serve`'s parent, until stopped; an engine that failed to start ends it (RuntimeError: the
+        command's one line), not a server answering 503."""
         while not self._stopping:
             time.sleep(0.2)
             self.check()
@@ -400,9 +371,8 @@ _STALE = re.compile(r"csmserve-(\d+)-[^/]+")  # the ring (/dev/shm) and run dire
 
 
 def sweep_stale(*dirs: Path) -> list[Path]:
-    """Remove what a server killed with SIGKILL left behind (its shutdown never ran): the output ring's
-    shared-memory file (hundreds of MB at thousands of slots, held in RAM by tmpfs) and its run directory,
-    each named after the parent's pid; only those whose pid no longer runs."""
+    """Remove what servers killed with SIGKILL left (the ring's shared-memory file, hundreds of MB of RAM, and
+    the run directory), named after a parent pid that no longer runs."""
     removed = []
     for d in dirs:
         try:

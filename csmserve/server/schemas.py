@@ -1,8 +1,6 @@
-"""Request bodies, validated at the edge. Unknown fields are ignored (OpenAI clients add new ones);
-known fields of the wrong type are a 400 naming the field. JSON bodies are parsed by pydantic's own
-parser (`parse_body`): nesting is bounded (recursion limit: a 400), strings with lone surrogates are a
-400, a repeated key keeps its last value; the body must come as `Content-Type: application/json`
-(`check_json_type`, 415 otherwise)."""
+"""Request bodies, validated at the edge. Unknown fields are ignored (OpenAI clients add new ones); known fields
+of the wrong type are a 400 naming the field. JSON bodies are parsed by pydantic's parser (`parse_body`: bounded
+nesting, lone surrogates a 400) and must come as `Content-Type: application/json` (415 otherwise)."""
 from __future__ import annotations
 
 import asyncio
@@ -93,8 +91,7 @@ class WsRequest(SamplingFields):
     context_id: StrictStr = Field("default", min_length=1, max_length=256)
     text: StrictStr | None = None
     voice: StrictStr | VoiceRef | None = None
-    # the session's model, as POST /v1/audio/speech's `model`: a LoRA adapter's name, or a base name (the voice's
-    # adapter, if it is bound to one, else the base); `adapter`: the same setting under CSM's own word
+    # the session's model, as POST /v1/audio/speech's `model`; `adapter`: the same setting under CSM's word
     model: StrictStr | None = Field(None, max_length=256)
     adapter: StrictStr | None = Field(None, max_length=256)
     context: list[ContextTurn] | None = None  # the session's fixed context (replaces the one given before)
@@ -117,9 +114,7 @@ def media_type(content_type: str | None) -> str:
 
 
 def check_json_type(content_type: str | None) -> None:
-    """JSON routes take `Content-Type: application/json` only (415 otherwise): a body sent as text/plain, as a
-    form or with no type is refused, not read as JSON (a text/plain POST is a browser's simple request: see
-    server/origin.py and docs/reliability.md)."""
+    """JSON routes take `Content-Type: application/json` only (415): text/plain is a browser's simple request."""
     if media_type(content_type) != "application/json":
         got = repr(content_type[:100]) if content_type else "none"
         raise APIError(415, f"this route takes a JSON object: send it with Content-Type: application/json "
@@ -144,8 +139,7 @@ async def parse_body(raw: bytes, model: type[M]) -> M:
 
 
 class LoadLoraAdapter(BaseModel):
-    """POST /v1/load_lora_adapter (vLLM's): serve the adapter directory `lora_path` (under --lora-dir) as
-    `lora_name`."""
+    """POST /v1/load_lora_adapter (vLLM's): serve `lora_path` (under --lora-dir) as `lora_name`."""
 
     model_config = ConfigDict(extra="ignore")
     lora_name: StrictStr = Field(min_length=1, max_length=256)

@@ -1,11 +1,9 @@
 """WebSocket conversation sessions: a context_id's voice, settings, fixed context and turns, kept across
 connections until `close`, the idle timeout or eviction (bounded in number and per session).
 
-With `path` (a server of several API workers) every session is also kept in a SQLite file that all
-workers share, written through on every change and re-read when another worker changed it (a version
-number per session), so a conversation continues on whichever worker its next connection lands. A
-session is a row (settings, fixed context) and a row per turn: a turn added writes that turn (and the
-oldest kept, which history truncation may have cut), not the whole conversation again.
+With `path` (several API workers) sessions are also kept in a shared SQLite file, written through on every change
+and re-read when another worker changed it (a version per session). A session is a row and a row per turn: a turn
+added writes that turn (and the oldest, which history truncation may have cut), not the whole conversation.
 """
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ CREATE TABLE IF NOT EXISTS session_turns (
 
 @dataclass
 class SessionTurn:
-    """One turn of a conversation: `assistant` (generated here, one Segment per sentence/clause as it was
-    spoken) or `user` (given with `add_context`, its audio encoded with Mimi once, on arrival)."""
+    """One turn: `assistant` (generated here, a Segment per sentence as spoken) or `user` (`add_context`)."""
 
     role: str
     segments: list  # [Segment] with codes (int16: values < 2051) or text only
@@ -59,8 +56,7 @@ class SessionTurn:
 
 @dataclass
 class Session:
-    """A WebSocket `context_id`: its voice and settings, its fixed context and its turns, across
-    connections, until `close`, the idle timeout or eviction."""
+    """A WebSocket `context_id`: its voice and settings, its fixed context and its turns."""
 
     context_id: str
     voice: str | VoiceRef = "alloy"
@@ -98,7 +94,7 @@ class Session:
         return changed
 
     def history(self) -> list:
-        """The turns' Segments, oldest first: the conversation context of the next turn."""
+        """The turns' Segments, oldest first."""
         return [s for t in self.turns for s in t.segments]
 
     def drop_oldest_segments(self, n: int) -> None:
@@ -118,8 +114,7 @@ class Session:
 
 
 class Sessions:
-    """The conversation sessions by context_id: LRU, bounded in number and per session (turns, frames),
-    forgotten after `session_idle_s` unused (checked on every access)."""
+    """The sessions by context_id: LRU, bounded in number and per session, forgotten after `session_idle_s`."""
 
     def __init__(self, config: ServerConfig, clock: Callable[[], float] | None = None, path: str | None = None
                  ) -> None:
@@ -155,7 +150,7 @@ class Sessions:
         return s
 
     def save(self, s: Session) -> None:
-        """After a change to s (settings, context, turns): visible to every worker (all of it written)."""
+        """After a change to s: all of it written for every worker."""
         if self._db is not None and self._by_id.get(s.context_id) is s:
             s.version += 1
             for i, t in enumerate(s.turns):  # every row is rewritten: numbered afresh
@@ -257,10 +252,6 @@ class _SessionDB:
         with self._lock:
             return self._conn.execute(sql, args).fetchone()
 
-    def _run(self, sql: str, args: tuple = ()) -> None:
-        with self._lock:
-            self._conn.execute(sql, args)
-
     def version(self, cid: str) -> int | None:
         row = self._one("SELECT version FROM sessions WHERE id = ?", (cid,))
         return None if row is None else row[0]
@@ -297,8 +288,7 @@ class _SessionDB:
                                    [(s.context_id, t.seq, pickle.dumps(t, protocol=5)) for t in s.turns])
 
     def put_turns(self, s: Session, turns: Sequence[SessionTurn]) -> None:
-        """`turns` of s (new or changed) written, the rows of the turns before s's oldest deleted, the
-        version bumped: the rest of s as stored already."""
+        """`turns` of s written, the rows before s's oldest turn deleted, the version bumped."""
         first = s.turns[0].seq if s.turns else s.next_seq
         with self._lock, self._conn:
             self._conn.execute("BEGIN IMMEDIATE")
@@ -309,7 +299,8 @@ class _SessionDB:
                                    [(s.context_id, t.seq, pickle.dumps(t, protocol=5)) for t in turns])
 
     def touch(self, cid: str, t: float) -> None:
-        self._run("UPDATE sessions SET last_used = ? WHERE id = ?", (t, cid))
+        with self._lock:
+            self._conn.execute("UPDATE sessions SET last_used = ? WHERE id = ?", (t, cid))
 
     def delete(self, cid: str) -> None:
         with self._lock, self._conn:

@@ -1,9 +1,7 @@
 """POST /v1/audio/speech: OpenAI's speech endpoint, streamed while the engine generates.
 
-The first chunk is awaited before the response starts, so an error up to the first audio (busy,
-bad prompt) still gets its HTTP status; after that, an error ends the stream: an SSE `error`
-event in sse mode, a connection closed without the last chunk in audio mode (clients see an
-incomplete body). Either way it is logged.
+The first chunk is awaited before the response starts, so an error up to the first audio still gets its HTTP
+status; after that an error ends the stream (an SSE `error` event, or in audio mode a body cut short), logged.
 """
 from __future__ import annotations
 
@@ -36,14 +34,11 @@ log = logging.getLogger("csmserve.server")
 router = APIRouter()
 # a heavy encoder's (mp3, opus, aac, flac) turn in the EncodeQueue: at most 2 frames of audio (~1 ms of LAME)
 ENCODE_PIECE_SAMPLES = 2 * FRAME_SAMPLES
-# every format is encoded on the event loop, single-threaded: the API workers are processes, so the
-# streams' encoders spread over the cores; a thread hop per chunk only added GIL contention
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """Always closes the body iterator, however the response ends (client gone, cancelled, done), so
-    the generator's `finally` aborts the engine request at once rather than at garbage collection.
-    A write that stalls longer than `stall_s` (a client that stopped reading) ends the response."""
+    """Always closes the body iterator, however the response ends, so the engine request is aborted at once,
+    not at garbage collection. A write that stalls longer than `stall_s` ends the response."""
 
     stall_s: float | None = None
 
@@ -76,10 +71,13 @@ async def create_speech(http: Request) -> StreamingResponse:
         timing = _Timing(plan.script, plan.spans, body.speed, dialogue=plan.dialogue, enabled=body.add_timestamps)
         content = _sse(chunks, first, encoder, request.prompt_len, request.request_id, timing, state.lead,
                        body.speed, state.encode_pool)
-        return _closing(ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers), state)
-    media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
-    audio = _audio(chunks, first, encoder, request.request_id, state.lead, body.speed, state.encode_pool)
-    return _closing(ClosingStreamingResponse(audio, media_type=media_type, headers=headers), state)
+        response = ClosingStreamingResponse(content, media_type="text/event-stream", headers=headers)
+    else:
+        media_type = MEDIA_TYPES[body.response_format] + (";rate=24000" if body.response_format == "pcm" else "")
+        audio = _audio(chunks, first, encoder, request.request_id, state.lead, body.speed, state.encode_pool)
+        response = ClosingStreamingResponse(audio, media_type=media_type, headers=headers)
+    response.stall_s = state.config.max_reader_lag_s
+    return response
 
 
 async def _first_or_gone(chunks: AsyncIterator[AudioChunk], http: Request) -> AudioChunk | None:
@@ -110,18 +108,11 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
-def _closing(response: ClosingStreamingResponse, state: ServerState) -> ClosingStreamingResponse:
-    response.stall_s = state.config.max_reader_lag_s
-    return response
-
-
 async def _encode(encoder: Encoder, chunk: AudioChunk | None, lead: Lead, deadline: float,
                   pool: Executor | None = None) -> bytes:
-    """Encode one chunk (None: close). A heavy encoder's turn comes from the worker's EncodeQueue, most urgent
-    `deadline` first (server/encode_queue.py), or from `pool` (ServerConfig.encode_threads), if given. A chunk
-    longer than ENCODE_PIECE_SAMPLES (a stream ahead of real time gets chunks of up to --max-chunk-ms) is encoded
-    in pieces, each its own turn at its own playback deadline: a new request's first chunk waits for one piece,
-    not for a whole second of another stream's audio."""
+    """Encode one chunk (None: close). A heavy encoder's turn comes from `pool` if given, else the worker's
+    EncodeQueue, most urgent `deadline` first, in pieces of ENCODE_PIECE_SAMPLES at their own playback deadlines:
+    a new request's first chunk waits for one piece, not for a second of another stream's audio."""
     work = encoder.close if chunk is None else partial(encoder.write, chunk.audio)
     if not encoder.heavy:
         return work()
@@ -137,9 +128,8 @@ async def _encode(encoder: Encoder, chunk: AudioChunk | None, lead: Lead, deadli
 
 async def _encoded(chunks: AsyncIterator[AudioChunk], first: AudioChunk | None, encoder: Encoder, lead: Lead,
                    speed: float = 1.0, pool: Executor | None = None) -> AsyncIterator[tuple[bytes, AudioChunk | None]]:
-    # -> (bytes, the chunk they encode); the encoder's tail comes last, with None. A chunk's deadline: when
-    # playback from the first chunk would reach it (the first: now). While the worker is saturated, a stream far
-    # ahead of real time waits (server/lead.py). The first chunk never goes to `pool` (time to first audio)
+    # -> (bytes, the chunk they encode); the encoder's tail last, with None. A chunk's deadline: when playback
+    # would reach it (the first: now, never in `pool`). A stream far ahead of real time may wait (server/lead.py)
     try:
         t_first = time.monotonic()
         audio_s = 0.0
@@ -181,8 +171,7 @@ def _event(payload: dict) -> str:
 
 
 class _Timing:
-    """`speech.audio.segment` events: where each segment starts and ends in the audio (exact: frames x 80 ms;
-    divided by `speed` when it is not 1), what it says, who says it."""
+    """`speech.audio.segment` events: where each segment starts and ends in the audio, what it says, who says it."""
 
     def __init__(self, script: Script, spans: list[tuple[int, int]] | None, speed: float, dialogue: bool,
                  enabled: bool) -> None:

@@ -1,8 +1,7 @@
-"""What every route shares: the model, the voice store, the limits, the metrics, the WebSocket's
-conversation sessions (server/sessions.py), and the one path from a speech request to a stream of
-AudioChunks: a route asks `plan` (POST /v1/audio/speech) or `plan_turn` (a WebSocket turn) once for its
-SpeechPlan (input checked, voices and context resolved, caps sized, the Request built by CSM's builders:
-CSM.request / long_request, TextFeed.open), then streams its request (`stream`)."""
+"""What every route shares: the model, the voice store, the limits, the metrics, the WebSocket's sessions, and
+the one path from a speech request to AudioChunks: a route asks `plan` (POST /v1/audio/speech) or `plan_turn`
+(a WebSocket turn) once for its SpeechPlan (input checked, voices and context resolved, caps sized, the Request
+built by CSM's builders), then streams it (`stream`)."""
 from __future__ import annotations
 
 import asyncio
@@ -37,16 +36,14 @@ if TYPE_CHECKING:
     from csmserve.api import CSM, Segment, TextFeed
 
 log = logging.getLogger("csmserve.server")
-# a speech input up to this long (and no context turns) is split and tokenized on the event loop: tens of
-# microseconds, where a thread's result waits for a busy loop to come back to it (a loaded worker's TTFA)
+# a speech input up to this long (and no context turns) is tokenized on the event loop: tens of microseconds,
+# where a thread's result waits for a busy loop to come back to it (a loaded worker's TTFA)
 INLINE_CHARS = 2000
 
 
 @dataclass(frozen=True)
 class RequestArgs:
-    """One speech request's choices, resolved in one place (ServerState.resolve): who speaks, after what
-    (the voice's clip, a dialogue's voices' clips, the context turns, a session's fixed context), how it is
-    sampled, its caps, its LoRA adapter (from `model` or the voice). `kw()`: what CSM's request builders take."""
+    """One speech request's choices (ServerState.resolve); `kw()`: what CSM's request builders take."""
 
     speaker: int
     context: tuple[Segment, ...]
@@ -56,11 +53,10 @@ class RequestArgs:
     seed: int | None
     max_audio_length_ms: int  # the whole response
     max_segment_length_ms: int | None  # each segment of a long-form request (None: one segment)
-    adapter: str | None = None  # the LoRA adapter it speaks with (ServerState.adapter_for); None: the base model
+    adapter: str | None = None  # None: the base model
 
     def kw(self) -> dict:
-        """CSM.request / long_request / history_overflow / TextFeed.open's keywords; fit_cap: a cap the slot
-        cannot hold is refused (400), not cut at the slot's end."""
+        """CSM's builders' keywords; fit_cap: a cap the slot cannot hold is refused (400), not cut."""
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**kw, "context": list(self.context), "fit_cap": True}
 
@@ -76,9 +72,8 @@ class Script:
 
 @dataclass(frozen=True)
 class SpeechPlan:
-    """Everything one speech request needs, asked of the state once (`plan`, `plan_turn`): the built Request,
-    the choices it was built with, what each segment speaks (spans: where in a plain `input`), and what the
-    response encodes with. The route then only streams it (`stream`)."""
+    """Everything one speech request needs: the built Request, its choices, what each segment speaks (spans:
+    where in a plain `input`), and what the response encodes with."""
 
     request: Request
     args: RequestArgs
@@ -100,7 +95,6 @@ class ServerState:
                  sessions_path: str | None = None) -> None:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
-        self.worker: int | None = None  # the API worker's index, when the server runs several
         self.headers: list[tuple[bytes, bytes]] = []  # on every response: which worker (and Ray replica) served it
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
@@ -124,21 +118,12 @@ class ServerState:
         return self.csm
 
     def engine_fatal(self) -> str | None:
-        """The error that stopped the engine (a lost device, an engine process gone), if any; never
-        starts the engine."""
+        """The error that stopped the engine, if any; never starts the engine."""
         return self.csm.client.fatal if self.ready else None
 
     def engine_stats(self):
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""
         return self.csm.client.stats() if self.ready else None
-
-    def _codec_options(self, fmt: str) -> dict[str, str] | None:
-        """The encoder effort the server was started with (--mp3-compression-level, --opus-complexity)."""
-        if fmt == "mp3":
-            return {"compression_level": str(self.config.mp3_compression_level)}
-        if fmt == "opus":
-            return {"compression_level": str(self.config.opus_complexity)}
-        return None
 
     def _check_input(self, text: str, param: str = "input") -> str:
         if not text.strip():
@@ -163,13 +148,13 @@ class ServerState:
 
     # ---- a speech request's plan
     async def plan(self, body: SpeechRequest) -> SpeechPlan:
-        """POST /v1/audio/speech's body -> its plan. A plain input of several sentences is long-form, spoken
-        sentence by sentence in one slot (each seeing the earlier ones); a dialogue (server/dialogue.py) is
-        one long-form request: each voice's clip as the speaker id it has there, then `context`, then every
-        line's sentences with their speakers."""
-        encoding = dict(response_format=body.response_format, speed=body.speed,
-                        codec_options=self._codec_options(body.response_format),
-                        native_codecs=self.config.native_codecs)
+        """POST /v1/audio/speech's body -> its plan. Several sentences are one long-form request; a dialogue
+        (server/dialogue.py) too: each voice's clip as its speaker id, then `context`, then every line's
+        sentences with their speakers."""
+        level = {"mp3": self.config.mp3_compression_level, "opus": self.config.opus_complexity}.get(
+            body.response_format)  # the encoder effort (--mp3-compression-level, --opus-complexity)
+        encoding = dict(response_format=body.response_format, speed=body.speed, native_codecs=self.config.native_codecs,
+                        codec_options=None if level is None else {"compression_level": str(level)})
         if is_dialogue(body):
             voices, segs = read_dialogue(body, self._check_input)
             limit = self.config.max_context_turns
@@ -203,12 +188,9 @@ class ServerState:
                           spans=segment_spans(text, texts), **encoding)
 
     async def plan_turn(self, session: Session, feed: TextFeed) -> SpeechPlan:
-        """A WebSocket turn -> its plan: ONE open long-form request (TextFeed.open: the segments so far;
-        the rest is appended as they complete) with the session's voice, settings and fixed context, then
-        its conversation. The oldest segments of the conversation go first when the prompt would not fit
-        the model's context: counted from each segment's frames (CSM.history_overflow), built once,
-        dropped from the session (also when even the fixed context does not fit: the request's error says
-        why)."""
+        """A WebSocket turn -> its plan: ONE open long-form request (TextFeed.open) with the session's voice,
+        settings and fixed context, then its conversation, whose oldest segments are dropped from the session
+        while the prompt would not fit (CSM.history_overflow)."""
         args = await self.resolve(session.fields, session.voice, segments=session.context,
                                   total_chars=self.config.max_input_chars, segmented=True, model=session.model)
         csm, history, cut = self.csm, session.history(), []
@@ -231,14 +213,11 @@ class ServerState:
                       cast: dict[str, int] | None = None, cast_param: str = "input", total_chars: int,
                       segment_chars: int | None = None, segmented: bool = False,
                       model: str | None = None) -> RequestArgs:
-        """The one resolution of a request's choices. The adapter: `model` naming one, else the voice's (or a
-        dialogue's voices'), else none (adapter_for). The speaker: `fields.speaker`, else the voice's. The
-        context: the voice's clip, each of a dialogue's `cast` voices' clips (as the speaker id it has there),
-        the context `turns` (encoded here), then `segments` (a session's fixed context). The caps:
-        max_audio_length_ms caps the whole (as asked, else sized for `total_chars`; a single sentence's
-        max_segment_length_ms caps it too); segmented (one segment of several: a long input's sentences, a
-        dialogue's lines, a WebSocket turn's): max_segment_length_ms each segment too (as asked, else enough
-        for the longest, `segment_chars`, as the whole is sized, at most --max-segment-ms)."""
+        """The one resolution of a request's choices. The adapter: adapter_for. The speaker: `fields.speaker`,
+        else the voice's. The context: the voice's clip, each `cast` voice's clip (as its speaker id there), the
+        `turns` (encoded here), then `segments` (a session's fixed context). max_audio_length_ms caps the whole
+        (as asked, else sized for `total_chars`; one sentence's max_segment_length_ms too); segmented:
+        max_segment_length_ms each segment (as asked, else sized for `segment_chars`, at most --max-segment-ms)."""
         from csmserve.api import Segment
 
         self.require_ready()
@@ -277,10 +256,9 @@ class ServerState:
         return bool(cfg is not None and cfg.max_loras)
 
     def adapter_for(self, model: str | None, bound: dict[str, str]) -> str | None:
-        """The adapter a request speaks with: `model` naming one wins; a base name (--model-name, csm-1b, OpenAI's
-        tts-1 ...) or none: the adapter its voice is bound to (a dialogue's voices: the one they are bound to; two
-        different ones: 400), else the base (None). Whether the adapter is loaded the engine says at submit
-        (UnknownAdapterError: 404 model_not_found); without a pool any other name is a 404 here."""
+        """The adapter a request speaks with: `model` naming one wins; a base name or none: the one its voices
+        are bound to (two different ones: 400), else the base (None). Without a pool another name is a 404 here;
+        with one the engine says at submit whether it is loaded."""
         if model is not None and model not in self.config.base_models:
             if not self.lora:
                 raise self.model_not_found(model)
@@ -303,18 +281,15 @@ class ServerState:
                         "GET /v1/models lists them", "model_not_found", "model")
 
     async def adapters(self) -> dict[str, dict]:
-        """name -> info of every adapter the engine serves ({} without a pool); from a worker, one round trip to
-        the engine (in a thread)."""
+        """name -> info of every adapter the engine serves ({} without a pool)."""
         if not self.ready or not self.lora:
             return {}
         return await asyncio.to_thread(lambda: self.csm.adapters)
 
     async def _build(self, build: Callable[[], Request], param: str = "context", inline: bool = False,
                      adapter: str | None = None) -> Request:
-        """build(), one of CSM's request builders, in a thread (a long prompt's tokenizing never runs on the
-        event loop: every stream and /health share it), or here with `inline` (a short text without
-        context: tens of microseconds, less than the wait for the loop to come back to a thread's result
-        while it is busy encoding); a prompt that does not fit is a 400."""
+        """build(), one of CSM's request builders, in a thread (a long prompt's tokenizing never blocks the event
+        loop), or here with `inline` (see INLINE_CHARS); a prompt that does not fit is a 400."""
         tr = trace.current()
         t_built = [0.0]  # the builder done (in the thread: the rest of the hop is the loop's lag)
 
@@ -327,15 +302,13 @@ class ServerState:
                 code = "context_too_long" if "too long" in str(e) else "invalid_value"
                 raise bad_request(str(e), param, code) from None
             self.last_prompt = (request.tokens, request.mask)
-            if tr is not None:
-                t_built[0] = time.perf_counter()
+            t_built[0] = time.perf_counter()
             return request
 
-        if tr is None:
-            return run() if inline else await asyncio.to_thread(run)
         t0 = time.perf_counter()
         request = run() if inline else await asyncio.to_thread(run)
-        tr.stamp(request.request_id, build0=t0, build1=t_built[0], built=time.perf_counter())
+        if tr is not None:
+            tr.stamp(request.request_id, build0=t0, build1=t_built[0], built=time.perf_counter())
         return request
 
     # ---- voices and context
@@ -371,7 +344,15 @@ class ServerState:
         if len(turns) > self.config.max_context_turns:
             raise bad_request(f"'{param}' has {len(turns)} turns; the limit is {self.config.max_context_turns}",
                               param, "context_too_long")
-        self._check_context_text(turns, param)
+        cap, total = self.config.max_context_chars, 0  # checked before anything is tokenized
+        for i, turn in enumerate(turns):
+            if len(turn.text) > cap:
+                raise bad_request(f"'{param}[{i}].text' is {len(turn.text)} characters; the limit is {cap}",
+                                  f"{param}[{i}].text", "context_too_long")
+            total += len(turn.text)
+        if total > self.config.max_context_total_chars:
+            raise bad_request(f"the text of '{param}' is {total} characters; the limit is "
+                              f"{self.config.max_context_total_chars}", param, "context_too_long")
         out = []
         for i, turn in enumerate(turns):
             p = f"{param}[{i}]"
@@ -387,25 +368,10 @@ class ServerState:
                 out.append(Segment(turn.speaker, turn.text))
         return out
 
-    def _check_context_text(self, turns: Sequence[ContextTurn], param: str) -> None:
-        """Every turn's text and their sum under the limits, before anything is tokenized (a megabyte of
-        text is a gigabyte of prompt frames)."""
-        cap, total = self.config.max_context_chars, 0
-        for i, turn in enumerate(turns):
-            if len(turn.text) > cap:
-                raise bad_request(f"'{param}[{i}].text' is {len(turn.text)} characters; the limit is {cap}",
-                                  f"{param}[{i}].text", "context_too_long")
-            total += len(turn.text)
-        if total > self.config.max_context_total_chars:
-            raise bad_request(f"the text of '{param}' is {total} characters; the limit is "
-                              f"{self.config.max_context_total_chars}", param, "context_too_long")
-
     # ---- generation
     async def stream(self, request: Request, arrival: float,
                      on_submit: Callable[[], None] | None = None) -> AsyncIterator[AudioChunk]:
-        """The engine's chunks with the concurrency limit and the metrics around them. Closing this
-        generator early (client gone, cancel) aborts the request and frees its slot. on_submit: called
-        once the engine has the request (an open long-form request may then be appended to)."""
+        """The engine's chunks within the concurrency limit, with metrics; closing it early aborts the request."""
         csm = self.require_ready()
         limit = self.config.max_concurrent_requests
         if limit is not None and self.active >= limit:
@@ -443,16 +409,13 @@ class ServerState:
             self.active -= 1
             if tr is not None:  # still pending: it ended before a route wrote its first chunk
                 tr.done(request.request_id, end=reason)
-            self._account(arrival, frames, reason)
-
-    def _account(self, arrival: float, frames: int, reason: str) -> None:
-        wall = time.perf_counter() - arrival
-        self.metrics.frames.inc(frames)
-        self.metrics.audio_seconds.inc(frames * FRAME_MS / 1000)
-        self.metrics.e2e.observe(wall)
-        self.metrics.finished(reason)
-        if frames:
-            self.metrics.rtf.observe(wall / (frames * FRAME_MS / 1000))
+            wall = time.perf_counter() - arrival
+            self.metrics.frames.inc(frames)
+            self.metrics.audio_seconds.inc(frames * FRAME_MS / 1000)
+            self.metrics.e2e.observe(wall)
+            self.metrics.finished(reason)
+            if frames:
+                self.metrics.rtf.observe(wall / (frames * FRAME_MS / 1000))
 
 
 def _b64decode(data: str, param: str, limit: int) -> bytes:

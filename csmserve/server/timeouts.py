@@ -1,8 +1,6 @@
-"""Slow and silent clients at the transport: uvicorn bounds idle keep-alive connections
-(`timeout_keep_alive`) and the size of a request's headers (h11's `max_incomplete_event_size`), but not
-how long the headers may take to arrive: a client sending one byte a second holds its socket forever.
-`with_header_timeout` adds that deadline to uvicorn's h11 protocol; the body's deadline is the ASGI
-GuardMiddleware's (app.py); `uvicorn_config` is how every server here is started (cli, tests)."""
+"""Slow clients at the transport: uvicorn bounds idle keep-alive connections and the size of a request's headers,
+but not how long the headers may take (one byte a second holds a socket forever): `with_header_timeout` adds that
+deadline to uvicorn's h11 protocol (the body's is app.py's GuardMiddleware). `uvicorn_config` starts every server."""
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +19,8 @@ def raw_response(status: int, reason: str, error: APIError) -> bytes:
 
 
 def with_header_timeout(base: type[asyncio.Protocol], seconds: float) -> type[asyncio.Protocol]:
-    """`base` (uvicorn's H11Protocol) with a deadline for each request's headers: `seconds` from the
-    connection's first byte, or from the first byte after the previous response; past it a 408 and close.
-    A request h11 cannot parse gets its 400 in OpenAI's error shape too (uvicorn's is text/plain)."""
+    """`base` (uvicorn's H11Protocol) with a deadline for each request's headers, `seconds` from the first byte
+    after the previous response (past it: 408, close); an unparsable request's 400 in OpenAI's shape too."""
 
     class HeaderTimeout(base):  # type: ignore[valid-type, misc]
         _header_timer: asyncio.TimerHandle | None = None

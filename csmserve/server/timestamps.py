@@ -5,7 +5,7 @@ and `AudioChunk.segment_end` (or the final chunk) marks the chunk that ends one.
     clock = SegmentClock()
     for chunk in chunks:
         for span in clock.feed(chunk):   # the segments this chunk ended
-            send({"audio_start_ms": span.start_ms, "audio_end_ms": span.end_ms, ...})
+            send({**span.fields(), ...})   # audio_start_ms, audio_end_ms, frame_start, num_frames ...
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from csmserve.engine.request import AudioChunk
 from csmserve.config import FRAME_MS
 
 
-
 @dataclass(frozen=True)
 class SegmentSpan:
     segment: int  # index of the segment within the request
@@ -23,22 +22,11 @@ class SegmentSpan:
     num_frames: int
     finish_reason: str | None  # "eos" | "length" (| "abort" on a cut-off last one)
 
-    @property
-    def frame_end(self) -> int:
-        return self.frame_start + self.num_frames
-
-    @property
-    def start_ms(self) -> int:
-        return self.frame_start * FRAME_MS
-
-    @property
-    def end_ms(self) -> int:
-        return self.frame_end * FRAME_MS
-
     def fields(self, speed: float = 1.0) -> dict:
         """The timing fields of an event: ms in the audio as sent (`speed` stretches it: ms / speed)."""
         scale = (lambda ms: ms) if speed == 1.0 else (lambda ms: round(ms / speed, 1))
-        return {"segment": self.segment, "audio_start_ms": scale(self.start_ms), "audio_end_ms": scale(self.end_ms),
+        start_ms, end_ms = self.frame_start * FRAME_MS, (self.frame_start + self.num_frames) * FRAME_MS
+        return {"segment": self.segment, "audio_start_ms": scale(start_ms), "audio_end_ms": scale(end_ms),
                 "frame_start": self.frame_start, "num_frames": self.num_frames, "finish_reason": self.finish_reason}
 
 

@@ -32,9 +32,8 @@ def _multipart(http: Request) -> None:
 @router.post("/v1/audio/voices", dependencies=[Depends(_multipart)])
 async def create_voice(http: Request, name: str = Form(...), audio_sample: UploadFile = File(...),
                        transcript: str = Form(""), speaker: int = Form(0), adapter: str = Form("")) -> dict:
-    """multipart: `name`, `audio_sample` (any common audio file), `transcript` (what the clip says;
-    CSM conditions on it, so give it), `speaker` (CSM speaker id, default 0), `adapter` (a loaded LoRA adapter's
-    name: the voice speaks with it, `voice` alone enough; a request's `model` naming another wins)."""
+    """multipart: `name`, `audio_sample` (any common audio file), `transcript` (what the clip says: CSM
+    conditions on it), `speaker` (default 0), `adapter` (a loaded LoRA adapter the voice speaks with)."""
     state: ServerState = http.app.state.server
     adapter = adapter.strip() or None
     if adapter is not None:  # checked before the clip is encoded: a loaded adapter's name

@@ -1,23 +1,12 @@
 """WebSocket /v1/audio/speech/stream: text streamed in, audio out as generated, conversation sessions,
 cancel. The protocol is in docs/api.md.
 
-A context's text pieces form its current *turn* (an `Utterance`): they go through its TextFeed
-(csmserve/api.py: sentences, clauses when long), and as soon as the first segment is complete the turn
-becomes ONE open long-form request (ServerState.plan_turn: TextFeed.open, CSM.long_request over the
-session's voice, settings, context and conversation): later segments are appended to it
-(EngineClient.append) as they complete, in the same slot, the codec state running on (one continuous
-audio stream); `flush` / `close` ends the input (the rest of the
-buffer is spoken, then EngineClient.close and a `flush_done`). Every audio message says which segment
-of the turn's text it speaks (index, text, character offsets).
-
-One connection generates one turn at a time, in the order the turns started. A context_id is a
-conversation session (ServerState.sessions): its voice, settings, fixed context and turns (the ones
-generated here and the ones the client adds with `add_context`, audio encoded once) outlive the
-connection until `close`, the idle timeout or eviction, so a later connection naming it continues.
-
-Barge-in: `cancel` with `audio_end_ms` keeps what the client played of the cancelled turn in the session
-(whole frames, its exact codes); `truncate` cuts a finished assistant turn there. With `add_timestamps`,
-`segment_done` says where each segment starts and ends in the turn's audio (server/timestamps.py).
+A context's text pieces form its current turn (an `Utterance`, cut into segments by its TextFeed); once the
+first segment is complete the turn becomes ONE open long-form request (ServerState.plan_turn), later segments
+are appended to it in the same slot (one continuous audio stream), and `flush` / `close` ends the input (the
+rest is spoken, then a `flush_done`). One connection generates one turn at a time, in the order they started.
+A context_id is a session (server/sessions.py) that outlives the connection. `cancel` with `audio_end_ms`
+keeps what the client played of the turn (whole frames); `truncate` cuts a finished assistant turn there.
 """
 from __future__ import annotations
 
@@ -45,16 +34,14 @@ from csmserve.server.state import ServerState, Session, SessionTurn
 from csmserve.server.timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
 if TYPE_CHECKING:
-    from csmserve.api import CSM
+    from csmserve.api import CSM, Segment
 
 log = logging.getLogger("csmserve.server")
 router = APIRouter()
 
 
 class Utterance:
-    """What a context says next: its text streamed in (pieces -> segments, sentences or clauses when
-    long: a TextFeed) and spoken as one open long-form request; while it generates, its request,
-    speaker and codes so far per segment (a cancel may keep some)."""
+    """What a context says next: its text streamed in (a TextFeed) and spoken as one open long-form request."""
 
     def __init__(self, session: Session, csm: CSM) -> None:
         from csmserve.api import TextFeed
@@ -68,7 +55,6 @@ class Utterance:
         self.cancelled = False
         self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
         self.last_text = time.monotonic()
-        self._cursor = 0
         # while it generates: its request, speaker and codes so far per segment (a cancel may keep some)
         self.request_id: str | None = None
         self.speaker = 0
@@ -89,10 +75,8 @@ class Utterance:
         self._spans(self.text_feed.end())
 
     def _spans(self, segments: list[str]) -> int:
-        spans = segment_spans(self.received, segments, self._cursor)  # the next words of the text, in order
-        if spans:
-            self.spans += spans
-            self._cursor = spans[-1][1]
+        cursor = self.spans[-1][1] if self.spans else 0  # the next words of the text, in order
+        self.spans += segment_spans(self.received, segments, cursor)
         return len(segments)
 
 
@@ -133,8 +117,8 @@ class Connection:
                                           "(--max-ws-message-bytes)", "message_too_large"), _context_id(raw[:4096]))
                 continue
             try:
-                msg = await (asyncio.to_thread(WsRequest.model_validate_json, raw) if len(raw) > 65536
-                             else _immediate(WsRequest.model_validate_json, raw))
+                msg = (await asyncio.to_thread(WsRequest.model_validate_json, raw) if len(raw) > 65536
+                       else WsRequest.model_validate_json(raw))
             except ValidationError as e:
                 err = validation_error(e)
                 if err.code == "invalid_json":  # not JSON at all, or JSON but not an object (`[1,2]`, `null`)
@@ -203,8 +187,7 @@ class Connection:
                 self._queue(turn)
 
     async def idle_loop(self) -> None:
-        """A turn that got no text for ws_turn_idle_s is flushed, as if the client had sent `flush`: a client
-        that never flushes must not hold an engine slot forever (an open request idles in one)."""
+        """A turn with no text for ws_turn_idle_s is flushed: an open request must not idle in a slot forever."""
         idle = self.state.config.ws_turn_idle_s
         while True:
             now = time.monotonic()
@@ -220,8 +203,8 @@ class Connection:
         self.wake.set()
 
     async def cancel(self, cid: str, audio_end_ms: int | None = None) -> dict:
-        """Stop the context's turn; with audio_end_ms, keep what was played of it (whole frames) in the
-        session. -> the `cancelled` message's extra fields (request_id, num_frames kept), once it is done."""
+        """Stop the context's turn; with audio_end_ms, keep what was played of it in the session. -> the
+        `cancelled` message's extra fields (request_id, num_frames kept)."""
         turn = self.open.pop(cid, None)
         if turn is not None:
             turn.cancelled = True
@@ -236,8 +219,12 @@ class Connection:
         await asyncio.wait([task])  # its codes are final, and the next message sees the session as cut
         if audio_end_ms is None:  # nothing kept: the turn is dropped
             return {}
-        out = {"request_id": running.request_id, "num_frames": 0}
-        segments = _played(running.speaker, running.texts, running.codes, audio_end_ms // FRAME_MS)
+        from csmserve.api import Segment
+
+        out, texts = {"request_id": running.request_id, "num_frames": 0}, running.texts
+        spoken = [Segment(running.speaker, texts[i] if i < len(texts) else "", codes=np.concatenate(c))
+                  for i, c in sorted(running.codes.items())]
+        segments = _first_frames(spoken, audio_end_ms // FRAME_MS)  # a segment partly played keeps its text
         if segments:
             self.state.sessions.add_turn(running.session, SessionTurn("assistant", segments,
                                                                       request_id=running.request_id))
@@ -256,18 +243,9 @@ class Connection:
             raise APIError(400, f"context {cid!r} has no assistant turn" + (
                 f" from request {msg.request_id!r}" if msg.request_id else "") + " to truncate",
                 "invalid_value", "request_id" if msg.request_id else "context_id")
-        turn, left = turns[-1], msg.audio_end_ms // FRAME_MS
-        kept = []
-        for seg in turn.segments:
-            if left <= 0:
-                break
-            if seg.codes is None:
-                kept.append(seg)
-                continue
-            kept.append(type(seg)(seg.speaker, seg.text, codes=seg.codes[:left]))
-            left -= len(kept[-1].codes)
-        turn.segments = kept
-        if not kept:
+        turn = turns[-1]
+        turn.segments = _first_frames(turn.segments, msg.audio_end_ms // FRAME_MS)
+        if not turn.segments:
             session.turns.remove(turn)
         self.state.sessions.save(session)  # every API worker sees the cut
         return {"request_id": turn.request_id, "num_frames": turn.frames}
@@ -365,31 +343,25 @@ class Connection:
                          **span.fields(), **where})
 
 
-def _played(speaker: int, texts: list[str], codes: dict[int, list[np.ndarray]], frames: int) -> list:
-    """The first `frames` frames of a turn as context Segments (a segment partly played keeps its text)."""
-    from csmserve.api import Segment
-
-    out = []
-    for i, parts in sorted(codes.items()):
+def _first_frames(segments: list[Segment], frames: int) -> list[Segment]:
+    """The first `frames` frames of a turn's segments (one without codes is kept whole)."""
+    kept = []
+    for seg in segments:
         if frames <= 0:
             break
-        c = np.concatenate(parts)[:frames]
-        if len(c):
-            out.append(Segment(speaker, texts[i] if i < len(texts) else "", codes=c))
-            frames -= len(c)
-    return out
-
-
-async def _immediate(fn, *args):
-    return fn(*args)
+        if seg.codes is not None:
+            seg = type(seg)(seg.speaker, seg.text, codes=seg.codes[:frames])
+            frames -= len(seg.codes)
+        kept.append(seg)
+    return kept
 
 
 _CONTEXT_ID = re.compile(r'"context_id"\s*:\s*"([^"\\]{1,256})"')
 
 
 def _context_id(raw: str) -> str | None:
-    """The context_id of a message that failed validation, when it has one (pydantic's parser: bounded
-    nesting, partial JSON of a cut message; else the first `"context_id": "..."` of its first 4 KB)."""
+    """The context_id of a message that failed validation (partial JSON of a cut message; else the first
+    `"context_id": "..."` of its first 4 KB)."""
     try:
         value = pydantic_core.from_json(raw, allow_partial=True).get("context_id")
         return value if isinstance(value, str) and len(value) <= 256 else None
@@ -406,17 +378,16 @@ def _flag(ws: WebSocket, name: str) -> bool:
 async def speech_stream(ws: WebSocket) -> None:
     state: ServerState = ws.app.state.server
     await ws.accept(headers=state.headers or None)
-    key = state.config.api_key
+    key, refused = state.config.api_key, None
     if key and not (check_bearer(ws.headers.get("authorization", ""), key) or
                     ws.query_params.get("api_key") == key):
-        await ws.send_text(json.dumps({"type": "error", "context_id": None, **APIError(
-            401, "invalid or missing API key (Authorization: Bearer <key>, or ?api_key=)", "invalid_api_key").body()}))
-        await ws.close(code=1008)
-        return
-    if not state.ready:
-        await ws.send_text(json.dumps({"type": "error", "context_id": None, **APIError(
-            503, "the model is still loading", "model_not_ready").body()}))
-        await ws.close(code=1013)
+        refused = APIError(401, "invalid or missing API key (Authorization: Bearer <key>, or ?api_key=)",
+                           "invalid_api_key"), 1008
+    elif not state.ready:
+        refused = APIError(503, "the model is still loading", "model_not_ready"), 1013
+    if refused is not None:
+        await ws.send_text(json.dumps({"type": "error", "context_id": None, **refused[0].body()}))
+        await ws.close(code=refused[1])
         return
     conn = Connection(ws, state, _flag(ws, "binary"), _flag(ws, "progress"))
     tasks = [asyncio.create_task(conn.work_loop()), asyncio.create_task(conn.idle_loop())]
