@@ -11,12 +11,10 @@
         ...
     await conv.interrupt(audio_end_ms=880)             # barge-in: keep what was played, drop the rest
 
-Protocol (docs/api.md): the conversation is one `context_id` (a session on the server, which keeps
-every turn's codes); a reply is one turn (`text` pieces, then `flush`); a user turn is an `add_context`
-turn of `user_speaker` with its audio as a WAV, sent just before the next reply's first text. The
-server generates one turn at a time in order, so every audio message belongs to the oldest reply not
-yet flushed out. An interruption is one `cancel` with `audio_end_ms` (the generating reply keeps what
-was played), plus a `truncate` for each finished reply that was still playing.
+Protocol (docs/api.md): the conversation is one `context_id`; a reply is one turn (`text` pieces, then
+`flush`); a user turn is an `add_context` turn (audio as a WAV) sent just before the next reply's text.
+The server generates one turn at a time, in order, so every audio message belongs to the oldest reply
+not yet flushed out.
 """
 from __future__ import annotations
 
@@ -176,8 +174,7 @@ class Conversation:
         self._user_pcm = []
 
     def end_user_turn(self, text: str = "") -> dict | None:
-        """The user's turn is over: its audio (as a WAV) and transcript become one context turn, sent
-        just before the next reply's text. -> the turn (None if there was neither audio nor text)."""
+        """The user's audio and transcript -> one context turn, sent before the next reply's text (None if empty)."""
         pcm, self._user_pcm = b"".join(self._user_pcm), []
         turn: dict = {"speaker": self.user_speaker, "text": " ".join(text.split())}
         if len(pcm) // 2 >= MIN_USER_SECONDS * self._user_rate:
@@ -222,11 +219,10 @@ class Conversation:
         return self._open
 
     async def interrupt(self, audio_end_ms: int | None = None) -> dict:
-        """Barge-in: stop every reply in flight; the generating one keeps its first `audio_end_ms` (what
-        was played; whole 80 ms frames) in the session, None: nothing of it. (A finished reply still
-        playing is cut with `truncate`; so is one the server finished before the cancel reached it: it gets
-        its flush_done's `request_id` and `frames`, and `done`.) -> the server's `cancelled` message
-        (request_id and num_frames of the turn it stopped; neither if none was generating)."""
+        """Barge-in: stop every reply in flight; the generating one keeps its first `audio_end_ms` (whole
+        80 ms frames; None: nothing) in the session. A reply the server finished before the cancel came still
+        gets its flush_done's request_id, frames and `done` (cut it with `truncate`). -> the `cancelled`
+        message (request_id and num_frames of the turn it stopped; neither if none was generating)."""
         async with self._lock:
             replies = list(self.replies)
             self.replies.clear()

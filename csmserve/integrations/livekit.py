@@ -5,22 +5,11 @@
     session = AgentSession(stt=..., llm=..., tts=tts, vad=...)
     await session.start(agent=ConversationAgent(instructions="You are a friendly voice assistant."), room=room)
 
-`TTS` keeps ONE csmserve conversation (a WebSocket `context_id`) per instance: every `stream()` (one
-agent reply) is one turn of it, its text going in as the LLM writes it, and the server keeps each
-turn's generated codes. `ConversationAgent` (or your Agent subclass with its four hooks) gives it the
-user's side: the STT input audio of each user turn (between the STT's START_OF_SPEECH and
-END_OF_SPEECH, with a little audio from before; all of it if the STT sends neither) and the turn's
-transcript go in as a context turn before the next reply, so CSM answers in the conversation's prosody.
-
-An interruption (LiveKit closes the reply's stream) cancels the turn on the server at once (its slot is
-free at the next frame), keeping what had reached the speaker; when the session's audio output reports
-the playback position (`playback_finished`), the turn is truncated there: CSM's context holds exactly
-what the user heard. A report carries no identity, so `on_enter` wraps the session's audio output in a
-`PlaybackTap`: every frame a reply's stream hands out is tagged with the reply (`REPLY_KEY` in its
-userdata), the tap notes which replies' frames each segment the speaker accepted holds, and each report
-(one per accepted segment, in the output's order) goes to exactly those replies. A reply the speaker
-never accepted (a `synthesize()` spoken elsewhere, audio cut off before it reached the speaker) is in
-no segment: it is never matched to a report and never moves one onto another reply.
+`TTS` keeps ONE csmserve conversation (a `context_id`) per instance: every `stream()` is one turn of it.
+`ConversationAgent` gives it the user's audio and transcripts as context, and cuts an interrupted reply at
+what the speaker played: a `PlaybackTap` on the session's audio output matches each playback report (which
+carries no identity) to the replies whose tagged frames (`REPLY_KEY`) its segment holds. The design, in
+full: docs/integrations.md ("LiveKit Agents").
 
 Needs `pip install 'csmserve[livekit]'`.
 """
@@ -151,8 +140,7 @@ class TTS(tts.TTS):
 
     # ---- playback (ConversationAgent: attach in on_enter, in_session in tts_node)
     def attach(self, output: io.AgentOutput) -> PlaybackTap | None:
-        """Put a PlaybackTap on the session's audio output (`session.output`), once: the playback reports
-        of this TTS's replies come through it. -> the tap (None: the session has no audio output)."""
+        """Put a PlaybackTap on `session.output`'s audio, once. -> the tap (None: no audio output)."""
         tap = self.tap_of(output.audio)
         if tap is None and output.audio is not None:
             output.audio = tap = PlaybackTap(self, output.audio)
@@ -220,11 +208,9 @@ class TTS(tts.TTS):
 
 
 class PlaybackTap(io.AudioOutput):
-    """Wraps the session's audio output: passes everything through, and sends each playback report to the
-    replies whose frames (REPLY_KEY) the reported segment holds, each with how much of it played. An
-    output reports once per segment it accepted audio for, in order: a report is about the oldest segment
-    not yet reported. Only accepted frames count: a reply none of whose audio the output took is in no
-    segment, so it can neither take a report nor push one onto the next reply."""
+    """Wraps the session's audio output, passing everything through. An output reports once per segment it
+    accepted audio for, in order, so each report goes to the replies (REPLY_KEY) of the oldest unreported
+    segment; a reply the output took none of is in no segment and never takes or shifts a report."""
 
     def __init__(self, csm: TTS, next_in_chain: io.AudioOutput) -> None:
         super().__init__(label="csmserve", capabilities=io.AudioOutputCapabilities(pause=True),
@@ -348,9 +334,8 @@ class SynthesizeStream(tts.SynthesizeStream):
 
 
 class ConversationAgent(Agent):
-    """An Agent that lets `csmserve.integrations.livekit.TTS` hear the user and the speaker: the STT input
-    audio and its speech events, each user turn's transcript, the audio output's playback reports, and
-    which replies go to it. Subclass it, or copy its four hooks into your own Agent."""
+    """An Agent whose four hooks let `TTS` hear the user (STT input audio, speech events, transcripts) and
+    the speaker (playback reports, which replies go to it). Subclass it, or copy the hooks into your Agent."""
 
     def _csm_tts(self) -> TTS | None:
         for get in (lambda: self.tts, lambda: self.session.tts):

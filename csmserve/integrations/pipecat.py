@@ -4,17 +4,10 @@
     tts = CSMTTSService(url="http://localhost:8000", voice="alloy", llm_context=context)
     pipeline = Pipeline([transport.input(), stt, user_aggregator, llm, tts, transport.output(), assistant_aggregator])
 
-What a stock TTS cannot do: the service keeps ONE csmserve conversation (a WebSocket `context_id`) for
-the whole session, and gives CSM the user's side of it: the user's audio (the transport's
-InputAudioRawFrames between UserStartedSpeakingFrame and UserStoppedSpeakingFrame, with a little
-audio from before the start) and their transcript (a TranscriptionFrame that reaches the service, or
-the newest user message of `llm_context`) go in as a context turn before the next reply, and the
-server keeps every reply's generated codes, so CSM answers in the conversation's prosody. The LLM's
-text streams in as Pipecat hands it over (sentences, or tokens with TextAggregationMode.TOKEN).
-
-An interruption cancels the reply on the server (its slot is free at the next frame) and cuts it, in
-CSM's context, at what was played: the audio handed to the output transport, in real time since it
-started (csmserve/integrations/playout.py); a finished reply still playing is truncated there.
+The service keeps ONE csmserve conversation (a `context_id`) for the whole session: the user's audio
+(between UserStartedSpeakingFrame and UserStoppedSpeakingFrame, plus a little from before) and transcript
+go in as a context turn before the next reply, and an interruption cuts the reply, in CSM's context, at
+what was played (playout.py). The design, in full: docs/integrations.md ("Pipecat").
 
 Needs `pip install 'csmserve[pipecat]'`.
 """
@@ -157,11 +150,9 @@ class CSMTTSService(TTSService):
         for m in reversed(list(self.llm_context.get_messages())):
             if isinstance(m, dict) and m.get("role") == "user":
                 content = m.get("content")
-                if isinstance(content, str):
-                    return content
                 if isinstance(content, list):
-                    return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-                return ""
+                    content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+                return content if isinstance(content, str) else ""
         return ""
 
     # ---- the assistant's side

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from csmserve.config import FRAME_MS
 
+from csmserve.config import FRAME_MS
 
 
 @dataclass

@@ -1,14 +1,5 @@
 """`csmserve` command line (also `python -m csmserve`): the parser and its dispatch to `speak`
 (apps/cli/speak.py), `serve` (apps/cli/serve.py), `bench` (apps/cli/bench.py), `talk` (apps/talk/).
-
-    csmserve speak "Hello there." -o hello.wav --model dummy-tiny
-    csmserve speak -i chapter.txt -o chapter.mp3 --voice narrator --seed 1
-    echo "Hi." | csmserve speak - -o - --format pcm | aplay -f S16_LE -r 24000 -c 1
-    csmserve speak -i chapter.txt -o chapter.opus --url http://localhost:8000
-    csmserve serve --model sesame/csm-1b
-    csmserve bench
-    csmserve talk --input-wav q.wav --asr-url http://localhost:9000/v1 --llm-url http://localhost:8080/v1 --out-dir out
-
 Errors (bad flags, unreadable files, a server's refusal) are one line on stderr and exit code 2.
 Building the parser imports no torch and no server (`csmserve --help` stays quick).
 """

@@ -104,8 +104,13 @@ def check_args(args: argparse.Namespace) -> None:
                        "with --adapter NAME")
     if args.adapter is not None and not args.url:
         raise CLIError("--adapter names an adapter of a server (--url); in-process give its directory with --lora")
-    if args.format is None:
-        args.format = _format_of(args.output)
+    if args.format is None and args.output == "-":
+        args.format = "wav"
+    elif args.format is None:
+        args.format = EXTENSIONS.get(Path(args.output).suffix.lower())
+        if args.format is None:
+            raise CLIError(f"cannot tell the format of {args.output!r} from its extension; "
+                           f"use .wav .mp3 .flac .opus .pcm .aac .npy or --format")
     if args.format == "npy" and (args.output == "-" or args.url):
         raise CLIError("npy (Mimi codes) needs an output file and the in-process model (no --url)")
     if (args.ref_audio is None) != (args.ref_text is None):
@@ -118,28 +123,16 @@ def check_args(args: argparse.Namespace) -> None:
     check_url("--url", args.url)
 
 
-def _format_of(output: str) -> str:
-    if output == "-":
-        return "wav"
-    ext = Path(output).suffix.lower()
-    if ext not in EXTENSIONS:
-        raise CLIError(f"cannot tell the format of {output!r} from its extension; "
-                       f"use .wav .mp3 .flac .opus .pcm .aac .npy or --format")
-    return EXTENSIONS[ext]
-
-
-def read_bytes(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise CLIError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
-
-
 # ---------------------------------------------------------------- the command
 def speak(args: argparse.Namespace) -> int:
     check_args(args)
     text = read_text(args)
-    ref = read_bytes(args.ref_audio, "--ref-audio") if args.ref_audio is not None else None
+    ref = None
+    if args.ref_audio is not None:
+        try:
+            ref = Path(args.ref_audio).read_bytes()
+        except OSError as e:
+            raise CLIError(f"cannot read --ref-audio {args.ref_audio!r}: {e.strerror or e}") from None
     ref_pcm = read_clip(ref, f"--ref-audio {args.ref_audio!r}") if ref is not None and not args.url else None
     out = Output(args.output, args.format)
     progress = Progress(text, enabled=not args.quiet)
@@ -266,12 +259,9 @@ def _cast_script(args) -> tuple[list[tuple[int, str]], list]:
     from csmserve.prompt.dialogue import cast
 
     lines, c = cast(args.lines, args.voice)
-    clips = []
-    if c.voices:
-        for (name, speaker), resolved in zip(c.voices.items(), _resolve_voices(args.voices_db, list(c.voices))):
-            if resolved.voice is not None:
-                v = resolved.voice
-                clips.append(Segment(speaker, v.transcript, codes=v.codes))
+    resolved = _resolve_voices(args.voices_db, list(c.voices)) if c.voices else []
+    clips = [Segment(speaker, r.voice.transcript, codes=r.voice.codes)
+             for speaker, r in zip(c.voices.values(), resolved) if r.voice is not None]
     return [(spk, ln.text) for spk, ln in zip(c.speakers, lines)], clips
 
 

@@ -21,22 +21,17 @@ def _read(source: str) -> str:
         raise CLIError(f"{source!r} is not UTF-8 text") from None
 
 
-def read_script(args: argparse.Namespace) -> list:
-    """--script FILE -> the dialogue's lines (csmserve/prompt/dialogue.py)."""
-    from csmserve.prompt.dialogue import read_script as parse
-
-    raw = _read(args.script)
-    voices = [v.strip() or None for v in args.voices.split(",")] if args.voices else []
-    try:
-        return parse(raw, voices)
-    except ValueError as e:
-        raise CLIError(f"--script {args.script!r}: {e}") from None
-
-
 def read_text(args: argparse.Namespace) -> str:
     """The text to speak, whitespace collapsed; sets args.lines (the --script's lines, or None)."""
     if args.script is not None:
-        args.lines = read_script(args)
+        from csmserve.prompt.dialogue import read_script
+
+        raw = _read(args.script)
+        voices = [v.strip() or None for v in args.voices.split(",")] if args.voices else []
+        try:
+            args.lines = read_script(raw, voices)
+        except ValueError as e:
+            raise CLIError(f"--script {args.script!r}: {e}") from None
         return " ".join(ln.text for ln in args.lines)
     args.lines = None
     source = args.input if args.input is not None else args.text
@@ -47,19 +42,14 @@ def read_text(args: argparse.Namespace) -> str:
     return text
 
 
-def split_sentences(text: str) -> list[str]:
-    """Whole sentences (what `pieces` packs): the server's sentence splitter (csmserve/prompt/segments.py:
-    abbreviations, closing quotes, paragraphs) without its cap on a sentence's length."""
-    from csmserve.prompt.segments import split_sentences as split
-
-    return split(text, max_words=1 << 30, max_chars=1 << 30)
-
-
 def pieces(text: str, limit: int) -> list[str]:
-    """Whole sentences packed into pieces of at most `limit` characters (a longer sentence is cut at spaces)."""
+    """Whole sentences (the server's splitter without its cap on a sentence's length) packed into pieces of
+    at most `limit` characters (a longer sentence is cut at spaces)."""
+    from csmserve.prompt.segments import split_sentences
+
     out: list[str] = []
     cur = ""
-    for sentence in split_sentences(text):
+    for sentence in split_sentences(text, max_words=1 << 30, max_chars=1 << 30):
         while len(sentence) > limit:
             cut = sentence.rfind(" ", 0, limit)
             cut = cut if cut > 0 else limit

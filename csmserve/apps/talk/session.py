@@ -53,12 +53,9 @@ class Exchange:
         return {"total": total, "transcription": asr, "llm_first_token": llm, "csm_first_audio": csm}
 
     def latency_line(self) -> str:
-        lat = self.latency
-
-        def f(v):
-            return "-" if v is None else f"{v * 1000:.0f} ms"
-        return (f"latency {f(lat['total'])} (transcription {f(lat['transcription'])}, LLM first token "
-                f"{f(lat['llm_first_token'])}, CSM first audio {f(lat['csm_first_audio'])})")
+        ms = {k: "-" if v is None else f"{v * 1000:.0f} ms" for k, v in self.latency.items()}
+        return (f"latency {ms['total']} (transcription {ms['transcription']}, LLM first token "
+                f"{ms['llm_first_token']}, CSM first audio {ms['csm_first_audio']})")
 
 
 @dataclass
@@ -137,9 +134,7 @@ class TalkSession:
     def turn(self, wav: bytes | None = None, text: str | None = None, name: str = "input",
              barge_in_after_ms: int | None = None, end_of_speech: float | None = None) -> Exchange:
         """The user's turn (audio bytes of any common format, and/or typed text) -> the assistant's spoken reply.
-
-        Raises nothing for endpoint failures: the Exchange's `error` says what went wrong (also logged) and
-        the conversation goes on with the next turn."""
+        Raises nothing for endpoint failures: the Exchange's `error` says what went wrong (also logged)."""
         turn = Exchange(index=len(self.turns) + 1)
         turn.t_end_of_speech = end_of_speech if end_of_speech is not None else time.perf_counter()
         self.turns.append(turn)
@@ -175,18 +170,15 @@ class TalkSession:
         turn.user_text = text
         return self.speech.user_turn(self.user_speaker, text, wav, pcm)
 
-    def _trim_context(self) -> None:
+    # ---- the assistant's reply
+    def _reply(self, turn: Exchange, barge_in_after_ms: int | None) -> None:
+        """The LLM's reply, spoken as it streams; what was played joins the context and the history."""
         def frames(s) -> int:
             if s.codes is not None:
                 return len(s.codes)
             return 0 if s.audio is None else len(s.audio) // FRAME_SAMPLES
         while len(self.context) > 1 and sum(frames(s) for s in self.context) > self.max_context_frames:
             self.context.pop(0)
-
-    # ---- the assistant's reply
-    def _reply(self, turn: Exchange, barge_in_after_ms: int | None) -> None:
-        """The LLM's reply, spoken as it streams; what was played joins the context and the history."""
-        self._trim_context()
         llm = LLMStream(self.llm_url, self.llm_model, list(self.history), self.api_key, self.timeout,
                         self.llm_temperature)
         context = list(self.context)
@@ -202,8 +194,10 @@ class TalkSession:
         finally:
             self._speaking.clear()
         self._keep(turn, llm, played)
+        if isinstance(error, ValueError) and "no text to speak" in str(error):
+            raise TalkError("the LLM's reply was empty")
         if error is not None:
-            raise _reply_error(error)
+            raise error if isinstance(error, TalkError) else TalkError(f"{type(error).__name__}: {error}")
 
     def _play(self, turn: Exchange, llm: LLMStream, stream, played: _Played, limit: int | None) -> None:
         """The reply's chunks to on_audio as they come, until it ends, the user barges in (interrupt()) or
@@ -250,10 +244,3 @@ class TalkSession:
         if turn.interrupted:
             self.speech.cut(reply)
         self.history.append({"role": "assistant", "content": said})
-
-
-def _reply_error(error: Exception) -> TalkError:
-    """What stopped a reply -> the exchange's one-line error."""
-    if isinstance(error, ValueError) and "no text to speak" in str(error):
-        return TalkError("the LLM's reply was empty")
-    return error if isinstance(error, TalkError) else TalkError(f"{type(error).__name__}: {error}")

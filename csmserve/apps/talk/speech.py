@@ -31,12 +31,11 @@ class SpeechBackend(Protocol):
     frame_size: int  # audio samples per frame
 
     def user_turn(self, speaker: int, text: str, wav: bytes | None, pcm: np.ndarray | None) -> Segment:
-        """The user's turn as the conversation's context keeps it (`wav`: the audio file as given, `pcm`:
-        it decoded; both None for a typed turn)."""
+        """The user's turn as the context keeps it (`wav`: the file as given, `pcm`: decoded; None: typed)."""
 
     def reply(self, llm: LLMStream, speaker: int, context: list[Segment], sampling: dict) -> Iterator[SpeechChunk]:
-        """The reply spoken as `speaker` while the LLM's pieces arrive, after `context` (its last segment the
-        user's turn) -> chunks as they come (a generator: closing it early stops the reply)."""
+        """The reply to `context` (its last segment the user's turn) as the LLM's pieces arrive -> chunks as
+        they come (a generator: closing it early stops the reply)."""
 
     def cut(self, reply: Segment) -> None:
         """The reply was cut at barge-in; `reply` is what was played (now in the session's context)."""

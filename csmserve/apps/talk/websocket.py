@@ -43,7 +43,15 @@ class ServerSpeech:
     def reply(self, llm: LLMStream, speaker: int, context: list[Segment], sampling: dict) -> Iterator[SpeechChunk]:
         """One reply over the WebSocket: the user's turn (context[-1]) as add_context, the LLM's pieces as
         they arrive, flush -> chunks of audio as they come. Leaving early cancels the turn on the server."""
-        self._send(self._opening(speaker, context[-1], sampling))
+        user = context[-1]
+        entry: dict = {"speaker": user.speaker, "text": user.text}
+        if self._user_wav is not None:
+            entry["audio"] = base64.b64encode(self._user_wav).decode()
+        first: dict = {"context_id": self.context_id, "speaker": speaker, "output_format": "pcm_s16le",
+                       **{k: v for k, v in sampling.items() if v is not None}}
+        if self.voice:
+            first["voice"] = self.voice
+        self._send({**first, "add_context": [entry]})
         reply = _Reply(self, llm)
         reply.feeder.start()
         try:
@@ -62,18 +70,6 @@ class ServerSpeech:
 
     def close(self) -> None:
         self._drop()
-
-    def _opening(self, speaker: int, user: Segment, sampling: dict) -> dict:
-        """A reply's first message: the session's settings and the user's turn as add_context."""
-        first: dict = {"context_id": self.context_id, "speaker": speaker, "output_format": "pcm_s16le",
-                       **{k: v for k, v in sampling.items() if v is not None}}
-        if self.voice:
-            first["voice"] = self.voice
-        entry: dict = {"speaker": user.speaker, "text": user.text}
-        if self._user_wav is not None:
-            entry["audio"] = base64.b64encode(self._user_wav).decode()
-        first["add_context"] = [entry]
-        return first
 
     def _connect(self):
         if self._ws is None:
