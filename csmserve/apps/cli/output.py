@@ -57,19 +57,15 @@ class Output:
         if self.fmt == "npy":
             codes = np.concatenate(self.codes) if self.codes else np.zeros((0, 32), np.int64)
             np.save(self.file, codes)
-        if self.fmt == "wav" and self.path != "-":
-            self._fix_wav_sizes()
-        if self.path != "-":
-            self.file.close()
-
-    def _fix_wav_sizes(self) -> None:
-        # the streaming header says 0xFFFFFFFF (unknown); a file can be rewritten with the real sizes
         data = self.samples * 2
-        if data + 36 < 2**32:
+        if self.fmt == "wav" and self.path != "-" and data + 36 < 2**32:
+            # the streaming header says 0xFFFFFFFF (unknown); a file can be rewritten with the real sizes
             self.file.seek(4)
             self.file.write(struct.pack("<I", 36 + data))
             self.file.seek(40)
             self.file.write(struct.pack("<I", data))
+        if self.path != "-":
+            self.file.close()
 
     @property
     def seconds(self) -> float:
