@@ -13,11 +13,14 @@ voice it draws for that speaker (it varies with the seed).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,24 +99,47 @@ class VoiceBackend(ABC):
         self._insert(voice, codes16.tobytes())
         return voice
 
+    _table: str  # the voices table
+    _param: str  # the driver's placeholder
+    _seq: str  # the insertion-order column: the tie-break of equal created_at
+    _lock: threading.Lock
+    _conn: Any
+
     @abstractmethod
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(connection) under the store's lock; a write in it is one transaction."""
+
     def _insert(self, voice: Voice, codes: bytes) -> None:
         """Store one row (codes: [num_frames, 32] int16 little-endian, row-major)."""
+        sql = f"INSERT INTO {self._table} ({_INFO_COLUMNS}, codes) VALUES ({', '.join([self._param] * 9)})"
+        self._run(lambda c: c.execute(sql, (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
+                                            voice.num_frames, voice.created_at, voice.adapter, codes)))
 
-    @abstractmethod
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""
+        sql = (f"SELECT {_INFO_COLUMNS}, codes FROM {self._table} WHERE {{}} = {self._param} "
+               f"ORDER BY created_at DESC, {self._seq} DESC LIMIT 1")
 
-    @abstractmethod
+        def query(c):
+            return (c.execute(sql.format("id"), (id_or_name,)).fetchone()
+                    or c.execute(sql.format("name"), (id_or_name,)).fetchone())
+
+        row = self._run(query)
+        return None if row is None else _voice(row)
+
     def list(self) -> list[VoiceInfo]:
         """All voices, oldest first, without their codes."""
+        sql = f"SELECT {_INFO_COLUMNS} FROM {self._table} ORDER BY created_at, {self._seq}"
+        return [VoiceInfo(*row) for row in self._run(lambda c: c.execute(sql).fetchall())]
 
-    @abstractmethod
     def delete(self, voice_id: str) -> bool:
         """Delete by id (names may repeat, so not by name). False if no such id."""
+        sql = f"DELETE FROM {self._table} WHERE id = {self._param}"
+        return self._run(lambda c: c.execute(sql, (voice_id,)).rowcount) > 0
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
 
     def resolve(self, voice: str | dict) -> ResolvedVoice:
         """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""

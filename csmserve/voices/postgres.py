@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from csmserve.voices.backend import _INFO_COLUMNS, VoiceBackend, Voice, VoiceInfo, _voice
+from csmserve.voices.backend import VoiceBackend
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS csmserve_voices (
@@ -46,6 +46,8 @@ def display_url(url: str) -> str:
 
 
 class PostgresVoiceStore(VoiceBackend):
+    _table, _param, _seq = "csmserve_voices", "%s", "seq"
+
     def __init__(self, url: str, connect_timeout: float = 10.0) -> None:
         try:
             import psycopg
@@ -72,35 +74,3 @@ class PostgresVoiceStore(VoiceBackend):
                     raise
                 self._conn = self._connect()
                 return fn(self._conn)
-
-    def _insert(self, voice: Voice, codes: bytes) -> None:
-        self._run(lambda c: c.execute(
-            f"INSERT INTO csmserve_voices ({_INFO_COLUMNS}, codes) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate, voice.num_frames,
-             voice.created_at, voice.adapter, codes)))
-
-    def get(self, id_or_name: str) -> Voice | None:
-        """By id, else the newest voice with that name; None if neither exists."""
-        sql = (f"SELECT {_INFO_COLUMNS}, codes FROM csmserve_voices WHERE {{}} = %s "
-               "ORDER BY created_at DESC, seq DESC LIMIT 1")
-
-        def query(c):
-            return (c.execute(sql.format("id"), (id_or_name,)).fetchone()
-                    or c.execute(sql.format("name"), (id_or_name,)).fetchone())
-
-        row = self._run(query)
-        return None if row is None else _voice(row)
-
-    def list(self) -> list[VoiceInfo]:
-        """All voices, oldest first, without their codes."""
-        rows = self._run(lambda c: c.execute(
-            f"SELECT {_INFO_COLUMNS} FROM csmserve_voices ORDER BY created_at, seq").fetchall())
-        return [VoiceInfo(*row) for row in rows]
-
-    def delete(self, voice_id: str) -> bool:
-        """Delete by id (names may repeat, so not by name). False if no such id."""
-        return self._run(lambda c: c.execute("DELETE FROM csmserve_voices WHERE id = %s", (voice_id,)).rowcount) > 0
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
