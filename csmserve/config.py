@@ -93,15 +93,9 @@ class EngineConfig:
                      "first_chunk_frames", "chunk_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_chunk_ms", "chunk_grow_lead_ms"):
-            if getattr(self, name) < 0:
+        for name in ("max_chunk_ms", "chunk_grow_lead_ms", "prefix_cache_bytes", "reader_wait_s", "max_waiting"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
-            raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        if not self.reader_wait_s >= 0:
-            raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
-        if self.max_waiting < 0:
-            raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
             raise ValueError(f"EngineConfig needs max_loras >= 0, max_lora_rank >= 1 and max_cpu_loras >= 1, got "
                              f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
@@ -220,14 +214,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
-        if self.max_lead_s < 0:
-            raise ValueError(f"ServerConfig.max_lead_s must be >= 0, got {self.max_lead_s}")
+        for name in ("max_lead_s", "encode_threads", "api_workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_reader_lag_s <= 0:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
-        if self.encode_threads < 0:
-            raise ValueError(f"ServerConfig.encode_threads must be >= 0, got {self.encode_threads}")
-        if self.api_workers is not None and self.api_workers < 0:
-            raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
         for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -279,10 +270,9 @@ class RayConfig:
                      "health_check_timeout_s", "report_interval_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"RayConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
-            raise ValueError(f"RayConfig.gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
-        if self.ingress_cpus < 0:
-            raise ValueError(f"RayConfig.ingress_cpus must be >= 0, got {self.ingress_cpus}")
+        for name in ("gpus_per_replica", "ingress_cpus"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.affinity_load_factor < 1:
             raise ValueError(f"RayConfig.affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         lo, hi = INGRESS_BODY_BYTES

@@ -61,14 +61,15 @@ def autoscaling_config(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
             "policy": {"policy_function": POLICY}}
 
 
+def _common_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
+    return {"logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
+            "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": cfg.health_check_timeout_s}
+
+
 def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServe deployment's Ray options (replicas or autoscaling, resources, health checks)."""
-    opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
-        "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
-        "health_check_period_s": cfg.health_check_period_s,
-        "health_check_timeout_s": cfg.health_check_timeout_s,
-    }
+    opts = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
+            **_common_options(spec, cfg)}
     if cfg.autoscaling:
         opts["autoscaling_config"] = autoscaling_config(spec, cfg)
     else:
@@ -79,9 +80,7 @@ def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
 def ingress_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServeIngress deployment's: one HAProxy per node, as many as --ingress-replicas."""
     return {"num_replicas": cfg.ingress_replicas, "max_replicas_per_node": 1,
-            "ray_actor_options": {"num_cpus": cfg.ingress_cpus},
-            "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
-            "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": cfg.health_check_timeout_s}
+            "ray_actor_options": {"num_cpus": cfg.ingress_cpus}, **_common_options(spec, cfg)}
 
 
 def application(spec: ServeSpec, cfg: RayConfig = RayConfig()) -> Application:
@@ -134,12 +133,6 @@ def ray_environment() -> dict[str, str]:
     return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 
-def set_ray_environment() -> None:
-    """ray_environment() into os.environ, before Ray starts; a variable already set wins."""
-    for key, value in ray_environment().items():
-        os.environ.setdefault(key, value)
-
-
 def check_port(host: str, port: int) -> None:
     """A clear error before Ray starts when --host:--port is taken (HAProxy would fail to bind it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -168,7 +161,8 @@ def run_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     ensure_importable()
-    set_ray_environment()  # the own instance's processes inherit it (a cluster's have their own)
+    for key, value in ray_environment().items():  # the own instance's processes inherit it (a cluster's have theirs)
+        os.environ.setdefault(key, value)  # a variable already set wins
 
     def interrupt(*_) -> None:
         raise KeyboardInterrupt

@@ -127,22 +127,19 @@ def server_ids(names: Sequence[str]) -> dict[str, int]:
     return ids
 
 
-def _quote(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
-
-
 def render(f: Frontend, servers: Sequence[Server]) -> str:
     """The whole haproxy.cfg for these replicas."""
     ids = server_ids([s.name for s in servers])
     names = {s.name: _NAME.sub("_", s.name) for s in servers}
-    error = ('{{"error": {{"message": "{}", "type": "server_error", "param": null, "code": "{}"}}}}')
 
-    def pool(extra: str, track: bool) -> list[str]:
-        lines = []
-        for s in sorted(servers, key=lambda s: s.name):
-            check = f"track sessions/{names[s.name]}" if track else "check"
-            lines.append(f"    server {names[s.name]} {s.host}:{s.port} id {ids[s.name]} {check}{extra}")
-        return lines
+    def http_error(status: int, message: str, code: str) -> str:
+        body = f'{{"error": {{"message": "{message}", "type": "server_error", "param": null, "code": "{code}"}}}}'
+        return f"    http-error status {status} content-type application/json string '{body}'"
+
+    def pool(track: bool) -> list[str]:
+        return [f"    server {names[s.name]} {s.host}:{s.port} id {ids[s.name]} "
+                + (f"track sessions/{names[s.name]}" if track else "check")
+                for s in sorted(servers, key=lambda s: s.name)]
 
     models = " ".join(sorted(set(f.models)))
     aliases = " ".join(sorted(set(f.aliases)))
@@ -182,13 +179,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "    option httpchk",
         "    http-check send meth GET uri /health ver HTTP/1.1 hdr host csmserve",
         "    http-check expect status 200",
-        "    http-error status 503 content-type application/json string '"
-        + error.format("no replica can take this request now (none is ready, or all are down)",
-                       "no_replica_ready") + "'",
-        "    http-error status 502 content-type application/json string '"
-        + error.format("the replica failed before it answered", "replica_failed") + "'",
-        "    http-error status 504 content-type application/json string '"
-        + error.format("the replica did not answer in time", "replica_timeout") + "'",
+        http_error(503, "no replica can take this request now (none is ready, or all are down)", "no_replica_ready"),
+        http_error(502, "the replica failed before it answered", "replica_failed"),
+        http_error(504, "the replica did not answer in time", "replica_timeout"),
         "",
         "frontend csmserve",
         f"    bind {f.host}:{f.port}" if ":" not in f.host else f"    bind [{f.host}]:{f.port}",
@@ -228,17 +221,17 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "backend sessions",
         "    balance hash var(txn.key)",
         "    hash-type consistent",
-        *pool("", track=False),
+        *pool(track=False),
         "",
         "backend prefixes",
         "    balance hash var(txn.pkey)",
         "    hash-type consistent",
         f"    hash-balance-factor {max(100, round(f.load_factor * 100))}",
-        *pool("", track=True),
+        *pool(track=True),
         "",
         "backend any",
         "    balance leastconn",
-        *pool("", track=True),
+        *pool(track=True),
         "",
         "backend control",  # (no `check`: never probed)
         f"    server ingress 127.0.0.1:{f.control_port}",
@@ -265,7 +258,6 @@ class HAProxy:
         self.config = self.workdir / "haproxy.cfg"
         self.log = self.workdir / "haproxy.log"
         self.process: subprocess.Popen | None = None
-        self.reloads = 0
 
     def check(self, text: str) -> str | None:
         """None if HAProxy accepts the config, else what it says."""
@@ -307,7 +299,6 @@ class HAProxy:
         self._write(text)
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGUSR2)
-            self.reloads += 1
 
     @property
     def alive(self) -> bool:
