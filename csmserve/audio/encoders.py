@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import struct
-from fractions import Fraction
 from typing import ClassVar
 
 import av
@@ -29,8 +28,8 @@ import numpy as np
 from csmserve.audio import lame, opus
 from csmserve.audio.base import Encoder
 from csmserve.audio.libs import native
+from csmserve.audio.tempo import av_frame
 from csmserve.config import SAMPLE_RATE
-
 
 
 def to_s16le(pcm: np.ndarray) -> bytes:
@@ -140,12 +139,9 @@ class AvEncoder(Encoder):
         self.num_samples = 0  # pts of the next input frame, in 1/sample_rate
 
     def _encode(self, pcm: np.ndarray) -> bytes:
-        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
-        frame.sample_rate, frame.pts = self.sample_rate, self.num_samples
-        frame.time_base = Fraction(1, self.sample_rate)
-        self.num_samples += pcm.size
         # PyAV converts format/rate and re-blocks to the codec's frame size (1152, 1024, 480...)
-        self.out.mux(self.stream.encode(frame))
+        self.out.mux(self.stream.encode(av_frame(pcm, self.sample_rate, self.num_samples)))
+        self.num_samples += pcm.size
         return self.sink.drain()
 
     def _finish(self) -> bytes:

@@ -23,7 +23,7 @@ BIT_RATE = 64_000
 QUALITY = 7  # LAME's 0 (best, slowest) .. 9; ServerConfig.mp3_compression_level
 _MONO = 3  # MPEG_mode MONO
 _SETTERS = ("lame_set_in_samplerate", "lame_set_out_samplerate", "lame_set_num_channels", "lame_set_mode",
-            "lame_set_brate", "lame_set_quality", "lame_set_bWriteVbrTag")
+            "lame_set_brate", "lame_set_quality", "lame_set_bWriteVbrTag")  # each (gfp, int)
 
 
 def library() -> ctypes.CDLL | None:
@@ -62,10 +62,7 @@ class LameEncoder(Encoder):
             raise MemoryError("lame_init failed")
         self.gfp = gfp
         self._free = weakref.finalize(self, lib.lame_close, gfp)  # also for a stream dropped unclosed
-        for name, value in (("lame_set_in_samplerate", sample_rate), ("lame_set_out_samplerate", sample_rate),
-                            ("lame_set_num_channels", 1), ("lame_set_mode", _MONO),
-                            ("lame_set_brate", BIT_RATE // 1000), ("lame_set_quality", quality),
-                            ("lame_set_bWriteVbrTag", 0)):
+        for name, value in zip(_SETTERS, (sample_rate, sample_rate, 1, _MONO, BIT_RATE // 1000, quality, 0)):
             getattr(lib, name)(gfp, value)
         if lib.lame_init_params(gfp) != 0:
             self._free()

@@ -134,33 +134,23 @@ class SentenceSplitter:
             m_term = _TERM.search(buf, pos)
             m_para = _PARA.search(buf, pos)
             if m_para is not None and (m_term is None or m_para.start() < m_term.start()):
-                if buf[:m_para.start()].strip():  # a paragraph break after some text
-                    if m_para.end() < len(buf) or final:  # decided once more text follows it
-                        return m_para.start()
-                    return None
+                if buf[:m_para.start()].strip():  # a paragraph break after some text, decided once more text follows
+                    return m_para.start() if m_para.end() < len(buf) or final else None
                 pos = m_para.end()
                 continue
-            if m_term is None:
+            if m_term is None or m_term.end() == len(buf):
                 return len(buf) if final else None
             end = m_term.end()
             rest = buf[end:]
             ws = len(rest) - len(rest.lstrip())
-            if end == len(buf):
-                return len(buf) if final else None
-            if ws == 0:  # 3.14, e.g.x, "a.m." mid-token: not an end
-                pos = end
-                continue
             if ws == len(rest):  # only whitespace follows: decided by what comes next
                 return end if final else None
-            nxt = rest[ws]
-            term = m_term.group(0).rstrip(_CLOSE)
-            if nxt.islower():
-                pos = end
-                continue
-            if term == "." and _is_abbreviation(buf[:m_term.start()]):
-                pos = end
-                continue
-            return end
+            # not an end: no whitespace after it (3.14, e.g.x, "a.m." mid-token), a lowercase word next, or an
+            # abbreviation's "."
+            if ws and not rest[ws].islower() and not (
+                    m_term.group(0).rstrip(_CLOSE) == "." and _is_abbreviation(buf[:m_term.start()])):
+                return end
+            pos = end
 
 
 def split_sentences(text: str, max_words: int = 25, max_chars: int = 250) -> list[str]:

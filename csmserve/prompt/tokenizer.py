@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from csmserve.config import FRAME_MS
 
+from csmserve.config import FRAME_MS
 
 
 class TextTokenizer(Protocol):
@@ -98,8 +98,7 @@ class PromptSegment:
 
 def text_frames(ids: Sequence[int], num_codebooks: int) -> tuple[np.ndarray, np.ndarray]:
     # -> tokens [n, K+1] int64 (text in the last column), mask [n, K+1] bool (last column only)
-    tokens, mask, _ = assemble((), ids, num_codebooks, max_seq_len=len(ids))
-    return tokens, mask
+    return assemble((), ids, num_codebooks, max_seq_len=len(ids))[:2]
 
 
 @dataclass
@@ -171,9 +170,8 @@ def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_
 
     With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions.
     """
-    tokens, mask, _ = prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks,
-                                                   max_frames, max_seq_len)
-    return tokens, mask
+    return prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks, max_frames,
+                                        max_seq_len)[:2]
 
 
 def prompt_frames_and_boundaries(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str,

@@ -3,31 +3,15 @@
     text = render(Frontend(host="0.0.0.0", port=8000, control_port=41234, models=(...)), [Server("r1", ip, port)])
     proxy = HAProxy(binary(), workdir); proxy.start(text); proxy.reload(new_text); proxy.stop()
 
-Every client byte passes HAProxy (C) and a replica's API worker, nothing else: no Python process that every
-stream of a node passes through. The routing key comes from the request itself, as HAProxy reads it:
+Every client byte passes HAProxy (C) and a replica's API worker, nothing else. The routing key comes from the
+request itself (docs/scale-out.md, Routing, has the rules): `sessions` (consistent hash, no spill: the client's
+`x-session-id`, else a `context_id`), `prefixes` (consistent hash with bounded loads: an adapter, a first
+context turn, a stored voice), `any` (least connections). The body is read from HAProxy's buffer
+(`tune.bufsize` = RayConfig.ingress_body_bytes): a larger body is routed by its first that-many bytes.
+`/ready`, `/metrics`, `/-/healthz` and the LoRA load / unload routes go to the ingress actor's control port.
 
-- `sessions` (consistent hash, no spill: the session lives on that replica): a client's own `x-session-id`;
-  else `?context_id=` of the URL (the WebSocket's; an HTTP request may send it there too); else the speech
-  body's `context_id` (OpenAI's `extra_body`).
-- `prefixes` (consistent hash with bounded loads, `hash-balance-factor`: a key stays on its replica while
-  that replica's connections are under load_factor x the mean, then goes to the next on the ring): of a
-  speech body, `model` naming an adapter (neither the base's name nor OpenAI's) -> `lora:<model>`; else a
-  non-empty `context` -> the voice and the first context turn (speaker, text, voice_id, a hash of its
-  audio: a conversation sent turn by turn starts the same way every time); else a stored voice (not an
-  OpenAI alias, whose prompt has no clip worth caching) -> `voice:<voice>`.
-- `any` (least connections): everything else.
-
-The body is read from HAProxy's buffer (`option http-buffer-request`, `tune.bufsize` =
-RayConfig.ingress_body_bytes): a larger body is routed by the fields in its first that-many bytes.
-`/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py), and so do the LoRA load /
-unload routes (answered 501 there: with --ray adapters are given at start, `--lora`, to every replica); `/health` is
-the answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
-within about 1.5 s); a request whose replica refused it, dropped it or answered 503 before any byte of a
-response goes to another (twice at most).
-
-The process runs in master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the
-master re-executes on SIGUSR2; the new worker takes the listening socket over, the old one serves its open
-streams to their end (at most HARD_STOP_S).
+Master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the master re-executes on
+SIGUSR2; the old worker serves its open streams to their end (at most HARD_STOP_S).
 """
 from __future__ import annotations
 
