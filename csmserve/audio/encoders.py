@@ -127,12 +127,13 @@ class AvEncoder(Encoder):
         # flush_packets: push every muxed packet through avio to the sink at once
         options = {"flush_packets": "1", **self.container_options}
         self.out = av.open(self.sink, mode="w", format=self.container, options=options)
-        self.stream = self.out.add_stream(self.codec, rate=_codec_rate(self.codec, sample_rate),
+        # the codec's rate if it takes ours (24 kHz: all four do), else its highest (PyAV resamples)
+        rates = av.codec.Codec(self.codec, "w").audio_rates
+        rate = sample_rate if not rates or sample_rate in rates else max(rates)
+        self.stream = self.out.add_stream(self.codec, rate=rate,
                                           options={**self.codec_options, **(codec_options or {})})
         self.stream.layout = "mono"
-        # one thread per encoder: libav's default (0 = one per core) gave a server of 256 mp3 streams
-        # ~3,900 threads; the API workers spread the streams over the cores instead
-        self.stream.codec_context.thread_count = 1
+        self.stream.codec_context.thread_count = 1  # libav's default is one per core (single_threaded_libav)
         self.stream.codec_context.thread_type = "NONE"
         if self.bit_rate:
             self.stream.bit_rate = self.bit_rate
@@ -148,12 +149,6 @@ class AvEncoder(Encoder):
         self.out.mux(self.stream.encode(None))  # drain the codec's delay line
         self.out.close()  # trailer: last Ogg page, etc.
         return self.sink.drain()
-
-
-def _codec_rate(codec: str, sample_rate: int) -> int:
-    # the codec's rate if it takes ours (24 kHz: all four do), else its highest (PyAV resamples)
-    rates = av.codec.Codec(codec, "w").audio_rates
-    return sample_rate if not rates or sample_rate in rates else max(rates)
 
 
 class Mp3Encoder(AvEncoder):

@@ -95,12 +95,6 @@ def application(spec: ServeSpec, cfg: RayConfig = RayConfig()) -> Application:
                                                                       replicas)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="csmserve")
-    add_serve_parser(p.add_subparsers(dest="command"))
-    return p
-
-
 def parse_flags(args: dict[str, Any] | None = None) -> argparse.Namespace:
     """{"model": "dummy-tiny", "num_replicas": 2, ...} (flag names, `_` or `-`) -> the serve flags."""
     argv = ["serve"]
@@ -109,7 +103,9 @@ def parse_flags(args: dict[str, Any] | None = None) -> argparse.Namespace:
             continue
         value = ",".join(value) if isinstance(value, (list, tuple)) else value
         argv += ["--" + str(key).replace("_", "-"), str(value)]
-    return _parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="csmserve")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -261,16 +261,16 @@ class HAProxy:
     def start(self, text: str, host: str, port: int, timeout: float = 10.0) -> None:
         """Start it on `text` and wait until it listens on host:port (RuntimeError with its log if not)."""
         self._write(text)
-        log = open(self.log, "ab")
-        self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        log.close()
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        connectable = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"HAProxy exited (code {self.process.returncode}): {self.log_tail()}")
             try:
-                with socket.create_connection((_connectable(host), port), timeout=1.0):
+                with socket.create_connection((connectable, port), timeout=1.0):
                     return
             except OSError:
                 if time.monotonic() > deadline:
@@ -290,22 +290,17 @@ class HAProxy:
 
     def stop(self, timeout: float = 5.0) -> None:
         p = self.process
-        if p is None:
+        if p is None or p.poll() is not None:
             return
-        if p.poll() is None:
-            p.terminate()  # the master stops its workers
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        p.terminate()  # the master stops its workers
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
     def log_tail(self, n: int = 1500) -> str:
         try:
             return " ".join(self.log.read_text(errors="replace")[-n:].split())
         except OSError:
             return ""
-
-
-def _connectable(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

@@ -23,8 +23,6 @@ CREATE TABLE IF NOT EXISTS voices (
 );
 CREATE INDEX IF NOT EXISTS voices_name ON voices (name, created_at);
 """
-# a database made before voices had an adapter: the column added (NULL: every old voice speaks with the base)
-_MIGRATIONS = (("adapter", "ALTER TABLE voices ADD COLUMN adapter TEXT"),)
 
 
 class VoiceStore(VoiceBackend):
@@ -43,14 +41,13 @@ class VoiceStore(VoiceBackend):
         with self._lock, self._conn:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.executescript(_SCHEMA)
-            have = {row[1] for row in self._conn.execute("PRAGMA table_info(voices)")}
-            for column, sql in _MIGRATIONS:
-                if column not in have:
-                    try:
-                        self._conn.execute(sql)
-                    except sqlite3.OperationalError as e:  # another process added it meanwhile
-                        if "duplicate column" not in str(e):
-                            raise
+            # a database made before voices had an adapter (NULL: every old voice speaks with the base)
+            if "adapter" not in {row[1] for row in self._conn.execute("PRAGMA table_info(voices)")}:
+                try:
+                    self._conn.execute("ALTER TABLE voices ADD COLUMN adapter TEXT")
+                except sqlite3.OperationalError as e:  # another process added it meanwhile
+                    if "duplicate column" not in str(e):
+                        raise
 
     def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         with self._lock, self._conn:
