@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import cache
 from typing import ClassVar
 
 import av
@@ -92,18 +93,12 @@ class _Sink:
         return data
 
 
-_single_threaded = False
-
-
+@cache
 def single_threaded_libav() -> None:
     """Every libav object of this process uses one thread. PyAV re-blocks audio for the codec through a
     libavfilter graph that otherwise starts a thread per core per encoder (~3,900 threads for 256 mp3
     streams on 16 cores); the codec's own thread_count does not reach it. Streams spread over the API
     worker processes instead."""
-    global _single_threaded
-    if _single_threaded:
-        return
-    _single_threaded = True
     lib = native("avutil")
     if lib is not None and hasattr(lib, "av_cpu_force_count"):  # else a libav without it: its default threads
         lib.av_cpu_force_count(1)

@@ -166,10 +166,8 @@ def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codeboo
 def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str, target_speaker: int,
                   num_codebooks: int = 32, max_frames: int | None = None,
                   max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray]:
-    """Context turns then the target turn's text -> tokens [T, K+1] int64, mask [T, K+1] bool.
-
-    With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions.
-    """
+    """Context turns then the target turn's text -> tokens [T, K+1] int64, mask [T, K+1] bool (max_frames,
+    max_seq_len: as assemble's)."""
     return prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks, max_frames,
                                         max_seq_len)[:2]
 
