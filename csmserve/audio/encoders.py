@@ -5,16 +5,15 @@
         send(enc.write(chunk))      # may be b"" while the codec fills its first frame
     send(enc.close())               # codec tail; the stream is complete after this
 
-Every format streams: bytes leave on write(), not only at close(). Output is never seeked
-back into (the muxers see a non-seekable sink), so the bytes sent first are final:
-no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the wav header, no sample count or MD5
-in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at 24 kHz:
-pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead).
-speed != 1 adds about one chunk of lag (atempo's analysis window).
+Every format streams: bytes leave on write(), not only at close(). Output is never seeked back into (the muxers
+see a non-seekable sink), so the bytes sent first are final: no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the
+wav header, no sample count or MD5 in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at
+24 kHz: pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead). speed != 1
+adds about one chunk of lag (atempo's analysis window).
 
-mp3 and opus default to their libraries called directly (audio/lame.py, audio/opus.py: the same codec
-settings, ~25-40% less CPU per stream); Mp3Encoder and OpusEncoder here are the libav path, used where
-those libraries do not load or with CSMSERVE_NATIVE_CODECS=0.
+mp3 and opus default to their libraries called directly (audio/lame.py, audio/opus.py: the same codec settings,
+~25-40% less CPU per stream); Mp3Encoder and OpusEncoder here are the libav path, used where those libraries do
+not load or with CSMSERVE_NATIVE_CODECS=0.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""mp3 by libmp3lame, called directly: the stream settings below, which encoders.Mp3Encoder (the libav path)
-shares (MPEG-2 Layer III at 24 kHz, mono, CBR 64 kb/s, no Xing/Info frame, no ID3 tag, LAME quality 7
-unless codec_options say),
-without PyAV's per-call frames, re-blocking graph, packets and muxer: ~25% less CPU per stream
-(docs/benchmarks.md, Encoders). make_encoder("mp3") uses it where the library loads (audio/libs.py).
+"""mp3 by libmp3lame, called directly, with the settings encoders.Mp3Encoder (the libav path) shares (MPEG-2
+Layer III at 24 kHz, mono, CBR 64 kb/s, no Xing/Info frame, no ID3 tag, LAME quality 7 unless codec_options
+say): ~25% less CPU per stream (docs/benchmarks.md, Encoders). make_encoder("mp3") uses it where it loads.
 
 LAME buffers internally and returns whole frames as they complete, so a write of 3,840 samples returns
 the frames finished so far (the first write already holds some: its ~1,100-sample delay is < 3,840).

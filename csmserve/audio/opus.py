@@ -1,7 +1,6 @@
-"""Ogg/Opus by libopus, called directly, with the Ogg pages written here (RFC 7845): the stream settings
-below, which encoders.OpusEncoder (the libav path) shares (24 kHz mono in, 20 ms packets, VBR 32 kb/s,
-complexity 5 unless codec_options say), without PyAV's per-call frames, re-blocking graph, packets and muxer.
-make_encoder("opus") uses it where the library loads (audio/libs.py).
+"""Ogg/Opus by libopus, called directly, with the Ogg pages written here (RFC 7845) and the settings
+encoders.OpusEncoder (the libav path) shares (24 kHz mono in, 20 ms packets, VBR 32 kb/s, complexity 5 unless
+codec_options say). make_encoder("opus") uses it where the library loads.
 
 Pages: the OpusHead page (BOS) and the OpusTags page leave with the first write; then each write's whole
 20 ms packets go out in one page (so bytes leave on every write of >= 480 samples), its granule position

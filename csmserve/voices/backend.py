@@ -1,14 +1,11 @@
-"""Cloned voices: a clip's Mimi codes + its transcript, stored once. `VoiceBackend` is the interface
-every store implements (sqlite.py: one machine, the default; postgres.py: a cluster), with the
-records it returns and the resolution of a voice string.
+"""Cloned voices: a clip's Mimi codes + its transcript, stored once. `VoiceBackend` is what every store is
+(sqlite.py: one machine, the default; postgres.py: a cluster): the records, the queries, and the resolution
+of a voice string.
 
-Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string
-resolves, in order: stored id, stored name (the newest with that name), OpenAI voice alias.
-So a stored voice named e.g. "alloy" takes over that alias, which lets clients that only
-send OpenAI names (Pipecat) use a cloned voice.
-
-Aliases carry no clip: they pick a CSM speaker id, and CSM then speaks with whatever
-voice it draws for that speaker (it varies with the seed).
+Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string resolves, in order:
+stored id, stored name (the newest with that name), OpenAI voice alias. So a stored voice named e.g. "alloy"
+takes over that alias, which lets clients that only send OpenAI names (Pipecat) use a cloned voice. Aliases
+carry no clip: they pick a CSM speaker id, and CSM speaks with whatever voice it draws for it (by the seed).
 """
 from __future__ import annotations
 
@@ -82,8 +79,8 @@ def _check_codes(codes: np.ndarray) -> np.ndarray:
 
 
 class VoiceBackend(ABC):
-    """Where voices live. Backends store rows; validation, ids and `resolve` are shared here. Every
-    method is safe to call from several threads; every write is one transaction."""
+    """Where voices live: a store gives its connection (`_run`) and its table's names; validation, ids, the
+    queries and `resolve` are shared here. Every method is safe to call from several threads."""
 
     path: object  # where (shown in messages): a file path or a URL without its password
 
