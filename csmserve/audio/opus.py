@@ -82,8 +82,7 @@ class OggPages:
             head = struct.pack("<4sBBqIIIB", b"OggS", 0, flags if last else flags & self.BOS,
                                granule - step * (len(packets) - j), self.serial, self.seq, 0, len(lacing))
             page = head + bytes(lacing) + b"".join(body)
-            crc = ogg_crc(page)
-            out.append(page[:22] + struct.pack("<I", crc) + page[26:])
+            out.append(page[:22] + struct.pack("<I", ogg_crc(page)) + page[26:])  # the CRC over the page with 0 there
             self.seq += 1
             flags &= ~self.BOS
             i = j

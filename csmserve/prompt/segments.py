@@ -36,9 +36,7 @@ _CLAUSE_END = (",", ";", ":", "\u2014", "\u2013", "--", "-")
 def _is_abbreviation(before: str) -> bool:
     """`before`: the text of the sentence up to (not including) a terminating '.'."""
     m = re.search(r"(\S+)$", before)
-    if not m:
-        return False
-    word = m.group(1).lstrip("\"'\u201c\u2018(\u00ab[{")
+    word = m.group(1).lstrip("\"'\u201c\u2018(\u00ab[{") if m else ""
     if not word:
         return False
     if len(word) == 1 and word.isalpha():  # an initial
@@ -80,7 +78,8 @@ class SentenceSplitter:
         if final:
             return out
         # an unfinished sentence already past the limits: its first clauses are final
-        words, complete_words = self._buf.split(), self._complete_words(self._buf)
+        words = self._buf.split()
+        complete_words = len(words) if self._buf[-1:].isspace() else max(0, len(words) - 1)  # whitespace after it
         if not self._long and self._too_long(words[:complete_words]):
             self._long = True
         if self._long and complete_words:
@@ -92,12 +91,6 @@ class SentenceSplitter:
 
     def _too_long(self, words: list[str]) -> bool:
         return len(words) > self.max_words or len(" ".join(words)) > self.max_chars
-
-    @staticmethod
-    def _complete_words(buf: str) -> int:
-        # a word is complete once whitespace follows it
-        words = buf.split()
-        return len(words) if buf and buf[-1].isspace() else max(0, len(words) - 1)
 
     @staticmethod
     def _skip_words(buf: str, n: int) -> str:
