@@ -29,6 +29,21 @@ VOICE_ID_PREFIX = "voice_"  # every stored voice's id starts so: a preset name i
 ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
 
 _INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at, adapter"
+# every store's table, in its database's types; {seq}: an insertion-order column where the database has no rowid
+_TABLE = """
+CREATE TABLE IF NOT EXISTS {table} ({seq}
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    transcript TEXT NOT NULL,
+    speaker INTEGER NOT NULL,
+    sample_rate INTEGER NOT NULL,
+    num_frames INTEGER NOT NULL,
+    codes {bytes} NOT NULL,         -- [num_frames, 32] int16 little-endian, row-major
+    created_at {double} NOT NULL,
+    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
+);
+CREATE INDEX IF NOT EXISTS {table}_name ON {table} (name, created_at);
+"""
 
 
 class VoiceNotFoundError(KeyError):

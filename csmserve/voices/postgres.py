@@ -13,25 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from csmserve.voices.backend import VoiceBackend
+from csmserve.voices.backend import _TABLE, VoiceBackend
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS csmserve_voices (
-    seq BIGSERIAL,                  -- insertion order: the tie-break of equal created_at
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    transcript TEXT NOT NULL,
-    speaker INTEGER NOT NULL,
-    sample_rate INTEGER NOT NULL,
-    num_frames INTEGER NOT NULL,
-    codes BYTEA NOT NULL,           -- [num_frames, 32] int16 little-endian, row-major
-    created_at DOUBLE PRECISION NOT NULL,
-    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
-);
-CREATE INDEX IF NOT EXISTS csmserve_voices_name ON csmserve_voices (name, created_at);
--- a table made before voices had an adapter (NULL: every old voice speaks with the base)
-ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;
-"""
+# seq: insertion order, the tie-break of equal created_at; the ALTER: a table made before voices had an adapter
+# (NULL: every old voice speaks with the base)
+_SCHEMA = (_TABLE.format(table="csmserve_voices", seq="\n    seq BIGSERIAL,", bytes="BYTEA", double="DOUBLE PRECISION")
+           + "ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;\n")
 _SCHEMA_LOCK = 0x63736D76  # pg_advisory_xact_lock key: replicas starting together create the table once
 
 

@@ -7,22 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from csmserve.voices.backend import VoiceBackend, default_db_path
+from csmserve.voices.backend import _TABLE, VoiceBackend, default_db_path
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS voices (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    transcript TEXT NOT NULL,
-    speaker INTEGER NOT NULL,
-    sample_rate INTEGER NOT NULL,
-    num_frames INTEGER NOT NULL,
-    codes BLOB NOT NULL,            -- [num_frames, 32] int16 little-endian, row-major
-    created_at REAL NOT NULL,
-    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
-);
-CREATE INDEX IF NOT EXISTS voices_name ON voices (name, created_at);
-"""
+_SCHEMA = _TABLE.format(table="voices", bytes="BLOB", double="REAL", seq="")
 
 
 class VoiceStore(VoiceBackend):
