@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Protocol
 
@@ -133,11 +134,8 @@ def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codeboo
 
     With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions
     (checked before anything is allocated)."""
-    boundaries, n = [], 0
-    for p in parts:
-        n += p.frames
-        boundaries.append(n)
-    total = n + len(target_ids)
+    boundaries = list(accumulate(p.frames for p in parts))
+    total = (boundaries[-1] if boundaries else 0) + len(target_ids)
     if max_frames is not None and total + max_frames > max_seq_len:
         raise ValueError(
             f"prompt too long: {total} prompt frames + {max_frames} frames of audio "
