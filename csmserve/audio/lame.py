@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from functools import cache
 
 import numpy as np
 
@@ -24,22 +25,21 @@ _SETTERS = ("lame_set_in_samplerate", "lame_set_out_samplerate", "lame_set_num_c
             "lame_set_brate", "lame_set_quality", "lame_set_bWriteVbrTag")  # each (gfp, int)
 
 
+@cache
 def library() -> ctypes.CDLL | None:
     lib = native("mp3lame")
     if lib is None or not hasattr(lib, "lame_encode_buffer_ieee_float"):
         return None
-    if not getattr(lib, "_csmserve_typed", False):
-        lib.lame_init.restype = ctypes.c_void_p
-        lib.lame_init.argtypes = []
-        for name in _SETTERS:
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.lame_init_params.argtypes = [ctypes.c_void_p]
-        lib.lame_close.argtypes = [ctypes.c_void_p]
-        # (gfp, left [n] float32 in [-1, 1], right (unused for mono), n, out, out size) -> bytes written or < 0
-        lib.lame_encode_buffer_ieee_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        lib.lame_encode_flush.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib._csmserve_typed = True
+    lib.lame_init.restype = ctypes.c_void_p
+    lib.lame_init.argtypes = []
+    for name in _SETTERS:
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.lame_init_params.argtypes = [ctypes.c_void_p]
+    lib.lame_close.argtypes = [ctypes.c_void_p]
+    # (gfp, left [n] float32 in [-1, 1], right (unused for mono), n, out, out size) -> bytes written or < 0
+    lib.lame_encode_buffer_ieee_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.lame_encode_flush.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 

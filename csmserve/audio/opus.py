@@ -14,6 +14,7 @@ import random
 import struct
 import weakref
 import zlib
+from functools import cache
 
 import numpy as np
 
@@ -31,20 +32,18 @@ _MAX_PACKET = 4000  # bytes: libopus' recommended output buffer for one packet
 _RATES = (8000, 12000, 16000, 24000, 48000)
 
 
+@cache
 def library() -> ctypes.CDLL | None:
     lib = native("opus")
     if lib is None or not hasattr(lib, "opus_encode_float"):
         return None
-    if not getattr(lib, "_csmserve_typed", False):
-        lib.opus_encoder_create.restype = ctypes.c_void_p
-        lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-        # (enc, pcm [n] float32, n, out, out size) -> packet bytes or < 0
-        lib.opus_encode_float.restype = ctypes.c_int32
-        lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_int32]
-        lib.opus_encoder_ctl.restype = ctypes.c_int  # variadic: arguments passed as ctypes values
-        lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
-        lib._csmserve_typed = True
+    lib.opus_encoder_create.restype = ctypes.c_void_p
+    lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    # (enc, pcm [n] float32, n, out, out size) -> packet bytes or < 0
+    lib.opus_encode_float.restype = ctypes.c_int32
+    lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int32]
+    lib.opus_encoder_ctl.restype = ctypes.c_int  # variadic: arguments passed as ctypes values
+    lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
     return lib
 
 
