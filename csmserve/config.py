@@ -55,10 +55,9 @@ class EngineConfig:
     # last frame too and the depth decoder runs from its hidden state (no second backbone pass: time to first
     # audio); False: the last frame enters through the first frame step
     first_frame_from_prefill: bool = True
-    # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
-    # bytes at most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB:
-    # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;
-    # 0 disables
+    # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU): bytes at
+    # most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB: 1,024 growing
+    # conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None
     # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
