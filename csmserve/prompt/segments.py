@@ -80,22 +80,17 @@ class SentenceSplitter:
         # an unfinished sentence already past the limits: its first clauses are final
         words = self._buf.split()
         complete_words = len(words) if self._buf[-1:].isspace() else max(0, len(words) - 1)  # whitespace after it
-        if not self._long and self._too_long(words[:complete_words]):
-            self._long = True
+        self._long = self._long or self._too_long(words[:complete_words])
         if self._long and complete_words:
             pieces = self._clauses(words[:complete_words], complete=False)
-            if pieces:
+            if pieces:  # the buffer from after their words
                 out += pieces
-                self._buf = self._skip_words(self._buf, sum(len(p.split()) for p in pieces))
+                m = re.match(r"\s*(?:\S+\s+){%d}" % sum(len(p.split()) for p in pieces), self._buf)
+                self._buf = self._buf[m.end():] if m else ""
         return out
 
     def _too_long(self, words: list[str]) -> bool:
         return len(words) > self.max_words or len(" ".join(words)) > self.max_chars
-
-    @staticmethod
-    def _skip_words(buf: str, n: int) -> str:
-        m = re.match(r"\s*(?:\S+\s+){%d}" % n, buf)
-        return buf[m.end():] if m else ""
 
     def _clauses(self, words: list[str], complete: bool) -> list[str]:
         """Cut a sentence's words into pieces; complete=False keeps back the last (unfinished) piece."""
