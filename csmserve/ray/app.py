@@ -160,9 +160,6 @@ def run_ray(args: argparse.Namespace) -> int:
     for key, value in ray_environment().items():  # the own instance's processes inherit it (a cluster's have theirs)
         os.environ.setdefault(key, value)  # a variable already set wins
 
-    def interrupt(*_) -> None:
-        raise KeyboardInterrupt
-
     try:
         if cfg.ray_address is None:
             # "local": a new instance even when `ray start` left one recorded on this machine (a bare
@@ -171,7 +168,8 @@ def run_ray(args: argparse.Namespace) -> int:
         else:
             ray.init(address=cfg.ray_address)
             log.info("joined the Ray cluster at %s", cfg.ray_address)
-        signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C (after ray.init: its handler aborts)
+        # a container's stop: as Ctrl-C (KeyboardInterrupt; after ray.init: its handler aborts)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         serve.start(proxy_location="Disabled")  # no-op where Serve runs already; HAProxy is the way in
         serve.run(app, name=cfg.app_name, route_prefix=None, blocking=False)
         log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,
