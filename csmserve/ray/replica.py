@@ -80,8 +80,7 @@ class CSMServeReplica:
         """Until the engine is up and a worker answers /ready 200 (RuntimeError if the unit fails first)."""
         while True:
             self.unit.check()
-            fatal = self.unit.fatal()
-            if fatal is not None:
+            if (fatal := self.unit.fatal()) is not None:
                 raise RuntimeError(f"csmserve replica {self.replica} failed to start: {fatal}")
             if self.unit.engine_ready:
                 try:
@@ -94,8 +93,7 @@ class CSMServeReplica:
     # ---- what Ray calls
     async def check_health(self) -> None:
         self._start()
-        fatal = self.unit.fatal()
-        if fatal is not None:
+        if (fatal := self.unit.fatal()) is not None:
             raise RuntimeError(f"csmserve replica {self.replica}: {fatal}")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
