@@ -9,9 +9,8 @@ from dataclasses import dataclass
 SAMPLE_RATE = 24_000  # Hz: Mimi's audio (and OpenAI's pcm)
 FRAME_MS = 80  # one Mimi frame (12.5 Hz)
 FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000  # 1920
-# a reader's pace (speech is ~15 characters/s): a request that names no length is capped at this per character
-# of its text (ServerConfig.audio_ms_per_char); random weights (dummy, dummy-tiny) never end a sentence
-# themselves, so there it is where they stop
+# a reader's pace (speech is ~15 characters/s): the cap per character of a request that names no length
+# (ServerConfig.audio_ms_per_char); where random weights (dummy, dummy-tiny), which never end a sentence, stop
 AUDIO_MS_PER_CHAR = 150
 
 
@@ -46,21 +45,19 @@ class EngineConfig:
     # + a * (80 - s) for a frame step of s ms; at 2,048 streams (s ~74 ms) c = 4 leaves ~80 ms early in a
     # stream against one slow step, c = 2 ~230 ms (docs/benchmarks.md)
     chunk_frames: int = 2
-    # fewer, larger chunks once a stream is safely ahead of real time (engine/outputs.py Router): while its
-    # lead (audio handed out - wall time since its first chunk) exceeds chunk_grow_lead_ms, a chunk after
-    # the first holds half the excess, at most max_chunk_ms of audio (960 ms: 12 frames); under it, chunk_frames.
-    # Each chunk is one message, write and encoder call on every transport. max_chunk_ms <= chunk_frames x 80:
-    # no growth
+    # fewer, larger chunks (one message, write and encoder call each) once a stream is ahead of real time
+    # (engine/outputs.py Router): while its lead (audio handed out - wall time since its first chunk) exceeds
+    # chunk_grow_lead_ms, a later chunk holds half the excess, at most max_chunk_ms (960 ms: 12 frames); under
+    # it, chunk_frames. max_chunk_ms <= chunk_frames x 80: no growth
     max_chunk_ms: int = 1000
     chunk_grow_lead_ms: int = 500
-    # on a step of first frames only whose prompts this step's prefill completes: the prefill takes each prompt's
-    # last frame too and keeps its hidden state, and the first frame runs the depth decoder from it (no second
-    # backbone pass: time to first audio); False: the last frame enters through the first frame step
+    # a step of first frames only, whose prompts this step's prefill completes: the prefill takes each prompt's
+    # last frame too and the depth decoder runs from its hidden state (no second backbone pass: time to first
+    # audio); False: the last frame enters through the first frame step
     first_frame_from_prefill: bool = True
-    # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU):
-    # bytes at most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB:
-    # 1,024 growing conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU;
-    # 0 disables
+    # prompt-prefix cache (backbone KV of voices' / conversations' prompt prefixes kept on the device, LRU): bytes at
+    # most; None = on CUDA half the memory the slots and graphs leave free (at least 2 GiB: 1,024 growing
+    # conversations need tens of GB; measured in docs/benchmarks.md), 64 MiB on the CPU; 0 disables
     prefix_cache_bytes: int | None = None
     # weights of the GEMMs: bf16 (the model's dtype), fp8 (depth decoder in FP8 e4m3, per-channel
     # scales, dynamic per-row activation scales; Hopper's FP8 GEMM, a dequantized fallback elsewhere;
@@ -69,14 +66,12 @@ class EngineConfig:
     # CUDA: Mimi's decode of frame t on a stream of its own, beside the generation of frame t+1 (engine/graphs.py;
     # docs/benchmarks.md); False: both in one graph, one after the other
     codec_stream: bool = True
-    # an API worker (or a Ray replica's HTTP side) that has not read a step's rows when the engine needs
-    # that output-ring buffer again: the engine waits up to this many seconds for it (the busy reader
-    # slows the engine down instead of losing its streams); past it that worker's streams there end
-    # with an error, and the engine waits for it no more until it catches up
+    # an API worker that has not read a step's rows when the engine needs that output-ring buffer again: the
+    # engine waits up to this long for it (slowing down instead of losing streams); past it that worker's
+    # streams there end with an error, and the engine waits for it no more until it catches up
     reader_wait_s: float = 2.0
-    # a directory: every process of the server (engine core, API workers) appends per-request stamps,
-    # engine steps and GC pauses to its own file there (engine/trace.py; bench/trace_report.py joins
-    # them); None: off, nothing recorded
+    # a directory: every process of the server appends per-request stamps, engine steps and GC pauses to its
+    # own file there (engine/trace.py; bench/trace_report.py joins them); None: off
     trace_requests: str | None = None
     # LoRA fine-tunes served beside the base in the same batches (models/lora.py, engine/adapters.py): GPU pool
     # slots, the adapters resident at once (LRU; each A and B of every projection padded to max_lora_rank: ~1.7 MB
@@ -93,15 +88,9 @@ class EngineConfig:
                      "first_chunk_frames", "chunk_frames"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_chunk_ms", "chunk_grow_lead_ms"):
-            if getattr(self, name) < 0:
+        for name in ("max_chunk_ms", "chunk_grow_lead_ms", "prefix_cache_bytes", "reader_wait_s", "max_waiting"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
-            raise ValueError(f"EngineConfig.prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        if not self.reader_wait_s >= 0:
-            raise ValueError(f"EngineConfig.reader_wait_s must be >= 0, got {self.reader_wait_s}")
-        if self.max_waiting < 0:
-            raise ValueError(f"EngineConfig.max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
             raise ValueError(f"EngineConfig needs max_loras >= 0, max_lora_rank >= 1 and max_cpu_loras >= 1, got "
                              f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
@@ -132,10 +121,9 @@ class ServerConfig:
     # the largest max_audio_length_ms (the whole response) a request may ask for: no request holds a
     # slot for longer than this much audio
     max_audio_length_ms: int = 600_000
-    # a request that does not say gets audio_ms_per_char x its characters (speech is ~15 characters/s),
-    # at least default_audio_length_ms, at most max_audio_length_ms. None: 30 s on real weights (they end each
-    # sentence themselves: the cap only stops one that never ends), 1 s on random weights (dummy, dummy-tiny:
-    # they never end one, so the text's reading length is where they stop)
+    # a request that does not say gets audio_ms_per_char x its characters, at least default_audio_length_ms, at
+    # most max_audio_length_ms. None: 30 s on real weights (the cap only stops a sentence that never ends), 1 s
+    # on random weights (dummy, dummy-tiny: they never end one, so the reading length is where they stop)
     default_audio_length_ms: int | None = None
     audio_ms_per_char: int = AUDIO_MS_PER_CHAR
     # one sentence of a multi-sentence request (or a WebSocket turn) at most, unless the request says
@@ -158,9 +146,8 @@ class ServerConfig:
     # while an API worker's event loop is saturated (encoding), a response already this many seconds of
     # audio ahead of real time waits before its next chunk is encoded (server/lead.py); 0: never
     max_lead_s: float = 1.0
-    # threads per API worker that encode a compressed stream's chunks after its first (libav releases the GIL
-    # while it encodes), so the event loop stays free for requests' first chunks; 0: on the event loop (the
-    # default until it is measured on the H200: docs/benchmarks.md)
+    # threads per API worker that encode a compressed stream's chunks after its first (libav releases the GIL),
+    # so the event loop stays free for first chunks; 0: on the event loop (until measured on the H200)
     encode_threads: int = 0
     # API worker processes beside the engine-core process (csmserve serve); 0: one process, the engine
     # on a thread of it; None: from the CPU count
@@ -220,14 +207,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
-        if self.max_lead_s < 0:
-            raise ValueError(f"ServerConfig.max_lead_s must be >= 0, got {self.max_lead_s}")
+        for name in ("max_lead_s", "encode_threads", "api_workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_reader_lag_s <= 0:
             raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
-        if self.encode_threads < 0:
-            raise ValueError(f"ServerConfig.encode_threads must be >= 0, got {self.encode_threads}")
-        if self.api_workers is not None and self.api_workers < 0:
-            raise ValueError(f"ServerConfig.api_workers must be >= 0, got {self.api_workers}")
         for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -279,10 +263,9 @@ class RayConfig:
                      "health_check_timeout_s", "report_interval_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"RayConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
-            raise ValueError(f"RayConfig.gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
-        if self.ingress_cpus < 0:
-            raise ValueError(f"RayConfig.ingress_cpus must be >= 0, got {self.ingress_cpus}")
+        for name in ("gpus_per_replica", "ingress_cpus"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.affinity_load_factor < 1:
             raise ValueError(f"RayConfig.affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         lo, hi = INGRESS_BODY_BYTES

@@ -11,8 +11,6 @@ from csmserve.config import SAMPLE_RATE
 
 
 class Encoder:
-    """Base: validates chunks, applies `speed` (atempo), then hands PCM to `_encode`."""
-
     format: ClassVar[str]
     media_type: ClassVar[str]
     heavy: ClassVar[bool] = False  # a codec: ms of CPU per second of audio, in libav or a library (GIL released)
@@ -25,7 +23,12 @@ class Encoder:
     def write(self, pcm: np.ndarray) -> bytes:
         if self.closed:
             raise RuntimeError("write() after close()")
-        pcm = _as_mono_f32(pcm)
+        pcm = np.asarray(pcm)
+        if pcm.ndim == 2 and 1 in pcm.shape:  # [1, n] or [n, 1]
+            pcm = pcm.reshape(-1)
+        if pcm.ndim != 1:
+            raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
+        pcm = np.ascontiguousarray(pcm, dtype=np.float32)
         if self.stretch is not None:
             pcm = self.stretch.write(pcm)
         return self._encode(pcm) if pcm.size else b""
@@ -42,15 +45,6 @@ class Encoder:
 
     def _finish(self) -> bytes:
         return b""
-
-
-def _as_mono_f32(pcm: np.ndarray) -> np.ndarray:
-    pcm = np.asarray(pcm)
-    if pcm.ndim == 2 and 1 in pcm.shape:  # [1, n] or [n, 1]
-        pcm = pcm.reshape(-1)
-    if pcm.ndim != 1:
-        raise ValueError(f"expected mono PCM of shape [n], got {pcm.shape}")
-    return np.ascontiguousarray(pcm, dtype=np.float32)
 
 
 def compression_level(fmt: str, codec_options: dict[str, str] | None, default: int, top: int) -> int:

@@ -5,22 +5,21 @@
         send(enc.write(chunk))      # may be b"" while the codec fills its first frame
     send(enc.close())               # codec tail; the stream is complete after this
 
-Every format streams: bytes leave on write(), not only at close(). Output is never seeked
-back into (the muxers see a non-seekable sink), so the bytes sent first are final:
-no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the wav header, no sample count or MD5
-in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at 24 kHz:
-pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead).
-speed != 1 adds about one chunk of lag (atempo's analysis window).
+Every format streams: bytes leave on write(), not only at close(). Output is never seeked back into (the muxers
+see a non-seekable sink), so the bytes sent first are final: no Xing/Info frame in mp3, sizes 0xFFFFFFFF in the
+wav header, no sample count or MD5 in the FLAC STREAMINFO. First bytes, counted in 1920-sample (80 ms) chunks at
+24 kHz: pcm, wav, opus, flac, mp3: the 1st write; aac: the 2nd (1024-sample priming + look-ahead). speed != 1
+adds about one chunk of lag (atempo's analysis window).
 
-mp3 and opus default to their libraries called directly (audio/lame.py, audio/opus.py: the same codec
-settings, ~25-40% less CPU per stream); Mp3Encoder and OpusEncoder here are the libav path, used where
-those libraries do not load or with CSMSERVE_NATIVE_CODECS=0.
+mp3 and opus default to their libraries called directly (audio/lame.py, audio/opus.py: the same codec settings,
+~25-40% less CPU per stream); Mp3Encoder and OpusEncoder here are the libav path, used where those libraries do
+not load or with CSMSERVE_NATIVE_CODECS=0.
 """
 from __future__ import annotations
 
 import os
 import struct
-from fractions import Fraction
+from functools import cache
 from typing import ClassVar
 
 import av
@@ -29,8 +28,8 @@ import numpy as np
 from csmserve.audio import lame, opus
 from csmserve.audio.base import Encoder
 from csmserve.audio.libs import native
+from csmserve.audio.tempo import av_frame
 from csmserve.config import SAMPLE_RATE
-
 
 
 def to_s16le(pcm: np.ndarray) -> bytes:
@@ -93,18 +92,12 @@ class _Sink:
         return data
 
 
-_single_threaded = False
-
-
+@cache
 def single_threaded_libav() -> None:
     """Every libav object of this process uses one thread. PyAV re-blocks audio for the codec through a
     libavfilter graph that otherwise starts a thread per core per encoder (~3,900 threads for 256 mp3
     streams on 16 cores); the codec's own thread_count does not reach it. Streams spread over the API
     worker processes instead."""
-    global _single_threaded
-    if _single_threaded:
-        return
-    _single_threaded = True
     lib = native("avutil")
     if lib is not None and hasattr(lib, "av_cpu_force_count"):  # else a libav without it: its default threads
         lib.av_cpu_force_count(1)
@@ -128,36 +121,28 @@ class AvEncoder(Encoder):
         # flush_packets: push every muxed packet through avio to the sink at once
         options = {"flush_packets": "1", **self.container_options}
         self.out = av.open(self.sink, mode="w", format=self.container, options=options)
-        self.stream = self.out.add_stream(self.codec, rate=_codec_rate(self.codec, sample_rate),
+        # the codec's rate if it takes ours (24 kHz: all four do), else its highest (PyAV resamples)
+        rates = av.codec.Codec(self.codec, "w").audio_rates
+        rate = sample_rate if not rates or sample_rate in rates else max(rates)
+        self.stream = self.out.add_stream(self.codec, rate=rate,
                                           options={**self.codec_options, **(codec_options or {})})
         self.stream.layout = "mono"
-        # one thread per encoder: libav's default (0 = one per core) gave a server of 256 mp3 streams
-        # ~3,900 threads; the API workers spread the streams over the cores instead
-        self.stream.codec_context.thread_count = 1
+        self.stream.codec_context.thread_count = 1  # libav's default is one per core (single_threaded_libav)
         self.stream.codec_context.thread_type = "NONE"
         if self.bit_rate:
             self.stream.bit_rate = self.bit_rate
         self.num_samples = 0  # pts of the next input frame, in 1/sample_rate
 
     def _encode(self, pcm: np.ndarray) -> bytes:
-        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
-        frame.sample_rate, frame.pts = self.sample_rate, self.num_samples
-        frame.time_base = Fraction(1, self.sample_rate)
-        self.num_samples += pcm.size
         # PyAV converts format/rate and re-blocks to the codec's frame size (1152, 1024, 480...)
-        self.out.mux(self.stream.encode(frame))
+        self.out.mux(self.stream.encode(av_frame(pcm, self.sample_rate, self.num_samples)))
+        self.num_samples += pcm.size
         return self.sink.drain()
 
     def _finish(self) -> bytes:
         self.out.mux(self.stream.encode(None))  # drain the codec's delay line
         self.out.close()  # trailer: last Ogg page, etc.
         return self.sink.drain()
-
-
-def _codec_rate(codec: str, sample_rate: int) -> int:
-    # the codec's rate if it takes ours (24 kHz: all four do), else its highest (PyAV resamples)
-    rates = av.codec.Codec(codec, "w").audio_rates
-    return sample_rate if not rates or sample_rate in rates else max(rates)
 
 
 class Mp3Encoder(AvEncoder):

@@ -1,8 +1,6 @@
-"""mp3 by libmp3lame, called directly: the stream settings below, which encoders.Mp3Encoder (the libav path)
-shares (MPEG-2 Layer III at 24 kHz, mono, CBR 64 kb/s, no Xing/Info frame, no ID3 tag, LAME quality 7
-unless codec_options say),
-without PyAV's per-call frames, re-blocking graph, packets and muxer: ~25% less CPU per stream
-(docs/benchmarks.md, Encoders). make_encoder("mp3") uses it where the library loads (audio/libs.py).
+"""mp3 by libmp3lame, called directly, with the settings encoders.Mp3Encoder (the libav path) shares (MPEG-2
+Layer III at 24 kHz, mono, CBR 64 kb/s, no Xing/Info frame, no ID3 tag, LAME quality 7 unless codec_options
+say): ~25% less CPU per stream (docs/benchmarks.md, Encoders). make_encoder("mp3") uses it where it loads.
 
 LAME buffers internally and returns whole frames as they complete, so a write of 3,840 samples returns
 the frames finished so far (the first write already holds some: its ~1,100-sample delay is < 3,840).
@@ -11,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from functools import cache
 
 import numpy as np
 
@@ -23,25 +22,24 @@ BIT_RATE = 64_000
 QUALITY = 7  # LAME's 0 (best, slowest) .. 9; ServerConfig.mp3_compression_level
 _MONO = 3  # MPEG_mode MONO
 _SETTERS = ("lame_set_in_samplerate", "lame_set_out_samplerate", "lame_set_num_channels", "lame_set_mode",
-            "lame_set_brate", "lame_set_quality", "lame_set_bWriteVbrTag")
+            "lame_set_brate", "lame_set_quality", "lame_set_bWriteVbrTag")  # each (gfp, int)
 
 
+@cache
 def library() -> ctypes.CDLL | None:
     lib = native("mp3lame")
     if lib is None or not hasattr(lib, "lame_encode_buffer_ieee_float"):
         return None
-    if not getattr(lib, "_csmserve_typed", False):
-        lib.lame_init.restype = ctypes.c_void_p
-        lib.lame_init.argtypes = []
-        for name in _SETTERS:
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.lame_init_params.argtypes = [ctypes.c_void_p]
-        lib.lame_close.argtypes = [ctypes.c_void_p]
-        # (gfp, left [n] float32 in [-1, 1], right (unused for mono), n, out, out size) -> bytes written or < 0
-        lib.lame_encode_buffer_ieee_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        lib.lame_encode_flush.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib._csmserve_typed = True
+    lib.lame_init.restype = ctypes.c_void_p
+    lib.lame_init.argtypes = []
+    for name in _SETTERS:
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.lame_init_params.argtypes = [ctypes.c_void_p]
+    lib.lame_close.argtypes = [ctypes.c_void_p]
+    # (gfp, left [n] float32 in [-1, 1], right (unused for mono), n, out, out size) -> bytes written or < 0
+    lib.lame_encode_buffer_ieee_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.lame_encode_flush.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -62,10 +60,7 @@ class LameEncoder(Encoder):
             raise MemoryError("lame_init failed")
         self.gfp = gfp
         self._free = weakref.finalize(self, lib.lame_close, gfp)  # also for a stream dropped unclosed
-        for name, value in (("lame_set_in_samplerate", sample_rate), ("lame_set_out_samplerate", sample_rate),
-                            ("lame_set_num_channels", 1), ("lame_set_mode", _MONO),
-                            ("lame_set_brate", BIT_RATE // 1000), ("lame_set_quality", quality),
-                            ("lame_set_bWriteVbrTag", 0)):
+        for name, value in zip(_SETTERS, (sample_rate, sample_rate, 1, _MONO, BIT_RATE // 1000, quality, 0)):
             getattr(lib, name)(gfp, value)
         if lib.lame_init_params(gfp) != 0:
             self._free()

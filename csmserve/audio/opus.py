@@ -1,7 +1,6 @@
-"""Ogg/Opus by libopus, called directly, with the Ogg pages written here (RFC 7845): the stream settings
-below, which encoders.OpusEncoder (the libav path) shares (24 kHz mono in, 20 ms packets, VBR 32 kb/s,
-complexity 5 unless codec_options say), without PyAV's per-call frames, re-blocking graph, packets and muxer.
-make_encoder("opus") uses it where the library loads (audio/libs.py).
+"""Ogg/Opus by libopus, called directly, with the Ogg pages written here (RFC 7845) and the settings
+encoders.OpusEncoder (the libav path) shares (24 kHz mono in, 20 ms packets, VBR 32 kb/s, complexity 5 unless
+codec_options say). make_encoder("opus") uses it where the library loads.
 
 Pages: the OpusHead page (BOS) and the OpusTags page leave with the first write; then each write's whole
 20 ms packets go out in one page (so bytes leave on every write of >= 480 samples), its granule position
@@ -15,6 +14,7 @@ import random
 import struct
 import weakref
 import zlib
+from functools import cache
 
 import numpy as np
 
@@ -32,20 +32,18 @@ _MAX_PACKET = 4000  # bytes: libopus' recommended output buffer for one packet
 _RATES = (8000, 12000, 16000, 24000, 48000)
 
 
+@cache
 def library() -> ctypes.CDLL | None:
     lib = native("opus")
     if lib is None or not hasattr(lib, "opus_encode_float"):
         return None
-    if not getattr(lib, "_csmserve_typed", False):
-        lib.opus_encoder_create.restype = ctypes.c_void_p
-        lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-        # (enc, pcm [n] float32, n, out, out size) -> packet bytes or < 0
-        lib.opus_encode_float.restype = ctypes.c_int32
-        lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                          ctypes.c_int32]
-        lib.opus_encoder_ctl.restype = ctypes.c_int  # variadic: arguments passed as ctypes values
-        lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
-        lib._csmserve_typed = True
+    lib.opus_encoder_create.restype = ctypes.c_void_p
+    lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    # (enc, pcm [n] float32, n, out, out size) -> packet bytes or < 0
+    lib.opus_encode_float.restype = ctypes.c_int32
+    lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int32]
+    lib.opus_encoder_ctl.restype = ctypes.c_int  # variadic: arguments passed as ctypes values
+    lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -83,8 +81,7 @@ class OggPages:
             head = struct.pack("<4sBBqIIIB", b"OggS", 0, flags if last else flags & self.BOS,
                                granule - step * (len(packets) - j), self.serial, self.seq, 0, len(lacing))
             page = head + bytes(lacing) + b"".join(body)
-            crc = ogg_crc(page)
-            out.append(page[:22] + struct.pack("<I", crc) + page[26:])
+            out.append(page[:22] + struct.pack("<I", ogg_crc(page)) + page[26:])  # the CRC over the page with 0 there
             self.seq += 1
             flags &= ~self.BOS
             i = j

@@ -28,6 +28,13 @@ def _atempo_factors(speed: float) -> list[float]:
     return factors + [speed]
 
 
+def av_frame(pcm: np.ndarray, sample_rate: int, pts: int) -> av.AudioFrame:
+    """[n] float32 -> a mono libav frame starting at sample `pts` (time base 1/sample_rate)."""
+    frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
+    frame.sample_rate, frame.pts, frame.time_base = sample_rate, pts, Fraction(1, sample_rate)
+    return frame
+
+
 class TimeStretch:
     """Streaming tempo change: write() returns what the filter has ready (it lags ~1-2 chunks),
     flush() the tail. Output length ~ input length / speed; pitch is kept."""
@@ -45,11 +52,8 @@ class TimeStretch:
     def write(self, pcm: np.ndarray) -> np.ndarray:
         # pcm: [n] float32 -> [m] float32, m varies per call
         if pcm.size:
-            frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
-            frame.sample_rate, frame.pts = self.sample_rate, self.num_in
-            frame.time_base = Fraction(1, self.sample_rate)
+            self.graph.push(av_frame(pcm, self.sample_rate, self.num_in))
             self.num_in += pcm.size
-            self.graph.push(frame)
         return self._pull()
 
     def flush(self) -> np.ndarray:

@@ -70,13 +70,10 @@ def cast(lines: Sequence[Line], default_voice: str | None) -> tuple[list[Line], 
     free = (i for i in range(MAX_SPEAKER + 1) if i not in taken)
     for ln in filled:
         if ln.voice is not None and ln.voice not in voices:
-            if ln.speaker is not None:
-                voices[ln.voice] = ln.speaker
-            else:
-                nxt = next(free, None)
-                if nxt is None:
-                    raise ValueError("more voices than speaker ids")
-                voices[ln.voice] = nxt
+            speaker = ln.speaker if ln.speaker is not None else next(free, None)
+            if speaker is None:
+                raise ValueError("more voices than speaker ids")
+            voices[ln.voice] = speaker
     speakers = [ln.speaker if ln.speaker is not None else voices[ln.voice] for ln in filled]
     return filled, Cast(speakers, voices)
 
@@ -84,10 +81,8 @@ def cast(lines: Sequence[Line], default_voice: str | None) -> tuple[list[Line], 
 def segments(lines: Sequence[Line], speakers: Sequence[int], max_words: int = 25, max_chars: int = 250
              ) -> list[tuple[int, int, str]]:
     """The long-form segments: (line index, speaker, sentence) for every sentence of every line."""
-    out = []
-    for i, (ln, spk) in enumerate(zip(lines, speakers)):
-        for sentence in split_sentences(ln.text, max_words, max_chars):
-            out.append((i, spk, sentence))
+    out = [(i, spk, sentence) for i, (ln, spk) in enumerate(zip(lines, speakers))
+           for sentence in split_sentences(ln.text, max_words, max_chars)]
     if not out:
         raise ValueError("the script has no text")
     return out

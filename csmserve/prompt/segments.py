@@ -36,9 +36,7 @@ _CLAUSE_END = (",", ";", ":", "\u2014", "\u2013", "--", "-")
 def _is_abbreviation(before: str) -> bool:
     """`before`: the text of the sentence up to (not including) a terminating '.'."""
     m = re.search(r"(\S+)$", before)
-    if not m:
-        return False
-    word = m.group(1).lstrip("\"'\u201c\u2018(\u00ab[{")
+    word = m.group(1).lstrip("\"'\u201c\u2018(\u00ab[{") if m else ""
     if not word:
         return False
     if len(word) == 1 and word.isalpha():  # an initial
@@ -80,29 +78,19 @@ class SentenceSplitter:
         if final:
             return out
         # an unfinished sentence already past the limits: its first clauses are final
-        words, complete_words = self._buf.split(), self._complete_words(self._buf)
-        if not self._long and self._too_long(words[:complete_words]):
-            self._long = True
+        words = self._buf.split()
+        complete_words = len(words) if self._buf[-1:].isspace() else max(0, len(words) - 1)  # whitespace after it
+        self._long = self._long or self._too_long(words[:complete_words])
         if self._long and complete_words:
             pieces = self._clauses(words[:complete_words], complete=False)
-            if pieces:
+            if pieces:  # the buffer from after their words
                 out += pieces
-                self._buf = self._skip_words(self._buf, sum(len(p.split()) for p in pieces))
+                m = re.match(r"\s*(?:\S+\s+){%d}" % sum(len(p.split()) for p in pieces), self._buf)
+                self._buf = self._buf[m.end():] if m else ""
         return out
 
     def _too_long(self, words: list[str]) -> bool:
         return len(words) > self.max_words or len(" ".join(words)) > self.max_chars
-
-    @staticmethod
-    def _complete_words(buf: str) -> int:
-        # a word is complete once whitespace follows it
-        words = buf.split()
-        return len(words) if buf and buf[-1].isspace() else max(0, len(words) - 1)
-
-    @staticmethod
-    def _skip_words(buf: str, n: int) -> str:
-        m = re.match(r"\s*(?:\S+\s+){%d}" % n, buf)
-        return buf[m.end():] if m else ""
 
     def _clauses(self, words: list[str], complete: bool) -> list[str]:
         """Cut a sentence's words into pieces; complete=False keeps back the last (unfinished) piece."""
@@ -134,33 +122,23 @@ class SentenceSplitter:
             m_term = _TERM.search(buf, pos)
             m_para = _PARA.search(buf, pos)
             if m_para is not None and (m_term is None or m_para.start() < m_term.start()):
-                if buf[:m_para.start()].strip():  # a paragraph break after some text
-                    if m_para.end() < len(buf) or final:  # decided once more text follows it
-                        return m_para.start()
-                    return None
+                if buf[:m_para.start()].strip():  # a paragraph break after some text, decided once more text follows
+                    return m_para.start() if m_para.end() < len(buf) or final else None
                 pos = m_para.end()
                 continue
-            if m_term is None:
+            if m_term is None or m_term.end() == len(buf):
                 return len(buf) if final else None
             end = m_term.end()
             rest = buf[end:]
             ws = len(rest) - len(rest.lstrip())
-            if end == len(buf):
-                return len(buf) if final else None
-            if ws == 0:  # 3.14, e.g.x, "a.m." mid-token: not an end
-                pos = end
-                continue
             if ws == len(rest):  # only whitespace follows: decided by what comes next
                 return end if final else None
-            nxt = rest[ws]
-            term = m_term.group(0).rstrip(_CLOSE)
-            if nxt.islower():
-                pos = end
-                continue
-            if term == "." and _is_abbreviation(buf[:m_term.start()]):
-                pos = end
-                continue
-            return end
+            # not an end: no whitespace after it (3.14, e.g.x, "a.m." mid-token), a lowercase word next, or an
+            # abbreviation's "."
+            if ws and not rest[ws].islower() and not (
+                    m_term.group(0).rstrip(_CLOSE) == "." and _is_abbreviation(buf[:m_term.start()])):
+                return end
+            pos = end
 
 
 def split_sentences(text: str, max_words: int = 25, max_chars: int = 250) -> list[str]:

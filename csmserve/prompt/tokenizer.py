@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from csmserve.config import FRAME_MS
 
+from csmserve.config import FRAME_MS
 
 
 class TextTokenizer(Protocol):
@@ -98,8 +99,7 @@ class PromptSegment:
 
 def text_frames(ids: Sequence[int], num_codebooks: int) -> tuple[np.ndarray, np.ndarray]:
     # -> tokens [n, K+1] int64 (text in the last column), mask [n, K+1] bool (last column only)
-    tokens, mask, _ = assemble((), ids, num_codebooks, max_seq_len=len(ids))
-    return tokens, mask
+    return assemble((), ids, num_codebooks, max_seq_len=len(ids))[:2]
 
 
 @dataclass
@@ -134,11 +134,8 @@ def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codeboo
 
     With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions
     (checked before anything is allocated)."""
-    boundaries, n = [], 0
-    for p in parts:
-        n += p.frames
-        boundaries.append(n)
-    total = n + len(target_ids)
+    boundaries = list(accumulate(p.frames for p in parts))
+    total = (boundaries[-1] if boundaries else 0) + len(target_ids)
     if max_frames is not None and total + max_frames > max_seq_len:
         raise ValueError(
             f"prompt too long: {total} prompt frames + {max_frames} frames of audio "
@@ -167,13 +164,10 @@ def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codeboo
 def prompt_frames(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str, target_speaker: int,
                   num_codebooks: int = 32, max_frames: int | None = None,
                   max_seq_len: int = 2048) -> tuple[np.ndarray, np.ndarray]:
-    """Context turns then the target turn's text -> tokens [T, K+1] int64, mask [T, K+1] bool.
-
-    With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions.
-    """
-    tokens, mask, _ = prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks,
-                                                   max_frames, max_seq_len)
-    return tokens, mask
+    """Context turns then the target turn's text -> tokens [T, K+1] int64, mask [T, K+1] bool (max_frames,
+    max_seq_len: as assemble's)."""
+    return prompt_frames_and_boundaries(tok, segments, target_text, target_speaker, num_codebooks, max_frames,
+                                        max_seq_len)[:2]
 
 
 def prompt_frames_and_boundaries(tok: TextTokenizer, segments: Sequence[PromptSegment], target_text: str,

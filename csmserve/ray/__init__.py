@@ -4,11 +4,7 @@
     serve run csmserve.ray:app                       # from CSMSERVE_* variables
     serve run csmserve.ray:build_app model=sesame/csm-1b min_replicas=1 max_replicas=4 max_slots=512
 
-app.py builds the application (and `csmserve serve --ray`); replica.py is one replica (one `csmserve serve`
-unit: an engine-core process and its API workers on a port of its own); ingress.py runs HAProxy on the
-server's port (haproxy.py: its config, routing by conversation / voice / adapter under a load bound) and
-answers /ready and /metrics for the application; directory.py holds the replicas' reports; autoscale.py is
-the autoscaling policy on the streams the replicas hold. Needs `pip install 'csmserve[ray]'`.
+The files: docs/structure.md. Needs `pip install 'csmserve[ray]'`.
 """
 from __future__ import annotations
 

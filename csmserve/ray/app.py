@@ -61,14 +61,15 @@ def autoscaling_config(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
             "policy": {"policy_function": POLICY}}
 
 
+def _common_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
+    return {"logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
+            "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": cfg.health_check_timeout_s}
+
+
 def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServe deployment's Ray options (replicas or autoscaling, resources, health checks)."""
-    opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
-        "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
-        "health_check_period_s": cfg.health_check_period_s,
-        "health_check_timeout_s": cfg.health_check_timeout_s,
-    }
+    opts = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
+            **_common_options(spec, cfg)}
     if cfg.autoscaling:
         opts["autoscaling_config"] = autoscaling_config(spec, cfg)
     else:
@@ -79,9 +80,7 @@ def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
 def ingress_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServeIngress deployment's: one HAProxy per node, as many as --ingress-replicas."""
     return {"num_replicas": cfg.ingress_replicas, "max_replicas_per_node": 1,
-            "ray_actor_options": {"num_cpus": cfg.ingress_cpus},
-            "logging_config": {"log_level": spec.log_level.upper(), "enable_access_log": False},
-            "health_check_period_s": cfg.health_check_period_s, "health_check_timeout_s": cfg.health_check_timeout_s}
+            "ray_actor_options": {"num_cpus": cfg.ingress_cpus}, **_common_options(spec, cfg)}
 
 
 def application(spec: ServeSpec, cfg: RayConfig = RayConfig()) -> Application:
@@ -96,12 +95,6 @@ def application(spec: ServeSpec, cfg: RayConfig = RayConfig()) -> Application:
                                                                       replicas)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="csmserve")
-    add_serve_parser(p.add_subparsers(dest="command"))
-    return p
-
-
 def parse_flags(args: dict[str, Any] | None = None) -> argparse.Namespace:
     """{"model": "dummy-tiny", "num_replicas": 2, ...} (flag names, `_` or `-`) -> the serve flags."""
     argv = ["serve"]
@@ -110,7 +103,9 @@ def parse_flags(args: dict[str, Any] | None = None) -> argparse.Namespace:
             continue
         value = ",".join(value) if isinstance(value, (list, tuple)) else value
         argv += ["--" + str(key).replace("_", "-"), str(value)]
-    return _parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="csmserve")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -132,12 +127,6 @@ def ray_environment() -> dict[str, str]:
     reporting, and Ray's workers at nice 0 rather than 15 (the replicas and the processes they start would lose
     the CPU to anything else on the node; `csmserve serve` runs at 0). On a cluster: `ray start`'s environment."""
     return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
-
-
-def set_ray_environment() -> None:
-    """ray_environment() into os.environ, before Ray starts; a variable already set wins."""
-    for key, value in ray_environment().items():
-        os.environ.setdefault(key, value)
 
 
 def check_port(host: str, port: int) -> None:
@@ -168,10 +157,8 @@ def run_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     ensure_importable()
-    set_ray_environment()  # the own instance's processes inherit it (a cluster's have their own)
-
-    def interrupt(*_) -> None:
-        raise KeyboardInterrupt
+    for key, value in ray_environment().items():  # the own instance's processes inherit it (a cluster's have theirs)
+        os.environ.setdefault(key, value)  # a variable already set wins
 
     try:
         if cfg.ray_address is None:
@@ -181,7 +168,8 @@ def run_ray(args: argparse.Namespace) -> int:
         else:
             ray.init(address=cfg.ray_address)
             log.info("joined the Ray cluster at %s", cfg.ray_address)
-        signal.signal(signal.SIGTERM, interrupt)  # a container's stop: as Ctrl-C (after ray.init: its handler aborts)
+        # a container's stop: as Ctrl-C (KeyboardInterrupt; after ray.init: its handler aborts)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         serve.start(proxy_location="Disabled")  # no-op where Serve runs already; HAProxy is the way in
         serve.run(app, name=cfg.app_name, route_prefix=None, blocking=False)
         log.info("csmserve on Ray Serve at http://%s:%d (%s)", spec.server.host, spec.server.port,

@@ -3,31 +3,15 @@
     text = render(Frontend(host="0.0.0.0", port=8000, control_port=41234, models=(...)), [Server("r1", ip, port)])
     proxy = HAProxy(binary(), workdir); proxy.start(text); proxy.reload(new_text); proxy.stop()
 
-Every client byte passes HAProxy (C) and a replica's API worker, nothing else: no Python process that every
-stream of a node passes through. The routing key comes from the request itself, as HAProxy reads it:
+Every client byte passes HAProxy (C) and a replica's API worker, nothing else. The routing key comes from the
+request itself (docs/scale-out.md, Routing, has the rules): `sessions` (consistent hash, no spill: the client's
+`x-session-id`, else a `context_id`), `prefixes` (consistent hash with bounded loads: an adapter, a first
+context turn, a stored voice), `any` (least connections). The body is read from HAProxy's buffer
+(`tune.bufsize` = RayConfig.ingress_body_bytes): a larger body is routed by its first that-many bytes.
+`/ready`, `/metrics`, `/-/healthz` and the LoRA load / unload routes go to the ingress actor's control port.
 
-- `sessions` (consistent hash, no spill: the session lives on that replica): a client's own `x-session-id`;
-  else `?context_id=` of the URL (the WebSocket's; an HTTP request may send it there too); else the speech
-  body's `context_id` (OpenAI's `extra_body`).
-- `prefixes` (consistent hash with bounded loads, `hash-balance-factor`: a key stays on its replica while
-  that replica's connections are under load_factor x the mean, then goes to the next on the ring): of a
-  speech body, `model` naming an adapter (neither the base's name nor OpenAI's) -> `lora:<model>`; else a
-  non-empty `context` -> the voice and the first context turn (speaker, text, voice_id, a hash of its
-  audio: a conversation sent turn by turn starts the same way every time); else a stored voice (not an
-  OpenAI alias, whose prompt has no clip worth caching) -> `voice:<voice>`.
-- `any` (least connections): everything else.
-
-The body is read from HAProxy's buffer (`option http-buffer-request`, `tune.bufsize` =
-RayConfig.ingress_body_bytes): a larger body is routed by the fields in its first that-many bytes.
-`/ready`, `/metrics` and `/-/healthz` go to the ingress actor's control port (ingress.py), and so do the LoRA load /
-unload routes (answered 501 there: with --ray adapters are given at start, `--lora`, to every replica); `/health` is
-the answering replica's own. Each replica is checked with `GET /health` (its 503 `engine_failed` takes it out
-within about 1.5 s); a request whose replica refused it, dropped it or answered 503 before any byte of a
-response goes to another (twice at most).
-
-The process runs in master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the
-master re-executes on SIGUSR2; the new worker takes the listening socket over, the old one serves its open
-streams to their end (at most HARD_STOP_S).
+Master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the master re-executes on
+SIGUSR2; the old worker serves its open streams to their end (at most HARD_STOP_S).
 """
 from __future__ import annotations
 
@@ -127,22 +111,19 @@ def server_ids(names: Sequence[str]) -> dict[str, int]:
     return ids
 
 
-def _quote(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
-
-
 def render(f: Frontend, servers: Sequence[Server]) -> str:
     """The whole haproxy.cfg for these replicas."""
     ids = server_ids([s.name for s in servers])
     names = {s.name: _NAME.sub("_", s.name) for s in servers}
-    error = ('{{"error": {{"message": "{}", "type": "server_error", "param": null, "code": "{}"}}}}')
 
-    def pool(extra: str, track: bool) -> list[str]:
-        lines = []
-        for s in sorted(servers, key=lambda s: s.name):
-            check = f"track sessions/{names[s.name]}" if track else "check"
-            lines.append(f"    server {names[s.name]} {s.host}:{s.port} id {ids[s.name]} {check}{extra}")
-        return lines
+    def http_error(status: int, message: str, code: str) -> str:
+        body = f'{{"error": {{"message": "{message}", "type": "server_error", "param": null, "code": "{code}"}}}}'
+        return f"    http-error status {status} content-type application/json string '{body}'"
+
+    def pool(track: bool) -> list[str]:
+        return [f"    server {names[s.name]} {s.host}:{s.port} id {ids[s.name]} "
+                + (f"track sessions/{names[s.name]}" if track else "check")
+                for s in sorted(servers, key=lambda s: s.name)]
 
     models = " ".join(sorted(set(f.models)))
     aliases = " ".join(sorted(set(f.aliases)))
@@ -182,13 +163,9 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "    option httpchk",
         "    http-check send meth GET uri /health ver HTTP/1.1 hdr host csmserve",
         "    http-check expect status 200",
-        "    http-error status 503 content-type application/json string '"
-        + error.format("no replica can take this request now (none is ready, or all are down)",
-                       "no_replica_ready") + "'",
-        "    http-error status 502 content-type application/json string '"
-        + error.format("the replica failed before it answered", "replica_failed") + "'",
-        "    http-error status 504 content-type application/json string '"
-        + error.format("the replica did not answer in time", "replica_timeout") + "'",
+        http_error(503, "no replica can take this request now (none is ready, or all are down)", "no_replica_ready"),
+        http_error(502, "the replica failed before it answered", "replica_failed"),
+        http_error(504, "the replica did not answer in time", "replica_timeout"),
         "",
         "frontend csmserve",
         f"    bind {f.host}:{f.port}" if ":" not in f.host else f"    bind [{f.host}]:{f.port}",
@@ -228,17 +205,17 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "backend sessions",
         "    balance hash var(txn.key)",
         "    hash-type consistent",
-        *pool("", track=False),
+        *pool(track=False),
         "",
         "backend prefixes",
         "    balance hash var(txn.pkey)",
         "    hash-type consistent",
         f"    hash-balance-factor {max(100, round(f.load_factor * 100))}",
-        *pool("", track=True),
+        *pool(track=True),
         "",
         "backend any",
         "    balance leastconn",
-        *pool("", track=True),
+        *pool(track=True),
         "",
         "backend control",  # (no `check`: never probed)
         f"    server ingress 127.0.0.1:{f.control_port}",
@@ -265,7 +242,6 @@ class HAProxy:
         self.config = self.workdir / "haproxy.cfg"
         self.log = self.workdir / "haproxy.log"
         self.process: subprocess.Popen | None = None
-        self.reloads = 0
 
     def check(self, text: str) -> str | None:
         """None if HAProxy accepts the config, else what it says."""
@@ -285,16 +261,16 @@ class HAProxy:
     def start(self, text: str, host: str, port: int, timeout: float = 10.0) -> None:
         """Start it on `text` and wait until it listens on host:port (RuntimeError with its log if not)."""
         self._write(text)
-        log = open(self.log, "ab")
-        self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        log.close()
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        connectable = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"HAProxy exited (code {self.process.returncode}): {self.log_tail()}")
             try:
-                with socket.create_connection((_connectable(host), port), timeout=1.0):
+                with socket.create_connection((connectable, port), timeout=1.0):
                     return
             except OSError:
                 if time.monotonic() > deadline:
@@ -307,7 +283,6 @@ class HAProxy:
         self._write(text)
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGUSR2)
-            self.reloads += 1
 
     @property
     def alive(self) -> bool:
@@ -315,22 +290,17 @@ class HAProxy:
 
     def stop(self, timeout: float = 5.0) -> None:
         p = self.process
-        if p is None:
+        if p is None or p.poll() is not None:
             return
-        if p.poll() is None:
-            p.terminate()  # the master stops its workers
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        p.terminate()  # the master stops its workers
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
 
     def log_tail(self, n: int = 1500) -> str:
         try:
             return " ".join(self.log.read_text(errors="replace")[-n:].split())
         except OSError:
             return ""
-
-
-def _connectable(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

@@ -1,16 +1,8 @@
-"""The ingress: a Ray Serve deployment (`CSMServeIngress`, CPU only, at most one per node) whose replica runs
-HAProxy on `--host:--port` (haproxy.py), configured from the directory's replica reports and reloaded in
-place when the set of ready replicas changes (every RayConfig.report_interval_s it looks).
+"""The ingress: a Ray Serve deployment (`CSMServeIngress`, CPU only, at most one per node) running HAProxy on
+`--host:--port` (haproxy.py), reloaded in place when the directory's set of ready replicas changes.
 
-The actor answers the application's own paths on a small local port that HAProxy routes to (the control
-path: per scrape, not per chunk):
-
-- `GET /ready`: 200 while this ingress routes to at least one ready replica, with every replica's state
-  (`ready`, `loading`, `failed: <why>`); 503 `no_replica_ready` otherwise;
-- `GET /metrics`: every replica's csmserve metrics in one text, each sample labelled `replica`;
-- `GET /-/healthz`: `success` while it routes to a replica (what KubeRay's probes ask Serve's proxy).
-
-`/health` is the answering replica's own. Ray's `check_health` fails when HAProxy is gone: Ray starts another.
+The actor answers `/ready`, `/metrics` and `/-/healthz` on a small local port HAProxy routes them to (per
+scrape, not per chunk; docs/scale-out.md). Ray's `check_health` fails when HAProxy is gone.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """One replica = one whole `csmserve serve` unit, as a Ray Serve deployment (`CSMServe`).
 
-The replica's actor starts what `csmserve serve`'s parent starts (server/processes.py `Supervisor`): the
-engine-core process (slots sized to the replica's GPU share) and its API workers, on a listening socket of
-its own (the node's address, an ephemeral port; connections handed to the worker with the fewest). The
-ingress's HAProxy (ingress.py) connects there; every response says `x-csmserve-replica: <id>`. The actor
-itself is on the control path only: it watches the processes (a worker that exits is started again),
-answers Ray's `check_health` (the engine gone, or workers exiting again and again: Ray replaces the
-replica), tells Ray's autoscaler its active streams (`record_autoscaling_stats`), and every
-RayConfig.report_interval_s reports to the directory: its address, ready / fatal, active streams, pids, and
-its Prometheus text (its own `/metrics`, read over its port: the workers' request metrics and the engine's
-gauges). No chunk passes through it.
+The actor starts what `csmserve serve`'s parent starts (server/processes.py `Supervisor`: the engine-core
+process, slots sized to the replica's GPU share, and its API workers) on a port of its own, which HAProxy
+connects to. The actor is on the control path only (no chunk passes through it): it restarts exiting workers,
+answers `check_health` and `record_autoscaling_stats`, and every RayConfig.report_interval_s reports its
+address, state, active streams, pids and Prometheus text to the directory (docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -85,8 +80,7 @@ class CSMServeReplica:
         """Until the engine is up and a worker answers /ready 200 (RuntimeError if the unit fails first)."""
         while True:
             self.unit.check()
-            fatal = self.unit.fatal()
-            if fatal is not None:
+            if (fatal := self.unit.fatal()) is not None:
                 raise RuntimeError(f"csmserve replica {self.replica} failed to start: {fatal}")
             if self.unit.engine_ready:
                 try:
@@ -99,8 +93,7 @@ class CSMServeReplica:
     # ---- what Ray calls
     async def check_health(self) -> None:
         self._start()
-        fatal = self.unit.fatal()
-        if fatal is not None:
+        if (fatal := self.unit.fatal()) is not None:
             raise RuntimeError(f"csmserve replica {self.replica}: {fatal}")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

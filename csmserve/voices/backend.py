@@ -1,23 +1,23 @@
-"""Cloned voices: a clip's Mimi codes + its transcript, stored once. `VoiceBackend` is the interface
-every store implements (sqlite.py: one machine, the default; postgres.py: a cluster), with the
-records it returns and the resolution of a voice string.
+"""Cloned voices: a clip's Mimi codes + its transcript, stored once. `VoiceBackend` is what every store is
+(sqlite.py: one machine, the default; postgres.py: a cluster): the records, the queries, and the resolution
+of a voice string.
 
-Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string
-resolves, in order: stored id, stored name (the newest with that name), OpenAI voice alias.
-So a stored voice named e.g. "alloy" takes over that alias, which lets clients that only
-send OpenAI names (Pipecat) use a cloned voice.
-
-Aliases carry no clip: they pick a CSM speaker id, and CSM then speaks with whatever
-voice it draws for that speaker (it varies with the seed).
+Ids are unique (`voice_<24 hex>`); names may repeat (as in OpenAI's API). A voice string resolves, in order:
+stored id, stored name (the newest with that name), OpenAI voice alias. So a stored voice named e.g. "alloy"
+takes over that alias, which lets clients that only send OpenAI names (Pipecat) use a cloned voice. Aliases
+carry no clip: they pick a CSM speaker id, and CSM speaks with whatever voice it draws for it (by the seed).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +29,21 @@ VOICE_ID_PREFIX = "voice_"  # every stored voice's id starts so: a preset name i
 ALIASES: dict[str, int] = {name: i % 2 for i, name in enumerate(OPENAI_VOICES)}  # -> CSM speaker 0/1
 
 _INFO_COLUMNS = "id, name, transcript, speaker, sample_rate, num_frames, created_at, adapter"
+# every store's table, in its database's types; {seq}: an insertion-order column where the database has no rowid
+_TABLE = """
+CREATE TABLE IF NOT EXISTS {table} ({seq}
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    transcript TEXT NOT NULL,
+    speaker INTEGER NOT NULL,
+    sample_rate INTEGER NOT NULL,
+    num_frames INTEGER NOT NULL,
+    codes {bytes} NOT NULL,         -- [num_frames, 32] int16 little-endian, row-major
+    created_at {double} NOT NULL,
+    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
+);
+CREATE INDEX IF NOT EXISTS {table}_name ON {table} (name, created_at);
+"""
 
 
 class VoiceNotFoundError(KeyError):
@@ -79,8 +94,8 @@ def _check_codes(codes: np.ndarray) -> np.ndarray:
 
 
 class VoiceBackend(ABC):
-    """Where voices live. Backends store rows; validation, ids and `resolve` are shared here. Every
-    method is safe to call from several threads; every write is one transaction."""
+    """Where voices live: a store gives its connection (`_run`) and its table's names; validation, ids, the
+    queries and `resolve` are shared here. Every method is safe to call from several threads."""
 
     path: object  # where (shown in messages): a file path or a URL without its password
 
@@ -96,24 +111,47 @@ class VoiceBackend(ABC):
         self._insert(voice, codes16.tobytes())
         return voice
 
+    _table: str  # the voices table
+    _param: str  # the driver's placeholder
+    _seq: str  # the insertion-order column: the tie-break of equal created_at
+    _lock: threading.Lock
+    _conn: Any
+
     @abstractmethod
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(connection) under the store's lock; a write in it is one transaction."""
+
     def _insert(self, voice: Voice, codes: bytes) -> None:
         """Store one row (codes: [num_frames, 32] int16 little-endian, row-major)."""
+        sql = f"INSERT INTO {self._table} ({_INFO_COLUMNS}, codes) VALUES ({', '.join([self._param] * 9)})"
+        self._run(lambda c: c.execute(sql, (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
+                                            voice.num_frames, voice.created_at, voice.adapter, codes)))
 
-    @abstractmethod
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""
+        sql = (f"SELECT {_INFO_COLUMNS}, codes FROM {self._table} WHERE {{}} = {self._param} "
+               f"ORDER BY created_at DESC, {self._seq} DESC LIMIT 1")
 
-    @abstractmethod
+        def query(c):
+            return (c.execute(sql.format("id"), (id_or_name,)).fetchone()
+                    or c.execute(sql.format("name"), (id_or_name,)).fetchone())
+
+        row = self._run(query)
+        return None if row is None else _voice(row)
+
     def list(self) -> list[VoiceInfo]:
         """All voices, oldest first, without their codes."""
+        sql = f"SELECT {_INFO_COLUMNS} FROM {self._table} ORDER BY created_at, {self._seq}"
+        return [VoiceInfo(*row) for row in self._run(lambda c: c.execute(sql).fetchall())]
 
-    @abstractmethod
     def delete(self, voice_id: str) -> bool:
         """Delete by id (names may repeat, so not by name). False if no such id."""
+        sql = f"DELETE FROM {self._table} WHERE id = {self._param}"
+        return self._run(lambda c: c.execute(sql, (voice_id,)).rowcount) > 0
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
 
     def resolve(self, voice: str | dict) -> ResolvedVoice:
         """OpenAI `voice` (a string, or {"id": ...}) -> speaker id and optional stored clip."""

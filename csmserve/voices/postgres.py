@@ -13,25 +13,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from csmserve.voices.backend import _INFO_COLUMNS, VoiceBackend, Voice, VoiceInfo, _voice
+from csmserve.voices.backend import _TABLE, VoiceBackend
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS csmserve_voices (
-    seq BIGSERIAL,                  -- insertion order: the tie-break of equal created_at
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    transcript TEXT NOT NULL,
-    speaker INTEGER NOT NULL,
-    sample_rate INTEGER NOT NULL,
-    num_frames INTEGER NOT NULL,
-    codes BYTEA NOT NULL,           -- [num_frames, 32] int16 little-endian, row-major
-    created_at DOUBLE PRECISION NOT NULL,
-    adapter TEXT                    -- the LoRA adapter it speaks with (NULL: the base model)
-);
-CREATE INDEX IF NOT EXISTS csmserve_voices_name ON csmserve_voices (name, created_at);
--- a table made before voices had an adapter (NULL: every old voice speaks with the base)
-ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;
-"""
+# seq: insertion order, the tie-break of equal created_at; the ALTER: a table made before voices had an adapter
+# (NULL: every old voice speaks with the base)
+_SCHEMA = (_TABLE.format(table="csmserve_voices", seq="\n    seq BIGSERIAL,", bytes="BYTEA", double="DOUBLE PRECISION")
+           + "ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;\n")
 _SCHEMA_LOCK = 0x63736D76  # pg_advisory_xact_lock key: replicas starting together create the table once
 
 
@@ -46,6 +33,8 @@ def display_url(url: str) -> str:
 
 
 class PostgresVoiceStore(VoiceBackend):
+    _table, _param, _seq = "csmserve_voices", "%s", "seq"
+
     def __init__(self, url: str, connect_timeout: float = 10.0) -> None:
         try:
             import psycopg
@@ -72,35 +61,3 @@ class PostgresVoiceStore(VoiceBackend):
                     raise
                 self._conn = self._connect()
                 return fn(self._conn)
-
-    def _insert(self, voice: Voice, codes: bytes) -> None:
-        self._run(lambda c: c.execute(
-            f"INSERT INTO csmserve_voices ({_INFO_COLUMNS}, codes) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate, voice.num_frames,
-             voice.created_at, voice.adapter, codes)))
-
-    def get(self, id_or_name: str) -> Voice | None:
-        """By id, else the newest voice with that name; None if neither exists."""
-        sql = (f"SELECT {_INFO_COLUMNS}, codes FROM csmserve_voices WHERE {{}} = %s "
-               "ORDER BY created_at DESC, seq DESC LIMIT 1")
-
-        def query(c):
-            return (c.execute(sql.format("id"), (id_or_name,)).fetchone()
-                    or c.execute(sql.format("name"), (id_or_name,)).fetchone())
-
-        row = self._run(query)
-        return None if row is None else _voice(row)
-
-    def list(self) -> list[VoiceInfo]:
-        """All voices, oldest first, without their codes."""
-        rows = self._run(lambda c: c.execute(
-            f"SELECT {_INFO_COLUMNS} FROM csmserve_voices ORDER BY created_at, seq").fetchall())
-        return [VoiceInfo(*row) for row in rows]
-
-    def delete(self, voice_id: str) -> bool:
-        """Delete by id (names may repeat, so not by name). False if no such id."""
-        return self._run(lambda c: c.execute("DELETE FROM csmserve_voices WHERE id = %s", (voice_id,)).rowcount) > 0
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
