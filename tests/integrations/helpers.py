@@ -1,6 +1,8 @@
-"""Shared by the integration tests: user audio, greedy references, waiting for the engine."""
+"""Shared by the integration tests: user audio, greedy references, waiting for the engine or a condition, the
+server's messages held on the wire."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -45,3 +47,32 @@ def settle(csm, timeout: float = 10.0) -> None:
 def session_codes(server, context_id: str, role: str = "assistant", index: int = -1) -> np.ndarray:
     turns = [t for t in server.state.sessions.get(context_id).turns if t.role == role]
     return np.concatenate([s.codes for s in turns[index].segments]).astype(np.int64)
+
+
+async def until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.01)
+
+
+def hold_from(conv, kind: str) -> tuple[list[dict], callable]:
+    """A Conversation reads the server's messages up to the first `kind` one; it and all after it wait (as if
+    still on the wire) until release() hands them on in order."""
+    held: list[dict] = []
+    dispatch = conv._dispatch
+
+    def reading(m: dict) -> None:
+        if held or m.get("type") == kind:
+            held.append(m)
+        else:
+            dispatch(m)
+
+    def release() -> None:
+        conv._dispatch = dispatch
+        for m in held:
+            dispatch(m)
+
+    conv._dispatch = reading
+    return held, release

@@ -10,7 +10,7 @@ from livekit import rtc
 from livekit.agents import DEFAULT_API_CONNECT_OPTIONS, AgentSession, llm, stt
 from livekit.agents.voice import io
 
-from helpers import chunks
+from helpers import chunks, until  # noqa: F401 (until: the session tests' import)
 
 SILENCE_S = 0.1  # silence after each utterance: the stand-in STT's end of speech
 
@@ -149,14 +149,6 @@ def session(tts, texts: list[str], replies: list[list[str]], rate: int = 24_000)
     mic, speaker = Mic(), Speaker(rate)
     s.input.audio, s.output.audio = mic, speaker
     return s, mic, speaker
-
-
-async def until(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.01)
 
 
 def watch(conv) -> list[dict]:

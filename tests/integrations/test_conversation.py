@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio, ReplySegment
-from helpers import settle, tone
+from helpers import hold_from, settle, tone, until
 from server_helpers import free_port
 
 
@@ -72,27 +72,6 @@ def test_the_server_going_away_ends_the_reply_with_the_reason(server, csm):
     settle(csm)  # the server aborted the turn of the connection that left
 
 
-def hold_from(conv: Conversation, kind: str) -> tuple[list[dict], callable]:
-    """The client reads the server's messages up to the first `kind` one; it and all after it wait (as
-    if still on the wire) until release() hands them on in order."""
-    held: list[dict] = []
-    dispatch = conv._dispatch
-
-    def reading(m: dict) -> None:
-        if held or m.get("type") == kind:
-            held.append(m)
-        else:
-            dispatch(m)
-
-    def release() -> None:
-        conv._dispatch = dispatch
-        for m in held:
-            dispatch(m)
-
-    conv._dispatch = reading
-    return held, release
-
-
 def test_a_reply_the_server_finished_before_the_cancel_came_keeps_its_request_id(server, csm):
     """The barge-in's cancel crosses the reply's flush_done: the server stops nothing (its `cancelled` names
     no turn), and the reply learns its request_id and length from the flush_done that was on the wire, so
@@ -104,15 +83,9 @@ def test_a_reply_the_server_finished_before_the_cancel_came_keeps_its_request_id
         held, release = hold_from(conv, "flush_done")
         reply = await conv.say("Four.", key="r")
         await conv.flush("r")
-        for _ in range(3000):
-            if any(m.get("type") == "flush_done" for m in held):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(m.get("type") == "flush_done" for m in held))
         interrupted = asyncio.create_task(conv.interrupt(audio_end_ms=400))
-        for _ in range(3000):
-            if any(m.get("type") == "cancelled" for m in held):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(m.get("type") == "cancelled" for m in held))
         assert not reply.done and reply.cancelled
         release()
         cancelled = await interrupted

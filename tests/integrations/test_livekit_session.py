@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("livekit.agents", reason="pip install 'csmserve[livekit]'")
 
 from csmserve.integrations.livekit import TTS, ConversationAgent  # noqa: E402
-from helpers import settle, tone  # noqa: E402
+from helpers import hold_from, settle, tone  # noqa: E402
 from livekit_session import session, until, watch  # noqa: E402
-from test_conversation import hold_from  # noqa: E402
 
 FRAMES = 5  # each reply and greeting: 400 ms
 

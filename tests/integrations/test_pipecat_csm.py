@@ -19,7 +19,7 @@ from pipecat.processors.aggregators.llm_context import LLMContext  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
 from csmserve.integrations.pipecat import CSMTTSService  # noqa: E402
-from helpers import chunks, greedy, session_codes, settle, tone, user_codes  # noqa: E402
+from helpers import chunks, greedy, hold_from, session_codes, settle, tone, user_codes  # noqa: E402
 
 FRAME_BYTES = 1920 * 2
 
@@ -156,8 +156,6 @@ def test_interruption_after_generation_truncates_the_reply_still_playing(server,
 def test_a_reply_finished_before_the_barge_in_reached_the_server_is_truncated(server, csm):
     """The server finished the reply, but its flush_done was still on the wire when the user barged in: the
     cancel stops nothing there, and the reply is cut by a truncate at what was played instead."""
-    from test_conversation import hold_from
-
     text = "A short answer."
     tts = service(server, max_audio_length_ms=10 * 80, clock=StepClock(0.32))  # 4 of its frames played
     held, release = hold_from(tts.conversation, "flush_done")
