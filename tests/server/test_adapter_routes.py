@@ -382,14 +382,22 @@ def test_a_full_pool_waits_then_503_while_the_running_stream_goes_on(root, tmp_p
                        max_lora_rank=8, max_lora_wait_s=0.5)
     small = CSM("dummy-tiny", device="cpu", dtype="float32", engine_config=cfg,
                 adapters={"ann": str(root / "ann"), "bob": str(root / "bob")})
+    step = small.engine.runner.step
+
+    def slow_step(*a, **kw):  # >= 50 ms a frame (4 s for ann's 80) however fast the CPU: it outlives the 0.5 s wait
+        time.sleep(0.05)
+        return step(*a, **kw)
+
+    small.engine.runner.step = slow_step
     s = Server(create_app(small, ServerConfig(voices_db=str(tmp_path / "v.db")))).start()
     s.codes = record(s.state)
     try:
-        stream = Stream(s, "ann", frames=80)  # ~5 s on a CI core: it outlives the 0.5 s wait by far
+        stream = Stream(s, "ann", frames=80)
         t0 = time.perf_counter()
         r = post(s, "/v1/audio/speech", {"model": "bob", "voice": "alloy", "input": TEXT, "max_audio_length_ms": 480})
         waited = time.perf_counter() - t0
-        assert stream.thread.is_alive()  # ann's stream still held the slot all that time
+        # ann's stream still held the slot all that time
+        assert stream.thread.is_alive(), (stream.status, len(stream.pcm), waited, r.status_code, r.text[:200])
         err = error_of(r)
         assert r.status_code == 503 and err["code"] == "adapter_pool_full" and "--max-loras" in err["message"]
         assert 0.5 <= waited < 10
