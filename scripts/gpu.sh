@@ -39,9 +39,10 @@ unpack_bundle() {  # the server's and Ray's packages from .bundle/ (scripts/ray_
 }
 use_bundle() { unpack_bundle; [ -f "${RAY_SITE:-/tmp/site}/.unpacked" ] && export PYTHONPATH=$PYTHONPATH:${RAY_SITE:-/tmp/site}; }
 
-m_tests() {  # the gpu-marked tests (the GPU image has no server packages: those tests live in these folders)
-  python -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/engine tests/models} 2>&1 \
-    | tee "$OUT/gpu_tests.txt" | tail -25
+m_tests() {  # the gpu-marked tests (the GPU image has no server packages: those tests live in these folders); one
+  # line per test in $OUT/gpu_tests.txt as it ends, so a call cut by its time limit still says what passed
+  python -m pytest -v -m gpu -p no:cacheprovider --durations=15 ${GPU_TESTS:-tests/kernels tests/engine tests/models} \
+    2>&1 | tee "$OUT/gpu_tests.txt" | grep -vE " PASSED | SKIPPED |^$" | tail -60
 }
 m_frame() {  # the frame step alone: one CUDA graph with Mimi's decode on its stream, ms per step, per batch and weights
   local w
