@@ -21,7 +21,7 @@ from tests.server.server_helpers import Server, free_port
 
 REPLY = "Hello there, friend. I am doing well today. Thanks for asking me that!"
 TRANSCRIPTS = ["How are you?", "Tell me more.", "What else?"]
-TOKEN_DELAY_S = 0.06
+TOKEN_DELAY_S = 0.12  # 13 words in 1.56 s: the first audio (0.2-0.45 s in) comes well before the last, loaded or not
 SENT_MS = 320  # 4 frames per sentence at most: keeps the CPU test quick
 
 
