@@ -10,7 +10,7 @@ from livekit import rtc
 from livekit.agents import DEFAULT_API_CONNECT_OPTIONS, AgentSession, llm, stt
 from livekit.agents.voice import io
 
-from helpers import chunks, until  # noqa: F401 (until: the session tests' import)
+from helpers import chunks
 
 SILENCE_S = 0.1  # silence after each utterance: the stand-in STT's end of speech
 

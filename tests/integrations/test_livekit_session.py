@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("livekit.agents", reason="pip install 'csmserve[livekit]'")
 
 from csmserve.integrations.livekit import TTS, ConversationAgent  # noqa: E402
-from helpers import hold_from, settle, tone  # noqa: E402
-from livekit_session import session, until, watch  # noqa: E402
+from helpers import hold_from, settle, tone, until  # noqa: E402
+from livekit_session import session, watch  # noqa: E402
 
 FRAMES = 5  # each reply and greeting: 400 ms
 
