@@ -3,7 +3,7 @@ whose frame step takes the GPU's measured time for its row count (`--model paced
 
 It makes the data path measurable without a GPU: `csmserve serve --model paced` (and `--ray`, through the same
 flags) runs the server's every process as it runs with a model, and the load benchmark drives it
-(bench/paced_ray.py). Each step writes random codes that never end early (a request runs to its
+(bench/serve_bench.py --setup). Each step writes random codes that never end early (a request runs to its
 max_audio_length_ms) into the shared-memory output ring; the ring's PCM is noise written once (the GPU's
 device-to-host copy costs the host nothing, nor does this). Time is simulated as one GPU stream: a prefill
 and a frame step start when both the host has launched them and the step before has finished; a step's results

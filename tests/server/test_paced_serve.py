@@ -1,5 +1,5 @@
 """`csmserve serve --model paced`: the stand-in engine (engine/paced.py) behind the real server's processes,
-as the CPU load benchmark runs it (bench/paced_ray.py): speech in every way a client takes it, a stored voice,
+as the CPU load benchmark runs it (bench/serve_bench.py --model paced): speech in every way a client takes it, a stored voice,
 requests that stop at their length, the time a 1 s request takes no shorter than the GPU's 12 frame steps."""
 from __future__ import annotations
 

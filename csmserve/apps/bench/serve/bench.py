@@ -1,6 +1,6 @@
 """Orchestration: start `csmserve serve` (or use --url), start the client processes, run each scenario,
 scrape the server's metrics around it, print the table, write JSON + markdown (--out), stop everything.
-With --setup (bench/paced_ray.py): the same scenarios against each setup's server in turn, side by side."""
+With --setup: the same scenarios against each setup's server in turn, side by side."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,6 @@ SENTENCES = (
     "He said the recipe needs fresh basil, ripe tomatoes and a little patience, because the sauce simmers for hours.",
     "Before you leave, please switch off the lights in the studio, lock the back door, and leave the keys downstairs.",
 )
-PACED_RAY_SETUPS = ("plain=", "ray=--ray")  # bench/paced_ray.py's default setups
 
 
 def default_client_procs() -> int:
@@ -376,13 +375,11 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, prog: str = "serve_bench", setups: tuple[str, ...] = ()) -> int:
-    """serve_bench; paced_ray: the same with PACED_RAY_SETUPS unless --setup says."""
+def main(argv: list[str] | None = None, prog: str = "serve_bench") -> int:
     ap = add_arguments(argparse.ArgumentParser(
         prog=prog, description="Load through the real server: closed loop, bursts, every format, the WebSocket; "
                                "with --setup, several servers side by side. csmserve/apps/bench/serve/."))
     args = ap.parse_args(argv)
-    args.setup = args.setup or list(setups) or None
     try:
         return run(args)
     except (RuntimeError, ValueError, OSError) as e:
