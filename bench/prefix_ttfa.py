@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from csmserve.apps.bench.engine import TEXT_VOCAB, Probe, pct, submit
+from csmserve.apps.bench.engine import TEXT_VOCAB, pct, submit
 
 FRAMES_PER_S = 12.5
 TEXT_FRAMES_PER_S = 4  # ~150 words per minute at ~1.5 tokens per word, plus the speaker tag
@@ -54,29 +54,9 @@ def context_prefix(seconds: float, turn_s: float, rng: np.random.Generator, text
     return np.concatenate([t for t, _ in turns]), np.concatenate([m for _, m in turns])
 
 
-def start_stream(engine) -> tuple[str, Probe]:
-    """A background stream that runs until aborted (the load)."""
-    from csmserve.engine.request import Request
-    from csmserve.sampling import SamplingParams
-    from csmserve.apps.bench.engine import short_prompt
-
-    req = Request(*short_prompt(12), params=SamplingParams(temperature=0.9, top_k=50, max_audio_length_ms=10**6))
-    p = Probe()
-    p.submit = time.perf_counter()
-    engine.submit(req, p)
-    return req.request_id, p
-
-
 def probe(engine, prefix, cached: bool, new_text: int, frames: int, rng, text_vocab: int) -> float:
-    from csmserve.engine.request import Request
-    from csmserve.sampling import SamplingParams
-
-    tokens, mask = prompt_with_prefix(prefix, new_text, rng, text_vocab)
-    req = Request(tokens, mask, params=SamplingParams(temperature=0.9, top_k=50, max_audio_length_ms=frames * 80),
-                  prefix_len=len(prefix[0]) if cached else 0)
-    p = Probe()
-    p.submit = time.perf_counter()
-    engine.submit(req, p)
+    p = submit(engine, frames, prompt=prompt_with_prefix(prefix, new_text, rng, text_vocab),
+               prefix_len=len(prefix[0]) if cached else 0)
     p.done.wait()
     if p.first is None:
         raise RuntimeError("a probe request failed (see above)")
@@ -132,16 +112,16 @@ def run(args: argparse.Namespace) -> int:
         prompts = ((f"{args.voice_s:g} s voice", context_prefix(args.voice_s, args.voice_s, rng, vocab)),
                    (f"{args.context_s:g} s conversation", context_prefix(args.context_s, args.turn_s, rng, vocab)))
         for load in loads:
-            running = [start_stream(engine) for _ in range(load)]
-            while sum(p.first is not None for _, p in running) < load:
+            running = [submit(engine, 10**6 // 80) for _ in range(load)]  # streams that run until aborted
+            while sum(p.first is not None for p in running) < load:
                 time.sleep(0.005)
             for label, prefix in prompts:
                 for row in scenario(engine, label, prefix, args, rng, vocab):
                     lines.append(f"| {load} {row}")
                     print(lines[-1], flush=True)
-            for rid, p in running:
-                engine.abort(rid)
-            for _, p in running:
+            for p in running:
+                engine.abort(p.request_id)
+            for p in running:
                 p.done.wait()
     finally:
         engine.shutdown()

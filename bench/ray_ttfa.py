@@ -5,34 +5,28 @@ its first body byte. What Ray adds is HAProxy's hop (the replica's API worker st
 
     python bench/ray_ttfa.py --model dummy-tiny --device cpu --requests 50
     python bench/ray_ttfa.py --model dummy --device cuda --requests 100 --max-slots 64 --out ray_ttfa.md
+
+Each server is started as the load benchmark starts it (csmserve/apps/bench/serve/server.py: its log in a
+temporary directory, its last lines in the error if it does not get ready).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from csmserve.apps.bench.serve.server import ServerProcess, child_env, serve_args  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_byte_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, float]:
-    """-> (ms to the first body byte, ms to the last)."""
+def first_byte_ms(client: httpx.Client, url: str, body: dict) -> float:
     t0 = time.perf_counter()
     first = None
     with client.stream("POST", f"{url}/v1/audio/speech", json=body) as r:
@@ -40,7 +34,7 @@ def first_byte_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, fl
         for chunk in r.iter_bytes():
             if chunk and first is None:
                 first = time.perf_counter()
-    return (first - t0) * 1000, (time.perf_counter() - t0) * 1000
+    return (first - t0) * 1000
 
 
 def measure(urls: dict[str, str], args) -> dict[str, list[float]]:
@@ -54,7 +48,7 @@ def measure(urls: dict[str, str], args) -> dict[str, list[float]]:
         for i in range(args.warmup + args.requests):
             names = list(urls) if i % 2 == 0 else list(reversed(urls))
             for name in names:
-                ms, _ = first_byte_ms(client, urls[name], body)
+                ms = first_byte_ms(client, urls[name], body)
                 t0 = time.perf_counter()
                 client.get(f"{urls[name]}/v1/models").raise_for_status()
                 if i >= args.warmup:
@@ -65,75 +59,20 @@ def measure(urls: dict[str, str], args) -> dict[str, list[float]]:
     return out
 
 
-def flags(args) -> dict:
-    f = {"model": args.model, "device": args.device, "dtype": args.dtype, "max_slots": args.max_slots,
-         "max_seq_len": args.max_seq_len, "voices_db": ":memory:", "log_level": "warning"}
-    return {k: v for k, v in f.items() if v is not None}
-
-
-def _start(cmd: list[str], env: dict, url: str, what: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.time() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{what} did not start")
-        time.sleep(0.5)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def _env(args) -> dict:
-    """Both trees with the replica's threads (Ray gives a replica OMP_NUM_THREADS = its CPUs; the engine process
-    inherits it)."""
-    threads = str(max(1, int(args.cpus_per_replica)))
-    return {**os.environ, "OMP_NUM_THREADS": threads,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
-@contextmanager
-def plain(args) -> Iterator[str]:
-    """`csmserve serve` (an engine-core process and its API workers), its own process tree."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "csmserve", "serve", "--port", str(port), "--log-level", "warning"]
-    for name, value in flags(args).items():
-        cmd += ["--" + name.replace("_", "-"), str(value)]
-    url = f"http://127.0.0.1:{port}"
-    proc = _start(cmd, _env(args), url, "the plain server")
-    try:
-        yield url
-    finally:
-        _stop(proc)
-
-
-@contextmanager
-def on_ray(args) -> Iterator[str]:
-    """`csmserve serve --ray --num-replicas 1`: its own Ray instance, the replica the same tree as the plain
-    server's, HAProxy on the port."""
-    port = free_port()
-    gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
-    cmd = [sys.executable, "-m", "csmserve", "serve", "--ray", "--port", str(port), "--log-level", "warning",
-           "--num-replicas", "1", "--gpus-per-replica", str(gpus), "--cpus-per-replica", str(args.cpus_per_replica),
-           "--ingress-cpus", str(args.ingress_cpus)]
-    for name, value in flags(args).items():
-        cmd += ["--" + name.replace("_", "-"), str(value)]
-    url = f"http://127.0.0.1:{port}"
-    proc = _start(cmd, {**_env(args), "RAY_USAGE_STATS_ENABLED": "0"}, url, "csmserve serve --ray")
-    try:
-        yield url
-    finally:
-        _stop(proc)
+def start(args, ray: bool, tmp: str) -> ServerProcess:
+    """`csmserve serve` (an engine-core process and its API workers), or with `ray` `csmserve serve --ray
+    --num-replicas 1`: its own Ray instance, the replica the same tree as the plain server's, HAProxy on the port.
+    Both with the replica's threads (Ray gives a replica OMP_NUM_THREADS = its CPUs; the engine process inherits it)."""
+    flags = serve_args(args, voices_db=":memory:")
+    env = {"OMP_NUM_THREADS": str(max(1, int(args.cpus_per_replica)))}
+    if ray:
+        gpus = args.gpus_per_replica if args.gpus_per_replica is not None else (0 if args.device == "cpu" else 1)
+        flags = ["--ray", "--num-replicas", "1", "--gpus-per-replica", str(gpus), "--cpus-per-replica",
+                 str(args.cpus_per_replica), "--ingress-cpus", str(args.ingress_cpus), *flags]
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+    server = ServerProcess(flags, Path(tmp) / f"{'ray' if ray else 'plain'}.log", child_env(env))
+    server.start(args.ready_timeout)
+    return server
 
 
 def stats(xs: list[float]) -> dict:
@@ -148,6 +87,8 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--server-args", default="", help="more `csmserve serve` flags for both, one string")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for each server's /ready")
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--text", default="Hello there, this is a short sentence.")
@@ -165,11 +106,12 @@ def main() -> int:
 
     ray_name = "Ray Serve (1 replica, HAProxy)" + "".join(f" {kv}" for kv in args.ray_env)
     with ExitStack() as stack:
-        urls = {}
-        if args.only != "ray":
-            urls["plain server"] = stack.enter_context(plain(args))
-        if args.only != "plain":
-            urls[ray_name] = stack.enter_context(on_ray(args))
+        tmp, urls = stack.enter_context(tempfile.TemporaryDirectory(prefix="csmserve-ray-ttfa-")), {}
+        for name, ray in (("plain server", False), (ray_name, True)):
+            if args.only in (None, "ray" if ray else "plain"):
+                server = start(args, ray, tmp)
+                stack.callback(server.stop)
+                urls[name] = server.url
         results = measure(urls, args)
     rows = {k: stats(v) for k, v in results.items()}
     base_name = next(iter(rows))

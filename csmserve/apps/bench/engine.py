@@ -27,6 +27,7 @@ CPU_HINT = ("no CUDA device: csmserve bench measures the engine on a GPU; "
 class Probe:
     """Timestamps of one request's chunks, recorded on the engine thread."""
 
+    request_id: str = ""
     submit: float = 0.0
     first: float | None = None
     last: float | None = None
@@ -61,14 +62,16 @@ def short_prompt(n: int = 12) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def submit(engine, frames: int, prompt_len: int = 12) -> Probe:
+def submit(engine, frames: int, prompt_len: int = 12, prompt: tuple[np.ndarray, np.ndarray] | None = None,
+           prefix_len: int = 0) -> Probe:
+    """A request for `frames` frames (its prompt: `prompt`, else short_prompt(prompt_len); its first `prefix_len`
+    frames a cacheable prefix) submitted -> its Probe."""
     from csmserve.engine.request import Request
     from csmserve.sampling import SamplingParams
 
-    p = Probe()
-    req = Request(*short_prompt(prompt_len), params=SamplingParams(temperature=0.9, top_k=50,
-                                                                    max_audio_length_ms=int(frames * 80)))
-    p.submit = time.perf_counter()
+    req = Request(*(prompt or short_prompt(prompt_len)), prefix_len=prefix_len,
+                  params=SamplingParams(temperature=0.9, top_k=50, max_audio_length_ms=int(frames * 80)))
+    p = Probe(request_id=req.request_id, submit=time.perf_counter())
     engine.submit(req, p)
     return p
 
