@@ -1,5 +1,5 @@
 """FP8 weights (EngineConfig.weights = fp8 / fp8-all) against bf16 on the real shape: the logits' error
-under teacher forcing and the frame step's speed.
+under teacher forcing (the frame step's speed per weights: bench/frame_step.py --weights).
 
 Error: the bf16 model samples a few utterances (its own codes, so the inputs are on its distribution);
 both models then read exactly those frames (teacher forcing: the backbone over the whole sequence,
@@ -10,8 +10,7 @@ give flat distributions, where a small error flips the argmax more easily than i
 ones; KL is the more telling number. Each FP8 setting is measured twice: with the activations quantized per
 row (FP8Linear's w8a8 GEMM: what the frame step runs past CSMSERVE_FP8_DENSE_ROWS, 512) and weight-only
 (FP8Linear.weight_only: the numbers of kernels/gemv.py's FP8 GEMV and of the bf16 copy of the dequantized weights,
-what the frame step runs up to 512 rows). Speed: the graphed frame step
-at each batch, as bench/frame_step.py.
+what the frame step runs up to 512 rows).
 
     python bench/fp8_error.py                      # dummy weights (N(0, 1/fan_in))
     python bench/fp8_error.py --hf-init            # transformers' random init (N(0, 0.02)), if installed
@@ -20,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 
 import numpy as np
 import torch
 
-from gpu_profile import admit_rows, frame_step_ms
-
 from csmserve.models import reference
 from csmserve.sampling import SamplingParams
-from csmserve.engine.runner import ModelRunner
 from csmserve.models.fp8 import FP8Linear, quantize_weights
 
 
@@ -91,31 +86,13 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, np.ndarra
     return agree.cpu().numpy(), kl.cpu().numpy()
 
 
-def frame_ms(model, weights: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
-    runner = ModelRunner(model, num_slots=max(batches), max_seq_len=context + steps + 8, buckets=batches,
-                         weights=weights)
-    out = {}
-    for b in batches:
-        slots = list(range(b))
-        admit_rows(runner, slots, context)
-        out[b] = frame_step_ms(runner, slots, steps)
-    del runner
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="dummy")
     ap.add_argument("--hf-init", action="store_true", help="transformers' random init instead of --model")
     ap.add_argument("--utterances", type=int, default=4)
     ap.add_argument("--frames", type=int, default=64, help="frames sampled per utterance")
-    ap.add_argument("--batches", default="1,2,64,2048")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",") if b]
     base = build(args)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"weights {'transformers random init' if args.hf_init else args.model}", flush=True)
@@ -147,19 +124,6 @@ def main() -> None:
         f"{results[v][0][1:].mean():.2%} | {results[v][1][1:].mean():.2e}" for v in variants) + " |")
     print("| mean, all codebooks | " + " | ".join(
         f"{results[v][0].mean():.2%} | {results[v][1].mean():.2e}" for v in variants) + " |")
-    if not batches:  # --batches "": the error only
-        return
-    print("\n| batch | bf16 frame step (ms) | fp8 (ms) | fp8-all (ms) |\n|---|---|---|---|", flush=True)
-    speed = {}
-    for weights in ("bf16", "fp8", "fp8-all"):
-        model = base if weights == "bf16" else copy.deepcopy(base)
-        speed[weights] = frame_ms(model, weights, batches, args.context, args.steps)
-        if model is not base:
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
-    for b in batches:
-        print(f"| {b} | {speed['bf16'][b]:.2f} | {speed['fp8'][b]:.2f} | {speed['fp8-all'][b]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The frame step's GEMMs at a few rows: cuBLAS (F.linear) against kernels/gemv.py, per shape and M.
 
-python bench/gemv.py --rows 1,2 [--fp8]
-python bench/gemv.py --rows 4,12,16 --fp8 --mma-sweep   (3-16 rows: the tensor-core kernel's rule and other configs)
+python bench/gemv.py --rows 1,2,4,16 [--fp8]
 
 Each shape is timed as a CUDA graph of `--reps` calls over as many distinct weight copies as make
 > 256 MB (so every call reads its weight from HBM, not from the 50 MB L2, as in the frame step where
@@ -33,30 +32,6 @@ SHAPES = [
 ]
 
 
-# the tensor-core kernel's configs (--mma-sweep): (BLOCK_N, BLOCK_K, warps, stages, splits over K); 3-16 rows
-MMA_CONFIGS = [(16, 256, 4, 4, 1), (16, 512, 4, 4, 1), (16, 512, 4, 3, 1), (16, 1024, 4, 3, 1), (32, 256, 4, 4, 1),
-               (32, 512, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 8, 4, 1), (32, 256, 8, 4, 1),
-               (16, 256, 4, 6, 1), (32, 128, 4, 6, 1), (16, 512, 4, 4, 2), (16, 512, 4, 4, 4), (16, 256, 4, 4, 4),
-               (16, 256, 4, 4, 8), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4), (16, 1024, 4, 3, 2)]
-
-
-def sweep(run, m: int, k: int) -> tuple[float, tuple] | None:
-    """The fastest of MMA_CONFIGS for run(cfg) (us per call)."""
-    best = None
-    for cfg in MMA_CONFIGS:
-        bk, split = cfg[1], cfg[4]
-        if k % (bk * split) or k // split < bk:
-            continue
-        try:
-            t = run(cfg)
-        except Exception as e:  # noqa: BLE001 - a config Triton cannot build (shared memory): skip it
-            print(f"  {cfg}: {type(e).__name__}")
-            continue
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2")
@@ -65,8 +40,6 @@ def main() -> None:
     ap.add_argument("--elems", type=int, default=None, help="gemv._ELEMS (weights per program per chunk)")
     ap.add_argument("--warps", type=int, default=None, help="gemv.NUM_WARPS")
     ap.add_argument("--fp8", action="store_true", help="also e4m3 weights (weight-only)")
-    ap.add_argument("--mma-sweep", action="store_true",
-                    help="at 3+ rows also MMA_CONFIGS: the best one per shape and weights, against the rule")
     ap.add_argument("--shapes", default="", help="only the SHAPES whose name contains one of these (comma list)")
     args = ap.parse_args()
     gemv._PROGRAMS = args.programs or gemv._PROGRAMS
@@ -110,15 +83,15 @@ def main() -> None:
                 for i in range(args.reps):
                     ref(lins[i % len(lins)] if fp8 else ws[i % copies])
 
-            def timed(cfg=None, fp8=False):
-                """Our kernel's us per call over the weight copies (fp8: the e4m3 ones); cfg: config()'s if None."""
+            def timed(fp8=False):
+                """Our kernel's us per call over the weight copies (fp8: the e4m3 ones)."""
                 def f():
                     for i in range(args.reps):
                         if fp8:
                             w8, s = w8s[i % len(w8s)]
-                            gemv.gemv(x, w8, glu, s, cfg=cfg)
+                            gemv.gemv(x, w8, glu, s)
                         else:
-                            gemv.gemv(x, ws[i % copies], glu, cfg=cfg)
+                            gemv.gemv(x, ws[i % copies], glu)
                 return graph_timed(f, args.reps)
 
             t_ref, t_g = graph_timed(run_ref, args.reps), timed()
@@ -136,17 +109,6 @@ def main() -> None:
                 t_lin = graph_timed(lambda: run_ref(fp8=True), args.reps)
                 line += f" {t8:.2f} | {mb / 2 / t8 / 1e3:.0f} | {rel:.1e} | {t_lin:.2f} |"
             print(line, flush=True)
-            if args.mma_sweep and m > gemv.ELEMENTWISE_ROWS:
-                for label, fp8 in (("bf16", False), ("fp8", True)):
-                    if fp8 and not args.fp8:
-                        continue
-                    rule = gemv.config(m, n, k, glu, fp8=fp8)
-                    rule = (*rule, gemv.mma_split(n, k, *rule[:2]))
-                    t_rule = timed(rule, fp8)
-                    best = sweep(lambda c, fp8=fp8: timed(c, fp8), m, k)
-                    if best:
-                        print(f"  sweep {name} M={m} {label}: rule {rule} {t_rule:.2f} us, best {best[1]} "
-                              f"{best[0]:.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,18 @@ def graph_timed(fn: Callable[[], object], reps: int, tries: int = 5) -> float:
     return best
 
 
+def sampler_inputs(B: int, V: int = 2048, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """kernels/sampler.py's inputs for B rows of V codes (the sampleable ones: CSMConfig.sampleable_codes) ->
+    (logits [B, V] in dtype, temperature 0.9, top_k 50, top_p 1, seeds, frame indices), each [B] but the logits."""
+    logits = (torch.randn(B, V, device="cuda") * 3).to(dtype)
+    t = torch.full((B,), 0.9, device="cuda")
+    k = torch.full((B,), 50, device="cuda")
+    p = torch.ones(B, device="cuda")
+    seed = torch.randint(0, 2**62, (B,), device="cuda")
+    frame = torch.randint(0, 500, (B,), device="cuda")
+    return logits, t, k, p, seed, frame
+
+
 def admit_rows(runner, slots: list[int], context: int, adapters: list[int] | None = None) -> None:
     """Start a row at each slot as if `context` positions were prefilled (a text-only frame; its slot as its seed;
     adapters: each row's LoRA pool slot, else none): the rows the frame-step timings step."""

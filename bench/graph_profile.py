@@ -20,10 +20,10 @@ import tempfile
 import time
 from collections import defaultdict
 
-import numpy as np
 import torch
 
-from csmserve.engine.request import Admission
+from gpu_profile import admit_rows
+
 from csmserve.engine.runner import ModelRunner
 
 
@@ -68,13 +68,10 @@ def main() -> None:
     n = max(batches)
     runner = ModelRunner(model, num_slots=n, max_seq_len=512, buckets=batches, mimi=mimi, weights=args.weights,
                          codec_stream=not args.no_codec_stream)
-    W = model.cfg.frame_width
-    tok, mask = np.zeros(W, np.int64), np.zeros(W, bool)
-    mask[-1] = True
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, weights {args.weights}, codec {args.codec}, "
           f"codec stream {runner.codec_stream is not None}")
     for b in batches:
-        runner.admit([Admission(s, tok, mask, args.context, 0.9, 50, 1.0, s) for s in range(n)])
+        admit_rows(runner, list(range(n)), args.context)
         slots = list(range(b))
         for _ in range(3):
             runner.step(slots).wait()

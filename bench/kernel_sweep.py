@@ -20,7 +20,7 @@ import torch
 
 from csmserve.kernels import depth_attention, gemv, sampler, tuning
 from csmserve.models.fp8 import quantize_rows_torch
-from gpu_profile import graph_timed
+from gpu_profile import graph_timed, sampler_inputs
 
 # (name, m, n, k, glu, norm): as the frame step calls them (norm: norm_gemv, the residual add + RMSNorm fused)
 DEPTH = [("depth qkv", 1536, 1024, False, True), ("depth o", 1024, 1024, False, False),
@@ -135,17 +135,11 @@ def _table(best: dict[int, int]) -> list[list[int]]:
 
 
 def sweep_sampler(batches, reps: int) -> dict:
-    V = 2048  # the sampleable codes (CSMConfig.sampleable_codes)
     print("\n| sampler | B | warps | us per call (temperature 0.9, top_k 50) | greedy (us) |")
     print("|---|---|---|---|---|")
     best = {}
     for B in batches:
-        logits = torch.randn(B, V, device="cuda") * 3
-        t = torch.full((B,), 0.9, device="cuda")
-        k = torch.full((B,), 50, device="cuda")
-        p = torch.ones(B, device="cuda")
-        seed = torch.randint(0, 2**62, (B,), device="cuda")
-        frame = torch.randint(0, 500, (B,), device="cuda")
+        logits, t, k, p, seed, frame = sampler_inputs(B)
         greedy_t = torch.zeros(B, device="cuda")
         ref = None
         res = {}

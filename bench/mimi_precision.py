@@ -1,5 +1,5 @@
-"""Mimi decode in bfloat16 against float32 on the real shape: how far the audio moves (SNR, max error),
-and what each costs per streaming step.
+"""Mimi decode in bfloat16 against float32 on the real shape: how far the audio moves (SNR, max error). What each
+costs per streaming step: bench/mimi_decode.py --dtype.
 
     python bench/mimi_precision.py --device cuda --frames 100 --batch 8
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,28 +30,11 @@ def stream_decode(mimi: Mimi, codes: torch.Tensor, layout: str = "cl") -> torch.
     return torch.cat(out, -1)
 
 
-def step_ms(mimi: Mimi, batch: int, device: str, iters: int = 20, layout: str = "cl") -> float:
-    st = MimiStream(mimi, batch, "decode", 1, layout=layout)
-    rows = torch.arange(batch, device=device)
-    codes = torch.randint(0, mimi.cfg.codebook_size, (batch, 32, 1), device=device)
-    for _ in range(3):
-        st.decode_step(codes, rows)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        st.decode_step(codes, rows)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--frames", type=int, default=100)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--speed-batches", default="64,256")
     args = ap.parse_args()
     torch.manual_seed(0)
     ref_model = dummy_init(Mimi(MimiConfig())).to(args.device, torch.float32).eval()
@@ -82,13 +64,6 @@ def main() -> int:
               f"{(x - ref).abs().max():.2e} | |")
     print(f"| float32 streaming vs float32 whole (the streaming decode's own exactness) | {whole_snr:.1f} | | "
           f"{(whole - ref).abs().max():.2e} | |")
-    print("\n| batch | layout | float32 step (ms) | bfloat16 step (ms) | (eager, no graph) |")
-    print("|---|---|---|---|---|")
-    with torch.inference_mode():
-        for b in (int(x) for x in args.speed_batches.split(",")):
-            for lay in ("nct", "cl"):
-                print(f"| {b} | {lay} | {step_ms(ref_model, b, args.device, layout=lay):.2f} | "
-                      f"{step_ms(bf_model, b, args.device, layout=lay):.2f} | |")
     return 0
 
 

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from csmserve.kernels import sampler
-from gpu_profile import graph_timed
+from gpu_profile import graph_timed, sampler_inputs
 
 
 def main() -> None:
@@ -27,12 +27,7 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for B in (int(b) for b in args.batches.split(",")):
             torch.manual_seed(B)
-            logits = (torch.randn(B, args.vocab, device="cuda") * 3).to(dtype)
-            t = torch.full((B,), 0.9, device="cuda")
-            k = torch.full((B,), 50, device="cuda")
-            p = torch.ones(B, device="cuda")
-            seed = torch.randint(0, 2**62, (B,), device="cuda")
-            frame = torch.randint(0, 500, (B,), device="cuda")
+            logits, t, k, p, seed, frame = sampler_inputs(B, args.vocab, dtype)
             t0 = torch.zeros_like(t)
             sampled = graph_timed(lambda: [sampler.sample_triton(logits, t, k, p, seed, frame, 3)
                                            for _ in range(args.reps)], args.reps)
