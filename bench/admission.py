@@ -21,17 +21,12 @@ import time
 import numpy as np
 import torch
 
+from csmserve.apps.bench import engine as bench_engine
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import build_engine
 from csmserve.engine.outputs import CLIENT_SHIFT
 from csmserve.engine.request import Request
 from csmserve.sampling import SamplingParams
-
-
-def _prompt(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    tokens, mask = np.zeros((n, 33), np.int64), np.zeros((n, 33), bool)
-    tokens[:, 32], mask[:, 32] = rng.integers(1, 256, n), True
-    return tokens, mask
 
 
 class _Probe:
@@ -60,6 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = EngineConfig(max_slots=args.streams + args.spare, max_seq_len=args.max_seq_len, max_waiting=100_000,
                        prefill_token_budget=args.prefill_budget)
     csm = CSM(args.model, device=device, dtype=args.dtype, codec_dtype=args.codec_dtype, engine_config=cfg)
+    bench_engine.TEXT_VOCAB[0] = csm.model.cfg.text_vocab_size
     probe = _Probe()
     emit_clients = 4
     t0 = time.perf_counter()
@@ -70,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def make(frames: int, prompt: int) -> Request:
         nonlocal n
-        r = Request(*_prompt(prompt, rng), SamplingParams(temperature=0.9, top_k=50, seed=n,
+        r = Request(*bench_engine.short_prompt(prompt), SamplingParams(temperature=0.9, top_k=50, seed=n,
                                                            max_audio_length_ms=80 * frames))
         r.handle = ((n % emit_clients) << CLIENT_SHIFT) | n
         n += 1

@@ -9,15 +9,9 @@ import time
 
 import torch
 
-from gpu_profile import admit_rows, frame_step_ms
+from gpu_profile import admit_rows, dummy_model, frame_step_ms
 
 from csmserve.engine.runner import ModelRunner
-
-
-def dummy_model(device: str, dtype: torch.dtype) -> torch.nn.Module:
-    from csmserve.models.loader import load_csm
-
-    return load_csm("dummy", device, dtype)[0]
 
 
 def main() -> None:
@@ -38,7 +32,7 @@ def main() -> None:
 
         fuse_elementwise()
     batches = [int(b) for b in args.batches.split(",")]
-    model = dummy_model("cuda", torch.bfloat16)
+    model = dummy_model()
     n = max(batches)
     t0 = time.perf_counter()
     mimi = None

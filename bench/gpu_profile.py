@@ -1,5 +1,5 @@
 """The bench scripts' shared measurements: torch.profiler over a few eager calls of a GPU step, a kernel's time in a
-CUDA graph, the runner's frame step."""
+CUDA graph, the runner's frame step over random full-size weights."""
 from __future__ import annotations
 
 import time
@@ -44,6 +44,13 @@ def graph_timed(fn: Callable[[], object], reps: int, tries: int = 5) -> float:
         torch.cuda.synchronize()
         best = min(best, e0.elapsed_time(e1) * 1e3 / reps)
     return best
+
+
+def dummy_model() -> torch.nn.Module:
+    """CSM-1B's shape with random weights (`--model dummy`), bf16 on the GPU."""
+    from csmserve.models.loader import load_csm
+
+    return load_csm("dummy", "cuda", torch.bfloat16)[0]
 
 
 def sampler_inputs(B: int, V: int = 2048, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:

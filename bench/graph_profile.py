@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from gpu_profile import admit_rows
+from gpu_profile import admit_rows, dummy_model
 
 from csmserve.engine.runner import ModelRunner
 
@@ -55,11 +55,10 @@ def main() -> None:
     ap.add_argument("--no-codec-stream", action="store_true", help="Mimi's decode in the frame's one graph")
     args = ap.parse_args()
     from csmserve.models.llama import fuse_elementwise
-    from csmserve.models.loader import load_csm
 
     fuse_elementwise()
     batches = [int(b) for b in args.batches.split(",")]
-    model = load_csm("dummy", "cuda", torch.bfloat16)[0]
+    model = dummy_model()
     mimi = None
     if args.codec:
         from csmserve.models.mimi_loader import load_mimi

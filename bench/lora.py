@@ -16,15 +16,9 @@ import time
 
 import torch
 
-from gpu_profile import admit_rows, frame_step_ms
+from gpu_profile import admit_rows, dummy_model, frame_step_ms
 
 from csmserve.engine.runner import ModelRunner
-
-
-def dummy_model() -> torch.nn.Module:
-    from csmserve.models.loader import load_csm
-
-    return load_csm("dummy", "cuda", torch.bfloat16)[0]
 
 
 class _Adapter:  # what the runner reads of engine/adapters.py's Adapter

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from csmserve.apps.bench.engine import short_prompt
 from csmserve.engine.request import Admission, PrefillChunk
 from csmserve.engine.runner import ModelRunner
 from csmserve.models.codec import load_codec
@@ -38,14 +39,11 @@ def main() -> None:
     codec = load_codec("dummy", model_dir, None, torch.device("cuda"), torch.bfloat16)
     runner = ModelRunner(model, 8, 2048, mimi=codec, weights=args.weights, codec_stream=not args.no_codec_stream)
     print(f"weights {args.weights}, codec stream {runner.codec_stream is not None}")
-    W = model.cfg.frame_width
     print("| prompt frames | admit host/device (ms) | prefill host/device (ms) | first step host/device (ms) |"
           " sum device (ms) |\n|---|---|---|---|---|")
     with torch.inference_mode():
         for n in [int(x) for x in args.prompts.split(",")]:
-            tokens, mask = np.zeros((n, W), np.int64), np.zeros((n, W), bool)
-            tokens[:, -1] = np.arange(n) % 1000 + 1000
-            mask[:, -1] = True
+            tokens, mask = short_prompt(n)  # [n, 33]: text frames
             rows = []
             for t in range(args.trials + 1):
                 adm = [Admission(0, tokens[-1], mask[-1], n - 1, 0.9, 50, 1.0, t)]

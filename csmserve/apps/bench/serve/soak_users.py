@@ -216,6 +216,14 @@ async def _recv(ws):
     return await asyncio.wait_for(ws.recv(), READ_TIMEOUT)
 
 
+async def _close_context(ws, cid: str) -> None:
+    """`close` a context_id and wait for its `done` (other contexts' messages skipped)."""
+    await ws.send(json.dumps({"context_id": cid, "close": True}))
+    while not (isinstance(m := await _recv(ws), str) and (e := json.loads(m)).get("context_id") == cid
+               and e.get("type") == "done"):
+        pass
+
+
 async def ws_disconnect(run: SoakRun, ws, user: int, rng: random.Random, cid: str, voice: str) -> None:
     """A turn left after its first audio (or before): a close frame, FIN without one, or RST."""
     how = rng.choice(("close", "fin", "rst"))
@@ -262,10 +270,7 @@ async def ws_hostile(run: SoakRun, ws, user: int, case: Case, cid: str) -> None:
         else:
             status = "ok"
         server_error = got == "error" and ws_error(event)[1]
-        await ws.send(json.dumps({"context_id": side, "close": True}))
-        while not (isinstance(m := await _recv(ws), str) and (e := json.loads(m)).get("context_id") == side
-                   and e.get("type") == "done"):
-            pass
+        await _close_context(ws, side)
     except TimeoutError:
         status = f"hostile {case.name}: no answer"
     finally:
@@ -315,9 +320,7 @@ async def ws_user(run: SoakRun, user: int) -> None:
                         await asyncio.sleep(BACKOFF_S)
             if ws is not None and not run.stopping:
                 t = now()
-                await ws.send(json.dumps({"context_id": cid, "close": True}))
-                while not (isinstance(m := await _recv(ws), str) and json.loads(m).get("type") == "done"):
-                    pass
+                await _close_context(ws, cid)
                 run.record("ws-close", user, t, "ok", detail=f"{done} turns")
         except failures as e:
             run.record("ws-connection", user, now(), f"transport {type(e).__name__}")
