@@ -7,7 +7,7 @@
 #   admission  arrivals/s admitted into 2,000 running streams, their wait to a first frame (ADMISSION_ARGS)
 #   mimi       Mimi's streaming step per batch against transformers' decode; bf16 against float32
 #   prefix     TTFA with a voice / conversation prefix, cached and uncached (PREFIX_ARGS)
-#   ttfa       where an idle engine's first audio goes (TTFA_PROMPTS; TTFA_TIMELINE=1: on one profiler timeline too)
+#   ttfa       where an idle engine's first audio goes (TTFA_PROMPTS)
 #   fp8        FP8 weights' logits against bf16's, and the frame step per weights (FP8_ARGS)
 #   kernels    each GEMM of the frame step alone against cuBLAS; the sampler alone (GEMV_ARGS, SAMPLER_ARGS)
 #   profile    a graphed frame step's GPU time per kernel (PROFILE_BATCHES, PROFILE_ARGS); Mimi's step at 2,048
@@ -65,7 +65,8 @@ m_admission() {  # admission at scale: arrivals/s admitted into running streams,
 m_mimi() {  # Mimi's streaming step per batch (eager, graphed) against transformers' whole decode; bf16 against float32
   python bench/mimi_decode.py --device cuda --batches ${MIMI_BATCHES:-1,8,64,256} --dtype bfloat16 2>&1 \
     | tee "$OUT/mimi_decode.txt"
-  python bench/mimi_precision.py --frames 100 --batch 8 --speed-batches 256,2048 2>&1 | tee "$OUT/mimi_precision.txt"
+  python bench/mimi_decode.py --device cuda --batches 256,2048 --dtype float32 2>&1 | tee -a "$OUT/mimi_decode.txt"
+  python bench/mimi_precision.py --frames 100 --batch 8 2>&1 | tee "$OUT/mimi_precision.txt"
 }
 m_prefix() {  # TTFA with a 10 s voice / 60 s conversation prefix, cached and uncached, idle and under load
   python bench/prefix_ttfa.py ${PREFIX_ARGS:---load 0,64} --out "$OUT/prefix_ttfa.md" 2>&1 | tee "$OUT/prefix_ttfa.txt"
@@ -74,14 +75,11 @@ m_ttfa() {  # where an idle engine's first audio goes: admission, prefill, first
   local w
   for w in $WEIGHTS; do
     python bench/ttfa_breakdown.py --prompts ${TTFA_PROMPTS:-12,166} --weights $w 2>&1 | tee -a "$OUT/ttfa_breakdown.txt"
-    if [[ -n ${TTFA_TIMELINE:-} ]]; then  # the host's CUDA calls and the GPU's kernels of one request, in order
-      python bench/ttfa_timeline.py --weights $w --probes-traced 3 --trace-dir "$OUT/traces" 2>&1 \
-        | tee -a "$OUT/ttfa_timeline.txt" | tail -30
-    fi
   done
 }
 m_fp8() {  # FP8 weights: top-1 agreement and KL of every codebook's logits against bf16, then the frame step per weights
   python bench/fp8_error.py ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_error.txt"
+  WEIGHTS="bf16 fp8 fp8-all" FRAME_BATCHES=${FRAME_BATCHES:-1,2,64,2048} m_frame
 }
 m_kernels() {  # each GEMM of the frame step alone (ours against cuBLAS, bf16 and e4m3), then the sampler alone
   python bench/gemv.py ${GEMV_ARGS:---rows 1,2,4,16 --fp8} 2>&1 | tee "$OUT/gemv.txt"
