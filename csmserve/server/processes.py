@@ -242,6 +242,18 @@ def run_named(name: str, target, *args) -> None:
     target(*args)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (IPv6 where the host is); OSError naming the port and the flag if taken."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port") from None
+    return s
+
+
 WORKER_EXITS = 3  # a worker exiting this often within WORKER_EXITS_S: the unit is failing (Supervisor.fatal)
 WORKER_EXITS_S = 60.0
 
@@ -259,9 +271,7 @@ class Supervisor:
         self.engine_spec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
                                        spec.log_level, self.rundir)
         self.ctx = multiprocessing.get_context("spawn")
-        self.sock = socket.socket(socket.AF_INET6 if ":" in self.server.host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((self.server.host, self.server.port))
+        self.sock = bind(self.server.host, self.server.port)
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
         self.port: int = self.sock.getsockname()[1]

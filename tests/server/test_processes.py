@@ -279,3 +279,17 @@ def test_a_csm_attached_to_an_engine_process_generates_audio():
             csm.close()
         proc.stop()
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+def test_a_taken_port_is_one_line_naming_it():
+    """`csmserve serve` and `serve --ray` (before Ray starts) bind through processes.bind: a port in use is
+    an OSError naming it and the flag, not errno text alone."""
+    from csmserve.server.processes import bind
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*pick another --port"):
+            bind("127.0.0.1", port)
+    bind("127.0.0.1", port).close()  # free again

@@ -16,7 +16,7 @@ SYSTEM_PROMPT = ("You are a friendly voice assistant in a spoken conversation. A
 
 @dataclass
 class LLMStream:
-    """The streamed chat completion: iterate for the content pieces; timestamps (perf_counter) as they come.
+    """The streamed chat completion: iterate for the content pieces; first_token_t (perf_counter) when the first came.
     Setting `stop` ends the iteration at the next line."""
 
     url: str
@@ -26,8 +26,6 @@ class LLMStream:
     timeout: float = 60.0
     temperature: float | None = None
     first_token_t: float | None = None
-    last_token_t: float | None = None
-    done_t: float | None = None
     text: str = ""
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -54,15 +52,11 @@ class LLMStream:
                         break
                     piece = _content(full, data)
                     if piece:
-                        now = time.perf_counter()
-                        self.first_token_t = self.first_token_t or now
-                        self.last_token_t = now
+                        self.first_token_t = self.first_token_t or time.perf_counter()
                         self.text += piece
                         yield piece
         except httpx.HTTPError as e:
             raise endpoint_error("LLM", full, e) from None
-        finally:
-            self.done_t = time.perf_counter()
 
 
 def _content(full: str, data: str) -> str:

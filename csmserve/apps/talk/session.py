@@ -37,8 +37,6 @@ class Exchange:
     t_end_of_speech: float = 0.0
     t_transcribed: float | None = None
     t_first_token: float | None = None
-    t_last_token: float | None = None
-    t_llm_done: float | None = None
     t_first_audio: float | None = None
 
     @property
@@ -228,7 +226,7 @@ class TalkSession:
         and the LLM's history."""
         from csmserve.api import Segment
 
-        turn.t_first_token, turn.t_last_token, turn.t_llm_done = llm.first_token_t, llm.last_token_t, llm.done_t
+        turn.t_first_token = llm.first_token_t
         turn.llm_text = llm.text
         turn.frames = played.frames
         turn.audio = np.concatenate(played.audio) if played.audio else np.zeros(0, np.float32)
