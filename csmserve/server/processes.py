@@ -113,30 +113,36 @@ def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float =
 
 
 def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, str], ...] = ()):
-    """The engine-core process's model (CSM without an engine of its own). gpu_share < 1 and no max_slots:
-    the slots are sized to that share of the GPU's memory (slots_in_share). adapters: `--lora`'s (name, path)
-    pairs, checked here (a bad one fails the start) and served from the engine's first step."""
+    """The engine-core process's model (CSM without an engine of its own). gpu_share < 1: the prefix cache is
+    its fixed default (a whole GPU's engine takes half of the device's free memory, which here is a neighbour's
+    share too), and with no max_slots the slots are sized to the share (slots_in_share). adapters: `--lora`'s
+    (name, path) pairs, checked here (a bad one fails the start) and served from the engine's first step."""
     from csmserve.api import CSM
+    from csmserve.engine.prefix_cache import default_prefix_cache_bytes
 
     csm = CSM(spec.model, device=spec.device, dtype=spec.dtype, codec=spec.codec, codec_dtype=spec.codec_dtype,
               engine_config=spec.engine, **({"adapters": dict(adapters)} if adapters else {}))
-    if csm.device.type == "cuda" and gpu_share < 1 and spec.engine.max_slots is None:
-        csm.engine_config = dataclasses.replace(spec.engine, max_slots=slots_in_share(csm, spec.engine, gpu_share))
+    if csm.device.type == "cuda" and gpu_share < 1:
+        engine = spec.engine
+        if engine.prefix_cache_bytes is None:
+            engine = dataclasses.replace(engine, prefix_cache_bytes=default_prefix_cache_bytes("cuda"))
+        if engine.max_slots is None:
+            engine = dataclasses.replace(engine, max_slots=slots_in_share(csm, engine, gpu_share))
+        csm.engine_config = engine
     return csm
 
 
 def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
-    """Slots that fit in share x the GPU's memory, less what this process holds (run where the weights are)."""
+    """Slots that fit in share x the GPU's memory, less what this process holds (run where the weights are) and
+    the prefix cache (engine.prefix_cache_bytes, set)."""
     import torch
 
-    from csmserve.engine.prefix_cache import default_prefix_cache_bytes
     from csmserve.engine.slots import size_slots
 
     total = torch.cuda.mem_get_info(csm.device)[1]
     free = int(total * gpu_share) - torch.cuda.memory_allocated(csm.device)
-    cache = engine.prefix_cache_bytes
-    cache = default_prefix_cache_bytes("cuda") if cache is None else cache
-    return size_slots(csm.model, csm.mimi, engine.max_seq_len, reserve_bytes=cache, free_bytes=max(0, free))
+    return size_slots(csm.model, csm.mimi, engine.max_seq_len, reserve_bytes=engine.prefix_cache_bytes,
+                      free_bytes=max(0, free))
 
 
 def new_rundir() -> Path:

@@ -248,10 +248,17 @@ def test_the_engine_process_sizes_its_slots_to_its_share_of_the_gpu(monkeypatch)
     spec = processes.engine_spec("dummy", "cuda", None, None, None, EngineConfig(), "info", Path("/tmp"))
     assert spec.parent_pid == os.getpid() and spec.ring_path != processes.engine_spec(
         "dummy", "cuda", None, None, None, EngineConfig(), "info", Path("/tmp")).ring_path
-    assert processes.load_engine_model(spec, gpu_share=0.5).engine_config.max_slots == 7 and shares == [0.5]
-    assert processes.load_engine_model(spec).engine_config.max_slots is None  # the whole GPU: sized as ever
+    half = processes.load_engine_model(spec, gpu_share=0.5).engine_config
+    assert half.max_slots == 7 and shares == [0.5]
+    # the prefix cache fixed, not half of the device's free memory (a neighbour's share: an H100 with two
+    # half-GPU replicas ran out of memory when the first engine's cache took it)
+    assert half.prefix_cache_bytes == 2 << 30
+    whole = processes.load_engine_model(spec).engine_config  # the whole GPU: sized as ever
+    assert whole.max_slots is None and whole.prefix_cache_bytes is None
+    fixed = dataclasses.replace(spec, engine=EngineConfig(max_slots=16, prefix_cache_bytes=1 << 20))
+    assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config == fixed.engine and shares == [0.5]
     fixed = dataclasses.replace(spec, engine=EngineConfig(max_slots=16))
-    assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config.max_slots == 16 and shares == [0.5]
+    assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config.prefix_cache_bytes == 2 << 30
 
 
 def test_a_csm_attached_to_an_engine_process_generates_audio():
