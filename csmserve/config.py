@@ -26,6 +26,17 @@ OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-0
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
+_BOUNDS = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0}
+
+
+def _require(cfg: object, bound: str, names: str) -> None:
+    """ValueError naming the first of the fields `names` (space-separated) that is set (not None) and not `bound`."""
+    for name in names.split():
+        v = getattr(cfg, name)
+        if v is not None and not _BOUNDS[bound](v):
+            raise ValueError(f"{type(cfg).__name__}.{name} must be {bound}, got {v}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     # concurrent requests; a slot owns backbone KV, depth KV, sampler and codec rows. None: as many as
@@ -84,18 +95,10 @@ class EngineConfig:
     max_lora_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "max_seq_len", "prefill_token_budget", "max_prefill_chunk",
-                     "first_chunk_frames", "chunk_frames"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_chunk_ms", "chunk_grow_lead_ms", "prefix_cache_bytes", "reader_wait_s", "max_waiting"):
-            if getattr(self, name) is not None and not getattr(self, name) >= 0:
-                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_loras < 0 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
-            raise ValueError(f"EngineConfig needs max_loras >= 0, max_lora_rank >= 1 and max_cpu_loras >= 1, got "
-                             f"{self.max_loras}, {self.max_lora_rank}, {self.max_cpu_loras}")
-        if not self.max_lora_wait_s > 0:
-            raise ValueError(f"EngineConfig.max_lora_wait_s must be > 0, got {self.max_lora_wait_s}")
+        _require(self, ">= 1", "max_slots max_seq_len prefill_token_budget max_prefill_chunk first_chunk_frames "
+                               "chunk_frames max_lora_rank max_cpu_loras")
+        _require(self, ">= 0", "max_chunk_ms chunk_grow_lead_ms prefix_cache_bytes reader_wait_s max_waiting max_loras")
+        _require(self, "> 0", "max_lora_wait_s")
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
 
@@ -197,24 +200,15 @@ class ServerConfig:
         return 1000 if random_weights else 30_000
 
     def __post_init__(self) -> None:
-        for name in ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_context_turns", "max_segment_ms",
-                     "audio_ms_per_char", "max_context_chars", "max_context_total_chars",
-                     "max_concurrent_requests", "max_sessions", "max_session_turns", "max_session_frames",
-                     "max_ws_message_bytes", "body_min_rate", "max_header_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_clip_seconds <= 0:
-            raise ValueError(f"ServerConfig.max_clip_seconds must be > 0, got {self.max_clip_seconds}")
+        _require(self, ">= 1", "max_input_chars max_body_bytes max_upload_bytes max_context_turns max_segment_ms "
+                               "audio_ms_per_char max_context_chars max_context_total_chars max_concurrent_requests "
+                               "max_sessions max_session_turns max_session_frames max_ws_message_bytes body_min_rate "
+                               "max_header_bytes")
+        _require(self, ">= 0", "max_lead_s encode_threads api_workers")
+        _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
+                              "body_timeout_s keep_alive_s")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
-        for name in ("max_lead_s", "encode_threads", "api_workers"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_reader_lag_s <= 0:
-            raise ValueError(f"ServerConfig.max_reader_lag_s must be > 0, got {self.max_reader_lag_s}")
-        for name in ("session_idle_s", "ws_turn_idle_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.default_audio_length_ms is not None and \
                 not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")
@@ -253,21 +247,13 @@ class RayConfig:
     ingress_body_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "min_replicas", "max_replicas", "ingress_replicas"):
-            if getattr(self, name) is not None and getattr(self, name) < (0 if name == "min_replicas" else 1):
-                raise ValueError(f"RayConfig.{name} must be >= {0 if name == 'min_replicas' else 1}, "
-                                 f"got {getattr(self, name)}")
+        _require(self, ">= 1", "num_replicas max_replicas ingress_replicas")
+        _require(self, ">= 0", "min_replicas gpus_per_replica ingress_cpus")
+        _require(self, "> 0", "target_ongoing_requests cpus_per_replica health_check_period_s health_check_timeout_s "
+                              "report_interval_s")
+        _require(self, ">= 1", "affinity_load_factor")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("RayConfig needs min_replicas <= max_replicas")
-        for name in ("target_ongoing_requests", "cpus_per_replica", "health_check_period_s",
-                     "health_check_timeout_s", "report_interval_s"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"RayConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("gpus_per_replica", "ingress_cpus"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"RayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.affinity_load_factor < 1:
-            raise ValueError(f"RayConfig.affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         lo, hi = INGRESS_BODY_BYTES
         if not lo <= self.ingress_body_bytes <= hi:
             raise ValueError(f"RayConfig.ingress_body_bytes must be in [{lo}, {hi}], got {self.ingress_body_bytes}")

@@ -11,7 +11,6 @@ queue raises `SchedulerBusy` (imported from here).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from csmserve.engine.outputs import CLIENT_SHIFT, EngineStats, Progress, Router
+from csmserve.engine.outputs import EngineStats, Progress, Router
 from csmserve.engine.request import AudioChunk, Request
 from csmserve.engine.scheduler import SchedulerBusy
 
@@ -35,10 +34,11 @@ class ClientBase:
     def __init__(self, router: Router, client_id: int = 0) -> None:
         self.router = router
         self.client_id = client_id
-        self._n = itertools.count()
 
     # ---- to implement: how messages reach the engine
-    def _submit(self, request: Request) -> None:
+    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
+               progress: Progress | None = None) -> None:
+        """Register the request's sink with the router (chunks or an exception go there), then send it."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
@@ -68,14 +68,6 @@ class ClientBase:
         raise NotImplementedError
 
     # ---- shared
-    def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
-               progress: Progress | None = None) -> None:
-        """Register the request's sink with the router, then send it (a client in another process)."""
-        request.handle = (self.client_id << CLIENT_SHIFT) | next(self._n)
-        request.arrival_time = request.arrival_time or time.perf_counter()
-        self.router.open(request.handle, request.request_id, sink, max_lag_s, progress)
-        self._submit(request)
-
     def stream(self, request: Request, on_submit: Callable[[], None] | None = None) -> Iterator[AudioChunk]:
         q: queue.SimpleQueue = queue.SimpleQueue()
         self._start(request, q.put)

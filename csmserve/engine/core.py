@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -65,10 +66,10 @@ class EngineSpec:
 class Connections(Inbox):
     """The loop's inbox: every worker connection, polled; accepted on a helper thread."""
 
-    def __init__(self, listener: Listener, welcome: m.Welcome, encoder: "_Encoder") -> None:
+    def __init__(self, listener: Listener, welcome: m.Welcome) -> None:
         super().__init__()
-        self.listener, self.welcome, self.encoder = listener, welcome, encoder
-        self.adapter_calls: _AdapterCalls | None = None
+        self.listener, self.welcome = listener, welcome
+        self.calls: dict[type, _Calls] = {}  # the messages with a call_id -> the helper thread that answers them
         self.conns: dict[Connection, int] = {}  # connection -> client id
         self.by_client: dict[int, Connection] = {}
         self.locks: dict[int, threading.Lock] = {}
@@ -133,62 +134,36 @@ class Connections(Inbox):
             return [(APPEND, msg.request_id, (msg.tokens, msg.mask))]
         if isinstance(msg, m.Close):
             return [(CLOSE, msg.request_id, None)]
-        if isinstance(msg, m.Encode):
-            self.encoder.put(client, msg)
-            return []
-        if isinstance(msg, (m.LoadAdapter, m.UnloadAdapter, m.ListAdapters)) and self.adapter_calls is not None:
-            self.adapter_calls.put(client, msg)
+        if type(msg) in self.calls:
+            self.calls[type(msg)].put(client, msg)
             return []
         log.warning("unknown message from worker %d: %r", client, type(msg).__name__)
         return []
 
 
-class _Encoder:
-    """Mimi-encodes uploaded clips (voices, context audio) on a helper thread and its own CUDA stream."""
+class _Calls:
+    """Workers' calls answered on a helper thread of their own (never on the loop): `answer(msg)` -> a Future
+    (or the result), its outcome sent back as a Reply."""
 
-    def __init__(self, csm) -> None:
-        self.csm, self.q = csm, queue.SimpleQueue()
-        self.conns: Connections | None = None
-        threading.Thread(target=self._run, name="csmserve-encode", daemon=True).start()
+    def __init__(self, name: str, answer: Callable[[Any], Any], conns: Connections) -> None:
+        self.answer, self.conns, self.q = answer, conns, queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def put(self, client: int, msg: m.Encode) -> None:
+    def put(self, client: int, msg: Any) -> None:
         self.q.put((client, msg))
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream() if self.csm.device.type == "cuda" else None
         while True:
             client, msg = self.q.get()
+            fut: Future = Future()
             try:
-                with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nullctx()):
-                    codes = self.csm.encode_audio(msg.audio)
-                reply = m.Reply(msg.call_id, codes, None)
+                result = self.answer(msg)
+                if isinstance(result, Future):
+                    fut = result
+                else:
+                    fut.set_result(result)
             except Exception as e:  # noqa: BLE001 - the caller gets it
-                reply = m.Reply(msg.call_id, None, error_payload(e))
-            self.conns.send(client, reply)
-
-
-class _AdapterCalls:
-    """The workers' adapter calls: a load's directory is read on this helper thread (seconds for a large one, never
-    on the loop), then the engine loop registers it (or unloads, or lists); its Future's result goes back as a
-    Reply."""
-
-    def __init__(self, engine: Engine, conns: "Connections") -> None:
-        self.engine, self.conns, self.q = engine, conns, queue.SimpleQueue()
-        threading.Thread(target=self._run, name="csmserve-adapters", daemon=True).start()
-
-    def put(self, client: int, msg: object) -> None:
-        self.q.put((client, msg))
-
-    def _run(self) -> None:
-        while True:
-            client, msg = self.q.get()
-            if isinstance(msg, m.LoadAdapter):
-                fut = self.engine.load_adapter(msg.name, msg.path)  # read here, registered by the loop
-            elif isinstance(msg, m.UnloadAdapter):
-                fut = self.engine.unload_adapter(msg.name)
-            else:
-                fut = Future()
-                self.engine.inbox.put((ADAPTERS, None, fut))
+                fut.set_exception(e)
             fut.add_done_callback(lambda f, c=client, i=msg.call_id: self._reply(c, i, f))
 
     def _reply(self, client: int, call_id: int, fut: Future) -> None:
@@ -196,12 +171,29 @@ class _AdapterCalls:
         self.conns.send(client, m.Reply(call_id, None if e else fut.result(), error_payload(e) if e else None))
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
+def _encoder(csm) -> Callable[[m.Encode], np.ndarray]:
+    """Mimi-encodes an uploaded clip (voices, context audio) on its own CUDA stream."""
+    stream = torch.cuda.Stream() if csm.device.type == "cuda" else None
 
-    def __exit__(self, *a):
-        return False
+    def encode(msg: m.Encode) -> np.ndarray:
+        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+            return csm.encode_audio(msg.audio)
+    return encode
+
+
+def _adapter_calls(engine: Engine) -> Callable[[Any], Future]:
+    """A load's directory is read on the helper thread (seconds for a large one), then the engine loop registers it
+    (or unloads, or lists): the loop's Future."""
+
+    def call(msg) -> Future:
+        if isinstance(msg, m.LoadAdapter):
+            return engine.load_adapter(msg.name, msg.path)  # read here, registered by the loop
+        if isinstance(msg, m.UnloadAdapter):
+            return engine.unload_adapter(msg.name)
+        fut: Future = Future()
+        engine.inbox.put((ADAPTERS, None, fut))
+        return fut
+    return call
 
 
 class CoreLoop:
@@ -305,10 +297,10 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e
     freeze_gc()
-    encoder = _Encoder(csm)
-    conns = Connections(listener, welcome, encoder)
-    encoder.conns = conns
-    conns.adapter_calls = _AdapterCalls(engine, conns)
+    conns = Connections(listener, welcome)
+    adapter_calls = _Calls("csmserve-adapters", _adapter_calls(engine), conns)
+    conns.calls = {m.Encode: _Calls("csmserve-encode", _encoder(csm), conns), m.LoadAdapter: adapter_calls,
+                   m.UnloadAdapter: adapter_calls, m.ListAdapters: adapter_calls}
     engine.inbox = conns
     log.info("engine ready: %d slots, max_seq_len %d, listening on %s", engine.scheduler.max_slots,
              config.max_seq_len, spec.address)

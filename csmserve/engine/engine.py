@@ -223,16 +223,15 @@ class Engine:
             self.tracer.maybe_flush()
 
     def _refuse(self, block: bool) -> None:
-        """After a lost device: answer every new request with the reason at once (never a hang)."""
+        """After a lost device: answer every new request (and adapter call) with the reason at once (never a hang)."""
+        down = f"the engine is down after a device error ({self.fatal}); the process must be restarted"
         for kind, a, b in self.inbox.get(block):
             if kind == ADD:
                 if b is not None:
                     self.router.open(a.handle, a.request_id, *b)
-                self._event(a.handle, EV_ERROR, error_payload(RuntimeError(
-                    f"the engine is down after a device error ({self.fatal}); the process must be restarted")))
+                self._event(a.handle, EV_ERROR, error_payload(RuntimeError(down)))
             elif kind in (LOAD, UNLOAD, ADAPTERS):
-                (b[1] if kind == LOAD else b).set_exception(RuntimeError(
-                    f"the engine is down after a device error ({self.fatal}); the process must be restarted"))
+                (b[1] if kind == LOAD else b).set_exception(RuntimeError(down))
         self._emit_events()
 
     def step(self, block: bool = False) -> None:
@@ -486,10 +485,8 @@ class Engine:
     def _emit_rows(self, rows: StepRows, out: StepOutput | None) -> None:
         stats = self.engine_stats()
         if self.emit is None:  # in-process: every row and event goes to the local router
-            events = [e for evs in self._events.values() for e in evs]
+            step = _engine_step(rows, out, slice(None), [e for evs in self._events.values() for e in evs], stats)
             self._events.clear()
-            step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows, rows.handles,
-                              rows.frame_start, rows.segment, rows.has_frame, rows.end, rows.final, events, stats)
             codes = pcm = None
             if out is not None and len(rows):
                 _, p = out.wait()
@@ -501,10 +498,7 @@ class Engine:
         if out is not None:
             self.runner.ring.readers[out.ring] = tuple(with_rows)  # who must read it before its reuse
         for c in set(with_rows) | set(self._events):
-            m = clients == c
-            step = EngineStep(rows.step, -1 if out is None else out.ring, rows.rows[m], rows.handles[m],
-                              rows.frame_start[m], rows.segment[m], rows.has_frame[m], rows.end[m], rows.final[m],
-                              self._events.pop(c, []), stats)
+            step = _engine_step(rows, out, clients == c, self._events.pop(c, []), stats)
             if self.tracer is not None:  # handed to the client's connection (it may read it before emit returns)
                 self.tracer.row("emit", rows.step, c, time.perf_counter())
             self.emit(c, step, out)
@@ -529,6 +523,12 @@ class Engine:
                 rids.discard(rid)
                 if req is not None:
                     self._event(req.handle, EV_ERROR, payload)
+
+
+def _engine_step(rows: StepRows, out: StepOutput | None, m, events: list[Event], stats: EngineStats) -> EngineStep:
+    """The rows `m` (a client's mask, or slice(None): all) of a step, with the events and counters for their client."""
+    return EngineStep(rows.step, -1 if out is None else out.ring, rows.rows[m], rows.handles[m], rows.frame_start[m],
+                      rows.segment[m], rows.has_frame[m], rows.end[m], rows.final[m], events, stats)
 
 
 def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Emit | None = None,

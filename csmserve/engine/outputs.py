@@ -24,10 +24,10 @@ import numpy as np
 
 from csmserve.config import FRAME_MS
 from csmserve.engine.request import AudioChunk
+from csmserve.engine.scheduler import END_REASONS
 
 FRAME_S = FRAME_MS / 1000
 
-# Event.kind
 CLIENT_SHIFT = 40  # Request.handle = client << CLIENT_SHIFT | n: a step's rows are routed by client
 
 
@@ -35,9 +35,9 @@ def client_of(handle: int) -> int:
     return handle >> CLIENT_SHIFT
 
 
+# Event.kind
 EV_FINAL = 0  # the request ended without a row this step (aborted, closed while idle); payload: reason
 EV_ERROR = 1  # the request was refused or failed; payload: (exception class name, message)
-EV_ADMITTED = 2  # the request got a slot; payload: seconds it waited (metrics)
 
 
 @dataclass
@@ -108,7 +108,6 @@ class _Stream:
     emitted_frames: int = 0
     first_audio_time: float | None = None
     segment: int = 0  # long-form: the segment being accumulated
-    segment_chunks: int = 0  # chunks sent for it (its first one is small: time to audio after a seam)
 
     def too_slow(self, now: float) -> bool:
         """The consumer is more than max_lag_s of audio behind real time (playback since first audio)."""
@@ -116,9 +115,6 @@ class _Stream:
             return False
         behind = now - self.first_audio_time - self.progress.frames * FRAME_S
         return behind > self.max_lag_s and self.emitted_frames - self.progress.frames > self.max_lag_s / FRAME_S
-
-
-_REASONS = (None, "eos", "length")
 
 
 class Router:
@@ -272,11 +268,11 @@ class Router:
             st = streams[h]
             if final:
                 self._close(h)
-                self._flush(st, n, True, _REASONS[end], None, now)
+                self._flush(st, n, True, END_REASONS[end], None, now)
                 wants.append(0)
             elif end:  # chunks never span segments; this one (maybe without codes) says where the segment ends
-                self._flush(st, n, False, None, _REASONS[end], now)
-                st.segment, st.segment_chunks = seg + 1, 0
+                self._flush(st, n, False, None, END_REASONS[end], now)
+                st.segment = seg + 1
                 wants.append(self.first_chunk_frames)
             else:
                 self._flush(st, n, False, None, None, now)
@@ -296,7 +292,6 @@ class Router:
         st.sink(AudioChunk(st.request_id, audio, codes, st.emitted_frames, final, reason, st.segment,
                            segment_end=segment_end or (reason if final else None)))
         st.emitted_frames += n
-        st.segment_chunks += 1
 
     def _next_chunk(self, st: _Stream, now: float) -> int:
         """Frames in the stream's next chunk (not the first of its segment): chunk_frames, or while its lead

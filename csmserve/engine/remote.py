@@ -58,6 +58,7 @@ class RemoteEngineClient(ClientBase):
         self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
+        self._n = itertools.count()  # this worker's request handles
         self._fatal: str | None = None
         self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -97,23 +98,21 @@ class RemoteEngineClient(ClientBase):
         except EngineGone as e:
             self._on_loop(self.router.event, Event(request.handle, EV_ERROR, error_payload(e)))
 
-    def abort(self, request_id: str) -> None:
+    def _post(self, msg: object) -> None:
+        """A message about a request already sent: with the engine gone, its stream has ended already."""
         try:
-            self._send(m.Abort(request_id))
+            self._send(msg)
         except EngineGone:
             pass
+
+    def abort(self, request_id: str) -> None:
+        self._post(m.Abort(request_id))
 
     def append(self, request_id: str, tokens: np.ndarray, mask: np.ndarray) -> None:
-        try:
-            self._send(m.Append(request_id, tokens, mask))
-        except EngineGone:
-            pass
+        self._post(m.Append(request_id, tokens, mask))
 
     def close(self, request_id: str) -> None:
-        try:
-            self._send(m.Close(request_id))
-        except EngineGone:
-            pass
+        self._post(m.Close(request_id))
 
     def _call(self, msg_of, timeout: float):
         """msg_of(call_id) sent -> its Reply's result (or its error raised), within timeout s."""
@@ -126,17 +125,15 @@ class RemoteEngineClient(ClientBase):
         finally:
             self._calls.pop(call, None)
 
+    # the adapter calls (ClientBase says what they do): `path` is read by the engine process, the errors are the
+    # engine's
     def load_adapter(self, name: str, path: str, timeout: float = 300.0) -> dict:
-        """Serve the PEFT adapter directory `path` (read by the engine process) as `name` -> its info. LoraError /
-        ValueError / AdapterLimitError as the engine raised them."""
         return self._call(lambda c: m.LoadAdapter(c, name, str(path)), timeout)
 
     def unload_adapter(self, name: str, timeout: float = 60.0) -> dict:
-        """Stop serving `name` (its requests in flight finish with it) -> its info. UnknownAdapterError."""
         return self._call(lambda c: m.UnloadAdapter(c, name), timeout)
 
     def adapters(self, timeout: float = 60.0) -> dict[str, dict]:
-        """name -> info of every adapter the engine serves."""
         return self._call(m.ListAdapters, timeout)
 
     def encode(self, audio: np.ndarray, timeout: float = 120.0) -> np.ndarray:

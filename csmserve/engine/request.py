@@ -67,7 +67,6 @@ class Request:
     slot: int | None = None
     num_prefilled: int = 0  # prompt positions whose KV is written (prefill stops at P-1)
     num_frames: int = 0  # frames generated so far (EOS frame excluded)
-    num_scheduled_frames: int = 0  # frame steps scheduled in the segments that ended
     arrival_time: float = 0.0
     admit_time: float | None = None  # perf_counter when it got a slot (queue time = admit - arrival)
     parked_at: float = 0.0  # perf_counter when it began to wait for its adapter's pool slot (max_lora_wait_s)

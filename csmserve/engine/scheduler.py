@@ -544,7 +544,6 @@ class Scheduler:
     def _end(self, req: Request, reason: str) -> bool:
         """A row ended req's segment; -> True when that ends the request."""
         s = req.slot
-        req.num_scheduled_frames += int(self._seg_scheduled[s])
         hist = self._history.get(req.request_id)
         budget_left = req.params.max_frames - int(self._num_frames[s])
         if hist is not None and (req.segments or req.open) and budget_left > 0:

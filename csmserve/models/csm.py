@@ -88,10 +88,6 @@ class CSMModel(nn.Module):
     def embed_audio(self, codebook: int, codes: Tensor) -> Tensor:
         return F.embedding(codes, self.audio_table(codebook))
 
-    def embed_codes(self, codes: Tensor) -> Tensor:
-        # codes [B, K] of one generated frame -> [B, Db] backbone input of the next position
-        return self.audio_embeddings(codes + self.codebook_offsets).sum(1)
-
     def forward_backbone(self, tokens: Tensor, mask: Tensor, pos: Tensor, kv: KVView) -> Tensor:
         """tokens/mask [B, S, 33], pos [B, S] -> final-normed hidden states [B, S, Db]."""
         return self.backbone(self.embed_frames(tokens, mask), pos, kv)

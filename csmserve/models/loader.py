@@ -28,25 +28,17 @@ HF_IGNORED = (re.compile(r"^codec_model\."), re.compile(r"rotary_emb\.inv_freq$"
 HF_AUDIO, HF_AUDIO_TIED = "backbone_model.embed_tokens.embed_audio_tokens.weight", "depth_decoder.model.embed_tokens.weight"
 ORIG_IGNORED = (re.compile(r"causal_mask$"), re.compile(r"\.kv_cache\."), re.compile(r"\.pos_embeddings\."))
 
-# original -> HF renames, applied in order (spec §2.3)
-ORIG_TO_HF = [
-    (r"^backbone\.layers\.(\d+)\.", r"backbone_model.layers.\1."),
-    (r"^decoder\.layers\.(\d+)\.", r"depth_decoder.model.layers.\1."),
-    (r"\.attn\.", ".self_attn."),
-    (r"\.output_proj\.", ".o_proj."),
-    (r"\.mlp\.w1\.", ".mlp.gate_proj."),
-    (r"\.mlp\.w2\.", ".mlp.down_proj."),
-    (r"\.mlp\.w3\.", ".mlp.up_proj."),
-    (r"\.sa_norm\.scale$", ".input_layernorm.weight"),
-    (r"\.mlp_norm\.scale$", ".post_attention_layernorm.weight"),
-    (r"^text_embeddings\.", "embed_text_tokens."),
-    (r"^audio_embeddings\.", "backbone_model.embed_tokens.embed_audio_tokens."),
-    (r"^codebook0_head\.", "lm_head."),
-    (r"^audio_head$", "depth_decoder.codebooks_head.weight"),
-    (r"^projection\.", "depth_decoder.model.inputs_embeds_projector."),
-    (r"^decoder\.norm\.scale$", "depth_decoder.model.norm.weight"),
-    (r"^backbone\.norm\.scale$", "backbone_model.norm.weight"),
-]
+# original <-> HF names (spec §2.3): whole names, then a layer's prefix and its tensor's name within the layer
+ORIG_HF_NAMES = {"text_embeddings.weight": "embed_text_tokens.weight", "codebook0_head.weight": "lm_head.weight",
+                 "audio_embeddings.weight": "backbone_model.embed_tokens.embed_audio_tokens.weight",
+                 "audio_head": "depth_decoder.codebooks_head.weight",
+                 "projection.weight": "depth_decoder.model.inputs_embeds_projector.weight",
+                 "decoder.norm.scale": "depth_decoder.model.norm.weight", "backbone.norm.scale": "backbone_model.norm.weight"}
+ORIG_HF_LAYERS = (("backbone.layers.", "backbone_model.layers."), ("decoder.layers.", "depth_decoder.model.layers."))
+ORIG_HF_IN_LAYER = (("attn.output_proj.", "self_attn.o_proj."), ("attn.", "self_attn."), ("mlp.w1.", "mlp.gate_proj."),
+                    ("mlp.w2.", "mlp.down_proj."), ("mlp.w3.", "mlp.up_proj."), ("sa_norm.scale", "input_layernorm.weight"),
+                    ("mlp_norm.scale", "post_attention_layernorm.weight"))
+_LAYER_NAME = re.compile(r"^(.*layers\.)(\d+\.)(.*)$")  # (prefix, "N.", the tensor's name in layer N)
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -158,10 +150,29 @@ def hf_shapes(cfg: CSMConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _rename(name: str, to_hf: bool) -> str:
+    src, dst = (0, 1) if to_hf else (1, 0)
+    whole = {pair[src]: pair[dst] for pair in ORIG_HF_NAMES.items()}
+    if name in whole:
+        return whole[name]
+    m = _LAYER_NAME.match(name)
+    if m is None:
+        return name
+    prefix, layer, rest = m.groups()
+    prefix = next((p[dst] for p in ORIG_HF_LAYERS if p[src] == prefix), prefix)
+    for pair in ORIG_HF_IN_LAYER:
+        if rest.startswith(pair[src]):
+            return prefix + layer + pair[dst] + rest[len(pair[src]):]
+    return prefix + layer + rest
+
+
 def orig_to_hf_name(name: str) -> str:
-    for pat, rep in ORIG_TO_HF:
-        name = re.sub(pat, rep, name)
-    return name
+    return _rename(name, to_hf=True)
+
+
+def hf_to_orig_name(name: str) -> str:
+    """HF name -> original name (spec §2.3 reversed)."""
+    return _rename(name, to_hf=False)
 
 
 def rope_permute(w: Tensor, n_heads: int) -> Tensor:
@@ -217,7 +228,7 @@ class Source:
         return h[name] if isinstance(h, dict) else h.get_tensor(name)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     index = path / "model.safetensors.index.json"
@@ -273,24 +284,6 @@ def _loader(src: Source, name: str, rope_heads: int | None) -> Callable[[], Tens
     if rope_heads is None:
         return lambda: src.get(name)
     return lambda: rope_permute(src.get(name), rope_heads)
-
-
-def hf_to_orig_name(name: str) -> str:
-    """HF name -> original name (spec §2.3 reversed)."""
-    fixed = {"embed_text_tokens.weight": "text_embeddings.weight", "lm_head.weight": "codebook0_head.weight",
-             "backbone_model.embed_tokens.embed_audio_tokens.weight": "audio_embeddings.weight",
-             "depth_decoder.codebooks_head.weight": "audio_head",
-             "depth_decoder.model.inputs_embeds_projector.weight": "projection.weight",
-             "depth_decoder.model.norm.weight": "decoder.norm.scale", "backbone_model.norm.weight": "backbone.norm.scale"}
-    if name in fixed:
-        return fixed[name]
-    for pat, rep in [(r"^backbone_model\.layers\.", "backbone.layers."), (r"^depth_decoder\.model\.layers\.",
-                     "decoder.layers."), (r"\.self_attn\.", ".attn."), (r"\.o_proj\.", ".output_proj."),
-                     (r"\.gate_proj\.", ".w1."), (r"\.down_proj\.", ".w2."), (r"\.up_proj\.", ".w3."),
-                     (r"\.input_layernorm\.weight$", ".sa_norm.scale"),
-                     (r"\.post_attention_layernorm\.weight$", ".mlp_norm.scale")]:
-        name = re.sub(pat, rep, name)
-    return name
 
 
 # ---------------------------------------------------------------------------------- building the model
@@ -487,7 +480,7 @@ def load_csm(model: str, device: torch.device | str = "cpu",
     path = resolve_model_dir(model)
     model_dir = path if path.is_dir() else path.parent
     cfg = read_config(model_dir)
-    view = hf_view(Source(_weight_files(path)), cfg)
+    view = hf_view(Source(weight_files(path)), cfg)
     m = empty_model(cfg, device, dtype)
     load_weights(m, view)
     return m, cfg, model_dir

@@ -185,7 +185,11 @@ def _pattern(patterns: dict, module: str, default):
     return default
 
 
-def _read_config(d: Path) -> dict:
+def _read_config(path: str | Path) -> tuple[Path, dict]:
+    """An adapter directory -> (it, its checked adapter_config.json)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise LoraError(f"{d}: no such adapter directory")
     path = d / CONFIG_FILE
     if not path.is_file():
         raise LoraError(f"{d}: not a PEFT adapter directory (no {CONFIG_FILE})")
@@ -205,7 +209,7 @@ def _read_config(d: Path) -> dict:
     for key in ("r", "lora_alpha"):
         if not isinstance(c.get(key), (int, float)) or c[key] <= 0:
             raise LoraError(f"{path}: {key} must be a positive number, got {c.get(key)!r}")
-    return c
+    return d, c
 
 
 def _read_tensors(d: Path) -> dict[str, Tensor]:
@@ -231,10 +235,7 @@ def _read_tensors(d: Path) -> dict[str, Tensor]:
 def check_adapter_dir(path: str | Path, max_rank: int | None = None) -> None:
     """What read_adapter checks before it reads a tensor (a directory, its config's fields and rank, a weights file):
     what the command line can say at once, without the model (LoraError)."""
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise LoraError(f"{d}: no such adapter directory")
-    c = _read_config(d)
+    d, c = _read_config(path)
     if not any((d / name).is_file() for name in WEIGHT_FILES):
         raise LoraError(f"{d}: no {' or '.join(WEIGHT_FILES)}")
     ranks = [c["r"], *(r for r in (c.get("rank_pattern") or {}).values() if isinstance(r, (int, float)))]
@@ -246,10 +247,7 @@ def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
                  max_rank: int | None = None) -> LoraAdapter:
     """A PEFT adapter directory -> LoraAdapter packed for `cfg` (a CSMConfig; CPU, `dtype`). LoraError (one line)
     for anything that cannot be served right; max_rank: the pool's (EngineConfig.max_lora_rank)."""
-    d = Path(path).expanduser()
-    if not d.is_dir():
-        raise LoraError(f"{d}: no such adapter directory")
-    c = _read_config(d)
+    d, c = _read_config(path)
     sd = _read_tensors(d)
     layout = LoraLayout(cfg)
     pairs: dict[str, dict[str, Tensor]] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from csmserve.models.loader import Source, weight_files
 from csmserve.models.mimi import Mimi, MimiConfig
 
 # tf 5.x in-memory MimiModel names -> the flat hub names (tf conversion_mapping, reversed)
@@ -180,23 +181,14 @@ def dummy_init(mimi: Mimi, seed: int = 0) -> Mimi:
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of a Mimi file; from a CSM checkpoint only its `codec_model.*` tensors."""
-    from safetensors import safe_open
-
-    if path.is_file():
-        files = [path]
-    else:
-        index = path / "model.safetensors.index.json"
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-            [p.name for p in path.glob("*.safetensors")]
-        files = [path / n for n in names]
+    """Every tensor of a Mimi file (or directory: its checkpoint's files, as loader.py finds them); from a CSM
+    checkpoint only its `codec_model.*` tensors."""
+    files = [f for f in weight_files(path) if f.suffix == ".safetensors"]
     if not files:
         raise FileNotFoundError(f"no safetensors file in {path}")
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
-    if any(k.startswith("codec_model.") for _, k in keys):
-        keys = [(h, k) for h, k in keys if k.startswith("codec_model.")]
-    return {k: h.get_tensor(k) for h, k in keys}
+    src = Source(files)
+    names = [k for k in src.names() if k.startswith("codec_model.")] or src.names()
+    return {k: src.get(k) for k in names}
 
 
 def _config_from_dir(path: Path) -> MimiConfig:
