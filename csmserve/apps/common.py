@@ -13,6 +13,8 @@ import numpy as np
 
 from csmserve.config import SAMPLE_RATE
 
+MAX_CLIP_SECONDS = 120  # an audio file given to speak or talk (read_clip)
+
 
 # ---------------------------------------------------------------- errors
 class CLIError(Exception):
@@ -69,7 +71,7 @@ def read_clip(data: bytes, name: str) -> np.ndarray:
     from csmserve.audio import AudioDecodeError, decode_audio_24k
 
     try:
-        return decode_audio_24k(data, max_seconds=120)
+        return decode_audio_24k(data, max_seconds=MAX_CLIP_SECONDS)
     except AudioDecodeError as e:
         raise CLIError(f"{name}: {e}") from None
 

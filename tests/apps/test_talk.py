@@ -240,8 +240,9 @@ def test_three_turns_through_a_csmserve_server(csm, tmp_path):
     assert [t.error for t in turns] == [None, None, None]
     for t, last_tok in zip(turns, stand.last_token_t):
         assert t.t_first_audio is not None and t.t_first_audio < last_tok and t.frames > 0
-    # the server's session: both sides, each with its speaker id; the cut reply added as what was played
-    assert [t.role for t in s.turns] == ["user", "assistant", "user", "assistant", "user", "user"]
+    # the server's session: both sides, each with its speaker id; the cut reply kept (cancel with audio_end_ms)
+    # as the assistant's turn, exactly the frames played
+    assert [t.role for t in s.turns] == ["user", "assistant", "user", "assistant", "user", "assistant"]
     speakers = [{seg.speaker for seg in t.segments} for t in s.turns]
     assert speakers == [{1}, {0}, {1}, {0}, {1}, {0}]
     assert s.turns[0].frames == len(csm.encode_audio(read_clip(_user_wav(0), "w"))) and s.turns[2].frames == 0

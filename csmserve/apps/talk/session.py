@@ -16,8 +16,7 @@ from csmserve.apps.common import CLIError, read_clip
 from csmserve.apps.talk.asr import transcribe
 from csmserve.apps.talk.errors import TalkError
 from csmserve.apps.talk.llm import SYSTEM_PROMPT, LLMStream
-from csmserve.apps.talk.speech import InProcessSpeech, SpeechBackend
-from csmserve.apps.talk.websocket import ServerSpeech
+from csmserve.apps.talk.speech import InProcessSpeech, ServerSpeech
 from csmserve.config import FRAME_MS, FRAME_SAMPLES
 
 
@@ -102,12 +101,13 @@ class TalkSession:
         if csm is None and url is None:
             raise ValueError("give a CSM or the url of a csmserve server")
         self.context_id = f"talk-{uuid.uuid4().hex}"
-        self.speech: SpeechBackend = (InProcessSpeech(csm) if csm is not None else
-                                      ServerSpeech(url, self.context_id, server_key, voice, timeout))
-        self.llm_url, self.llm_model, self.asr_url, self.asr_model = llm_url, llm_model, asr_url, asr_model
         self.speaker, self.user_speaker = int(speaker), int(user_speaker)
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                             max_segment_length_ms=max_audio_length_ms)  # per sentence
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        max_segment_length_ms=max_audio_length_ms)  # per sentence
+        self.speech: InProcessSpeech | ServerSpeech = (
+            InProcessSpeech(csm, self.speaker, sampling) if csm is not None else
+            ServerSpeech(url, self.context_id, self.speaker, self.user_speaker, sampling, server_key, voice))
+        self.llm_url, self.llm_model, self.asr_url, self.asr_model = llm_url, llm_model, asr_url, asr_model
         self.max_context_frames = max_context_frames
         self.llm_temperature, self.api_key, self.timeout = llm_temperature, api_key, timeout
         self.history: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -166,7 +166,7 @@ class TalkSession:
         if not text:
             raise TalkError(f"turn {turn.index}: nothing heard (empty transcript)")
         turn.user_text = text
-        return self.speech.user_turn(self.user_speaker, text, wav, pcm)
+        return self.speech.user_turn(self.user_speaker, text, pcm)
 
     # ---- the assistant's reply
     def _reply(self, turn: Exchange, barge_in_after_ms: int | None) -> None:
@@ -186,7 +186,7 @@ class TalkSession:
         error: Exception | None = None
         self._speaking.set()
         try:
-            self._play(turn, llm, self.speech.reply(llm, self.speaker, context, self.sampling), played, limit)
+            self._play(turn, llm, self.speech.reply(llm, context), played, limit)
         except (TalkError, OSError, ValueError, RuntimeError) as e:
             error = e
         finally:
@@ -220,6 +220,7 @@ class TalkSession:
         finally:
             llm.stop.set()
             stream.close()  # leaving the stream aborts the request; its slot is freed
+            self.speech.end(played.frames)
 
     def _keep(self, turn: Exchange, llm: LLMStream, played: _Played) -> None:
         """The reply into the Exchange; as played, into CSM's context (its codes in-process, else its audio)
@@ -239,6 +240,4 @@ class TalkSession:
         else:  # a server sends audio only (it keeps the codes)
             reply = Segment(self.speaker, said, audio=turn.audio)
         self.context.append(reply)
-        if turn.interrupted:
-            self.speech.cut(reply)
         self.history.append({"role": "assistant", "content": said})
