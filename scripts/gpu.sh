@@ -189,13 +189,15 @@ PY
 m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 replica, then 2 half-GPU replicas, each
   # under its own time limit (a part cut short still leaves the others); SCALEOUT_ARGS: the clients' pacing
   local c=${SCALEOUT_ARGS:-"--client-procs 6 --ramp 4 --warmup 1 --duration 8 --drain 12"}
-  local idle="--scenario closed:users=1,audio_ms=2000,ramp=0,warmup=1,duration=6,label=idle_1_pcm_2s"
+  local idle=${SCALEOUT_IDLE-"--scenario closed:users=1,audio_ms=2000,ramp=0,warmup=1,duration=6,label=idle_1_pcm_2s"}
   local u=${SCALEOUT_USERS:-2048} setup limit args part
   local load="--scenario closed:users=$u --scenario closed:users=$((u / 2)),format=mp3 --scenario ws:users=$((u / 2))"
-  local burst="--scenario burst:users=$u,within=3" limits=(${SCALEOUT_LIMITS:-160 210 170})
+  local burst=${SCALEOUT_BURST-"--scenario burst:users=$u,within=3"} limits=(${SCALEOUT_LIMITS:-160 210 170})
   use_bundle; ulimit -n 65536 2>/dev/null || true
   export RAY_PARTS=load RAY_MODEL_ARGS=${RAY_MODEL_ARGS:-"--model dummy --max-seq-len 512"}
-  local half=${SCALEOUT_HALF:-"--scenario closed:users=$u $burst"}  # 2 half-GPU replicas: SCALEOUT_HALF's scenarios
+  # 2 half-GPU replicas: SCALEOUT_HALF's scenarios (all: the load); SCALEOUT_IDLE= / SCALEOUT_BURST= leave those out
+  local half=${SCALEOUT_HALF:-"--scenario closed:users=$u $burst"}
+  [[ $half == all ]] && half=$load
   for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $half"; do
     read -r setup limit args <<< "$part"
     [[ " ${SCALEOUT_SETUPS:-plain 1x1 2x0.5} " == *" $setup "* ]] || continue
