@@ -142,7 +142,13 @@ def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
     total = torch.cuda.mem_get_info(csm.device)[1]
     free = int(total * gpu_share) - torch.cuda.memory_allocated(csm.device)
     return size_slots(csm.model, csm.mimi, engine.max_seq_len, reserve_bytes=engine.prefix_cache_bytes,
-                      free_bytes=max(0, free))
+                      free_bytes=max(0, free), memory_fraction=SHARE_MEMORY_FRACTION)
+
+
+# slots' share of what a GPU share leaves after the weights and the prefix cache. At 0.85 (a whole GPU's) a
+# half-H100 engine sized 1,500 slots and held 41.1 of its 39.6 GiB: the graphs, workspaces and CUDA context took
+# ~6.7 GiB beside 29.2 GiB of slots, and its neighbour ran out of memory (1ef1ee3). 0.75: ~1,320 slots, ~37.7 GiB.
+SHARE_MEMORY_FRACTION = 0.75
 
 
 def new_rundir() -> Path:

@@ -261,6 +261,33 @@ def test_the_engine_process_sizes_its_slots_to_its_share_of_the_gpu(monkeypatch)
     assert processes.load_engine_model(fixed, gpu_share=0.5).engine_config.prefix_cache_bytes == 2 << 30
 
 
+def test_a_half_gpu_share_leaves_room_for_what_is_not_slots(monkeypatch):
+    """slots_in_share on the half H100 where two replicas ran out of memory (1ef1ee3): 79.18 GiB, 3.2 GiB of
+    weights, a 2 GiB prefix cache, 20.9 MB a slot (KV at max_seq_len 512 + Mimi's state), and the ~6.7 GiB that
+    graphs, workspaces and the CUDA context held beside 1,500 slots: slots + all of that fit in the share."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from csmserve.config import EngineConfig
+    from csmserve.engine import slots
+    from csmserve.server import processes
+
+    GiB, slot_bytes, weights, overhead = 1 << 30, 20_900_000, int(3.2 * (1 << 30)), int(6.7 * (1 << 30))
+    total = int(79.18 * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - weights, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: weights)
+
+    def size_slots(model, mimi, max_seq_len, memory_fraction=0.85, cap=4096, reserve_bytes=0, free_bytes=None):
+        return int((free_bytes - reserve_bytes) * memory_fraction) // slot_bytes
+
+    monkeypatch.setattr(slots, "size_slots", size_slots)
+    csm = SimpleNamespace(device="cuda", model=None, mimi=None)
+    n = processes.slots_in_share(csm, EngineConfig(max_seq_len=512, prefix_cache_bytes=2 * GiB), 0.5)
+    assert n * slot_bytes + weights + 2 * GiB + overhead < total // 2, n
+    assert 2 * n >= 2048, n  # two half-GPU replicas still hold issue 40's 2,048 users
+
+
 def test_a_csm_attached_to_an_engine_process_generates_audio():
     """`CSM.attach` (an API worker's CSM, no codec of its own): generate() returns the audio the engine
     process decoded, as an in-process CSM does."""
