@@ -166,6 +166,8 @@ class RemoteEngineClient(ClientBase):
                 return
             self._gone(f"the engine process exited ({type(e).__name__})")
         except Exception as e:  # noqa: BLE001 - a broken message stream is the same as a lost engine
+            if self._closing:  # shutdown() closed the connection under recv_bytes (TypeError: its handle is None)
+                return
             log.exception("reading from the engine failed")
             self._gone(f"reading from the engine failed: {e}")
 

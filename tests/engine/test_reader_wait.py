@@ -146,3 +146,38 @@ def test_the_ring_file_holds_acks_a_worker_may_write_and_buffers_it_may_not(tmp_
     ring.header[1] = 3
     assert views["header"][1] == 3
     np.testing.assert_array_equal(views["acks"][:CLIENT], -1)
+
+
+def test_a_worker_shutting_down_under_its_reader_is_not_an_engine_failure(caplog):
+    """shutdown() closes the connection while the reader thread may be inside recv_bytes: multiprocessing then
+    raises TypeError (its handle is None), not EOFError. That is our own close: no "reading from the engine failed",
+    no fatal state; the same error while running is a lost engine."""
+    from csmserve.engine.remote import RemoteEngineClient
+
+    class Conn:
+        def recv_bytes(self):
+            time.sleep(0.05)
+            raise TypeError("'NoneType' object cannot be interpreted as an integer")
+
+        def close(self):
+            pass
+
+    class Router:
+        failed = None
+
+        def fail_all(self, e):
+            Router.failed = e
+
+    def reader(closing: bool) -> RemoteEngineClient:
+        c = object.__new__(RemoteEngineClient)
+        c.conn, c.router, c.loop, c._calls, c._fatal, c._closing = Conn(), Router(), None, {}, None, False
+        if closing:
+            c.shutdown()
+        c._read()
+        return c
+
+    with caplog.at_level("ERROR"):
+        c = reader(closing=True)
+    assert c._fatal is None and Router.failed is None and "reading from the engine failed" not in caplog.text
+    c = reader(closing=False)
+    assert "reading from the engine failed" in c._fatal and Router.failed is not None
