@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from csmserve.config import FRAME_MS
-from csmserve.engine.request import AudioChunk
-from csmserve.engine.scheduler import END_REASONS
+from csmserve.engine.request import END_REASONS, AudioChunk
 
 FRAME_S = FRAME_MS / 1000
 

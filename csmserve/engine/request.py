@@ -11,6 +11,10 @@ import numpy as np
 
 from csmserve.sampling import SamplingParams
 
+# how a row's request or segment ended with a step (StepRows.end, EngineStep.end): the codes and their reasons
+END_NONE, END_EOS, END_LENGTH = 0, 1, 2
+END_REASONS = (None, "eos", "length")
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -62,11 +62,8 @@ import numpy as np
 from csmserve.config import EngineConfig
 from csmserve.engine.adapters import Adapter, AdapterSlots
 from csmserve.engine.prefix_cache import PrefixCache, prefix_keys
-from csmserve.engine.request import Admission, Batch, PrefillChunk, PrefixStore, Request, RequestStatus
-
-# StepRows.end: how a row's request or segment ended with this row
-END_NONE, END_EOS, END_LENGTH = 0, 1, 2
-END_REASONS = (None, "eos", "length")
+from csmserve.engine.request import (END_EOS, END_LENGTH, END_NONE, END_REASONS, Admission, Batch, PrefillChunk,
+                                     PrefixStore, Request, RequestStatus)
 
 
 class SchedulerBusy(RuntimeError):

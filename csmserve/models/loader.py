@@ -150,9 +150,12 @@ def hf_shapes(cfg: CSMConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+_WHOLE = (ORIG_HF_NAMES, {hf: orig for orig, hf in ORIG_HF_NAMES.items()})  # by the source side: orig, HF
+
+
 def _rename(name: str, to_hf: bool) -> str:
     src, dst = (0, 1) if to_hf else (1, 0)
-    whole = {pair[src]: pair[dst] for pair in ORIG_HF_NAMES.items()}
+    whole = _WHOLE[src]
     if name in whole:
         return whole[name]
     m = _LAYER_NAME.match(name)

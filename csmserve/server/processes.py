@@ -112,6 +112,12 @@ def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float =
     return CSM.attach(RemoteEngineClient(address, authkey, client_id, timeout=timeout))
 
 
+# slots' share of what a GPU share leaves after the weights and the prefix cache. At 0.85 (a whole GPU's) a
+# half-H100 engine sized 1,500 slots and held 41.1 of its 39.6 GiB: the graphs, workspaces and CUDA context took
+# ~6.7 GiB beside 29.2 GiB of slots, and its neighbour ran out of memory (1ef1ee3). 0.75: ~1,320 slots, ~37.7 GiB.
+SHARE_MEMORY_FRACTION = 0.75
+
+
 def load_engine_model(spec, gpu_share: float = 1.0, adapters: tuple[tuple[str, str], ...] = ()):
     """The engine-core process's model (CSM without an engine of its own). gpu_share < 1: the prefix cache is
     its fixed default (a whole GPU's engine takes half of the device's free memory, which here is a neighbour's
@@ -144,11 +150,6 @@ def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
     return size_slots(csm.model, csm.mimi, engine.max_seq_len, reserve_bytes=engine.prefix_cache_bytes,
                       free_bytes=max(0, free), memory_fraction=SHARE_MEMORY_FRACTION)
 
-
-# slots' share of what a GPU share leaves after the weights and the prefix cache. At 0.85 (a whole GPU's) a
-# half-H100 engine sized 1,500 slots and held 41.1 of its 39.6 GiB: the graphs, workspaces and CUDA context took
-# ~6.7 GiB beside 29.2 GiB of slots, and its neighbour ran out of memory (1ef1ee3). 0.75: ~1,320 slots, ~37.7 GiB.
-SHARE_MEMORY_FRACTION = 0.75
 
 
 def new_rundir() -> Path:

@@ -1,5 +1,5 @@
-"""Where talk's CSM runs: the SpeechBackend protocol, CSM in this process (InProcessSpeech) or behind a
-running `csmserve serve` (ServerSpeech, through integrations/conversation.py's Conversation)."""
+"""Where talk's CSM runs: in this process (InProcessSpeech) or behind a running `csmserve serve` (ServerSpeech,
+through integrations/conversation.py's Conversation); the two have the same methods, which TalkSession calls."""
 from __future__ import annotations
 
 import asyncio
