@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from csmserve.config import OPENAI_MODELS  # noqa: F401 (re-exported)
 from csmserve.server.errors import APIError
 from csmserve.server.state import ServerState
 

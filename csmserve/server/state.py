@@ -30,7 +30,7 @@ from csmserve.server.errors import APIError, bad_request
 from csmserve.server.lead import Lead, LoopLoad
 from csmserve.server.metrics import Metrics
 from csmserve.server.schemas import ContextTurn, SamplingFields, SpeechRequest, VoiceRef
-from csmserve.server.sessions import Session, Sessions, SessionTurn  # noqa: F401 (re-exported for the routes)
+from csmserve.server.sessions import Session, Sessions
 
 if TYPE_CHECKING:
     from csmserve.api import CSM, Segment, TextFeed

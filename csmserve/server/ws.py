@@ -30,7 +30,8 @@ from csmserve.engine.request import AudioChunk
 from csmserve.prompt.segments import segment_spans
 from csmserve.server.errors import APIError, check_bearer, validation_error
 from csmserve.server.schemas import WsRequest
-from csmserve.server.state import ServerState, Session, SessionTurn
+from csmserve.server.sessions import Session, SessionTurn
+from csmserve.server.state import ServerState
 from csmserve.server.timestamps import FRAME_MS, SegmentClock, SegmentSpan
 
 if TYPE_CHECKING:

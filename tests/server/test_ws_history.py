@@ -23,7 +23,8 @@ from csmserve.sampling import SamplingParams
 from csmserve.server.errors import APIError
 from csmserve.server.schemas import WsRequest
 from csmserve.server.sessions import Sessions
-from csmserve.server.state import ServerState, Session, SessionTurn
+from csmserve.server.sessions import Session, SessionTurn
+from csmserve.server.state import ServerState
 from csmserve.server.ws import Connection
 from csmserve.voices.sqlite import VoiceStore
 

@@ -10,7 +10,7 @@ from websockets.sync.client import connect
 
 from csmserve.api import Segment
 from csmserve.config import ServerConfig
-from csmserve.server.state import Sessions, SessionTurn
+from csmserve.server.sessions import Sessions, SessionTurn
 from server_helpers import metrics, wait_idle, wait_metrics, wav_bytes
 from test_ws import audio_rows, turn, ws_url
 
