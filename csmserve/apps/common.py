@@ -5,13 +5,12 @@ Imports nothing heavy (no torch, no server): `csmserve --help` loads it.
 """
 from __future__ import annotations
 
-import io
 import json
-import wave
 
 import numpy as np
 
 from csmserve.config import SAMPLE_RATE
+from csmserve.integrations import conversation
 
 MAX_CLIP_SECONDS = 120  # an audio file given to speak or talk (read_clip)
 
@@ -88,13 +87,7 @@ def from_pcm16(data: bytes) -> np.ndarray:
 
 def wav_bytes(pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
     """[n] float PCM -> a whole 16-bit mono WAV file."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm16(pcm))
-    return buf.getvalue()
+    return conversation.wav_bytes(pcm16(pcm), rate)
 
 
 # SamplingParams' field -> the flag that sets it (its check's messages start with the field's name)
