@@ -151,7 +151,6 @@ def slots_in_share(csm, engine: EngineConfig, gpu_share: float) -> int:
                       free_bytes=max(0, free), memory_fraction=SHARE_MEMORY_FRACTION)
 
 
-
 def new_rundir() -> Path:
     """A run directory tmp/csmserve-PID-* (sweep_stale removes it once PID is gone), after sweeping."""
     sweep_stale(Path("/dev/shm"), Path(tempfile.gettempdir()))

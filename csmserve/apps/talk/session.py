@@ -105,7 +105,7 @@ class TalkSession:
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         max_segment_length_ms=max_audio_length_ms)  # per sentence
         self.speech: InProcessSpeech | ServerSpeech = (
-            InProcessSpeech(csm, self.speaker, sampling) if csm is not None else
+            InProcessSpeech(csm, self.speaker, self.user_speaker, sampling) if csm is not None else
             ServerSpeech(url, self.context_id, self.speaker, self.user_speaker, sampling, server_key, voice))
         self.llm_url, self.llm_model, self.asr_url, self.asr_model = llm_url, llm_model, asr_url, asr_model
         self.max_context_frames = max_context_frames
@@ -166,7 +166,7 @@ class TalkSession:
         if not text:
             raise TalkError(f"turn {turn.index}: nothing heard (empty transcript)")
         turn.user_text = text
-        return self.speech.user_turn(self.user_speaker, text, pcm)
+        return self.speech.user_turn(text, pcm)
 
     # ---- the assistant's reply
     def _reply(self, turn: Exchange, barge_in_after_ms: int | None) -> None:

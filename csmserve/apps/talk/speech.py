@@ -37,15 +37,15 @@ class InProcessSpeech:
     """CSM in this process: the user's audio Mimi-encoded once, the reply from CSM.speak over the LLM's pieces.
     A TalkSession's CSM (its speaker and sampling fixed for the conversation), as ServerSpeech is."""
 
-    def __init__(self, csm: CSM, speaker: int, sampling: dict) -> None:
-        self.csm, self.speaker, self.sampling = csm, speaker, sampling
+    def __init__(self, csm: CSM, speaker: int, user_speaker: int, sampling: dict) -> None:
+        self.csm, self.speaker, self.user_speaker, self.sampling = csm, speaker, user_speaker, sampling
         self.frame_size = csm.frame_size  # audio samples per frame
 
-    def user_turn(self, speaker: int, text: str, pcm: np.ndarray | None) -> Segment:
+    def user_turn(self, text: str, pcm: np.ndarray | None) -> Segment:
         """The user's turn (`pcm`: their audio, None: typed) as the session's context keeps it."""
         from csmserve.api import Segment
 
-        return Segment(speaker, text, codes=None if pcm is None else self.csm.encode_audio(pcm))
+        return Segment(self.user_speaker, text, codes=None if pcm is None else self.csm.encode_audio(pcm))
 
     def reply(self, llm: LLMStream, context: list[Segment]) -> Iterator:
         """The reply to `context` (its last segment the user's turn) as the LLM's pieces arrive -> chunks as
@@ -71,19 +71,20 @@ class ServerSpeech:
                  api_key: str | None = None, voice: str | None = None) -> None:
         self.conv = Conversation(url, voice=voice, api_key=api_key, context_id=context_id, speaker=speaker,
                                  user_speaker=user_speaker, max_user_seconds=MAX_CLIP_SECONDS, **sampling)
+        self.user_speaker = user_speaker
         self._reply = None  # the Conversation's Reply in progress (or the last)
         self._feeder: threading.Thread | None = None  # the last reply's text sender
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="csmserve-talk-ws")
         self._thread.start()
 
-    def user_turn(self, speaker: int, text: str, pcm: np.ndarray | None) -> Segment:
+    def user_turn(self, text: str, pcm: np.ndarray | None) -> Segment:
         from csmserve.api import Segment
 
         if pcm is not None:  # sent as a 24 kHz WAV before the next reply's text
             self.conv.add_user_audio(pcm16(pcm), SAMPLE_RATE)
         self.conv.end_user_turn(text)
-        return Segment(speaker, text, audio=pcm)
+        return Segment(self.user_speaker, text, audio=pcm)
 
     def reply(self, llm: LLMStream, context: list[Segment]) -> Iterator[SpeechChunk]:
         """The LLM's first piece opens the reply (the user's turn sent before it), a thread sends the rest as
