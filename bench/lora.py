@@ -6,7 +6,7 @@ in the same run; then one stream through the engine with an adapter and without.
 python bench/lora.py --batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64
 
 A row's adapters are contiguous runs of slots (the scheduler orders a step's rows by adapter); "0" is the pool's
-runner with every row on the base (the LoRA kernels run, read no adapter), "base" a runner without a pool.
+runner with every row on the base (its graphs without the LoRA kernels replay), "base" a runner without a pool.
 """
 from __future__ import annotations
 

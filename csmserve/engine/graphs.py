@@ -13,6 +13,10 @@ The codec stream reads the main stream's buffers only in its snapshot, and the m
 again only after that snapshot (its first wait); the codec's per-row state is touched only on the
 codec stream (the runner resets rows there too). The two kinds of graph have separate memory pools:
 they run at the same time.
+
+With a LoRA pool the generation is captured twice per bucket, with the LoRA kernels and without: a step whose
+rows have no adapter replays the plain one and pays nothing for the pool (the LoRA variant measured +35% at batch
+1 with every row on the base: its kernels' tickets and counters). The variants share one pool and the decode.
 """
 from __future__ import annotations
 
@@ -27,21 +31,23 @@ from csmserve.engine.output_ring import OutputRing, StepOutput
 
 
 class FrameGraphs:
-    """step(slot_ids [b]) -> (codes [b, K], pcm [b, frame] | None): the runner's frame step, captured at
-    every bucket b; its results copied into `ring` (host) after each replay. codec(codes [b, K], slot_ids [b])
-    -> pcm [b, frame]: given, step returns (codes, None) and the decode is captured apart, for `codec_stream`."""
+    """step(slot_ids [b], lora) -> (codes [b, K], pcm [b, frame] | None): the runner's frame step, captured at
+    every bucket b and each of `variants` (lora: the rows' adapters read, or no LoRA at all); its results copied
+    into `ring` (host) after each replay. codec(codes [b, K], slot_ids [b]) -> pcm [b, frame]: given, step returns
+    (codes, None) and the decode is captured apart, for `codec_stream`."""
 
     def __init__(self, step: Callable[[Tensor], tuple], buckets: list[int], scratch: int, ring: OutputRing,
                  device: torch.device, codec: Callable[[Tensor, Tensor], Tensor] | None = None,
                  codec_stream: torch.cuda.Stream | None = None, first: Callable[[Tensor], tuple] | None = None,
-                 first_buckets: list[int] | None = None) -> None:
+                 first_buckets: list[int] | None = None, variants: tuple[bool, ...] = (False,)) -> None:
         # first: a second step function (the runner's first frame from the prefill's h0), captured at first_buckets
         # (a prefix of buckets) on the same stream and pool as `step`, sharing the inputs and the decode graphs
-        self.step, self.buckets, self.scratch, self.ring = step, buckets, scratch, ring
+        self.step, self.buckets, self.scratch, self.ring, self.variants = step, buckets, scratch, ring, variants
         self.first = first
         self.first_buckets = [b for b in (first_buckets or []) if b in buckets] if first is not None else []
-        self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.first_outputs: dict[int, tuple] = {}
+        # keyed (bucket, lora)
+        self.first_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.first_outputs: dict[tuple[int, bool], tuple] = {}
         self.codec, self.codec_stream = codec, codec_stream
         n = buckets[-1]
         self.slot_ids = torch.full((n,), scratch, dtype=torch.long, device=device)  # static input
@@ -55,9 +61,9 @@ class FrameGraphs:
         self.events = [torch.cuda.Event(enable_timing=timed) for _ in range(ring.slots)]
         self.gen_events = [torch.cuda.Event(enable_timing=True) for _ in range(ring.slots)] if timed else None
         self.snapshot = torch.cuda.Event() if timed else None  # never recorded yet: a wait on it returns at once
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.codec_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}
+        self.outputs: dict[tuple[int, bool], tuple] = {}
         self.pcm: dict[int, Tensor] = {}
         self.flip = 0
         self.capture()
@@ -72,20 +78,16 @@ class FrameGraphs:
         with torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
                 ids = self.slot_ids[:b]
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    self.step(ids)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    self.outputs[b] = self.step(ids)
-                pool = g.pool() if pool is None else pool
-                self.graphs[b] = g
-                if b in self.first_buckets:
-                    for _ in range(2):
-                        self.first(ids)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        self.first_outputs[b] = self.first(ids)
-                    self.first_graphs[b] = g
+                for v in self.variants:
+                    for fn, graphs, outputs in [(self.step, self.graphs, self.outputs)] + (
+                            [(self.first, self.first_graphs, self.first_outputs)] if b in self.first_buckets else []):
+                        for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
+                            fn(ids, v)
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=pool, stream=stream):
+                            outputs[b, v] = fn(ids, v)
+                        pool = g.pool() if pool is None else pool
+                        graphs[b, v] = g
         torch.cuda.current_stream().wait_stream(stream)
         if self.codec is not None:
             self._capture_codec()
@@ -98,7 +100,7 @@ class FrameGraphs:
         pool, cs = None, self.codec_stream
         # the codec graphs' own static inputs, written only on the codec stream (codes: as the generation's)
         self.codec_ids = torch.full_like(self.slot_ids, self.scratch)
-        self.codec_codes = torch.zeros_like(self.outputs[self.buckets[-1]][0])
+        self.codec_codes = torch.zeros_like(self.outputs[self.buckets[-1], self.variants[0]][0])
         cs.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(cs):
             for b in sorted(self.buckets, reverse=True):
@@ -112,12 +114,14 @@ class FrameGraphs:
                 self.codec_graphs[b] = g
         torch.cuda.current_stream().wait_stream(cs)
 
-    def run(self, slots: np.ndarray, ring: int, first: bool = False) -> StepOutput:
-        """first: replay the `first` step's graph where one was captured for the bucket, else the plain one."""
+    def run(self, slots: np.ndarray, ring: int, first: bool = False, lora: bool = False) -> StepOutput:
+        """first: replay the `first` step's graph where one was captured for the bucket, else the plain one.
+        lora: some row has an adapter (the LoRA variant; a FrameGraphs without one has only the other)."""
         n, i = len(slots), self.flip
         self.flip ^= 1
-        b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        first = first and b in self.first_graphs
+        key = self.buckets[bisect.bisect_left(self.buckets, n)], lora and self.variants[-1]
+        b = key[0]
+        first = first and key in self.first_graphs
         ids = self.host_ids[i]
         ids.numpy()[:n] = slots
         ids[n:b] = self.scratch
@@ -125,8 +129,8 @@ class FrameGraphs:
         if self.snapshot is not None:
             main.wait_event(self.snapshot)  # the codec stream has its copy of the last step's ids and codes
         self.slot_ids[:b].copy_(ids[:b], non_blocking=True)
-        (self.first_graphs if first else self.graphs)[b].replay()
-        codes, pcm = (self.first_outputs if first else self.outputs)[b]
+        (self.first_graphs if first else self.graphs)[key].replay()
+        codes, pcm = (self.first_outputs if first else self.outputs)[key]
         out = self.ring
         host_codes = out.codes[ring]
         host_pcm = out.pcm[ring] if pcm is not None or self.codec is not None else None

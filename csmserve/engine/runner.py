@@ -12,8 +12,9 @@ count (engine/prefill_graphs.py) up to `prefill_token_budget`.
 
 LoRA (max_loras > 0): the model's LoRA pool (models/lora.py LoraPool) and each slot's pool slot (SlotState.adapter,
 loaded with the admission); the frame step gathers its rows' pool slots, a prefill's rows carry theirs (a column of
-the packed rows), and the LoRA'd projections read them (data in the graphs: one graph per bucket, whatever the
-adapters). An adapter is copied into its pool slot on a side stream that first waits for the work launched so far
+the packed rows), and the LoRA'd projections read them (data in the graphs: whatever the adapters). Each bucket is
+captured twice, with the LoRA kernels and without: a step (or prefill) none of whose rows has an adapter replays the
+plain graph (host_adapter, the admissions' mirror of SlotState.adapter, says so without a sync). An adapter is copied into its pool slot on a side stream that first waits for the work launched so far
 (the steps that may still read the slot's last adapter); its event says when requests for it may be admitted.
 """
 from __future__ import annotations
@@ -117,6 +118,7 @@ class ModelRunner:
         self.depth_kv = DepthKV(self.cfg, self.buckets[-1], self.dtype, self.device, static_pos=self.depth_pos)
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
+        self.host_adapter = np.full(num_slots + 1, -1, dtype=np.int64)  # mirror of state.adapter: a step's LoRA or not
         W = self.cfg.frame_width
         self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
         # tokens, mask, pos, top_k, seed, slot, reset, adapter
@@ -141,8 +143,9 @@ class ModelRunner:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
             self.graphs = self.frame_graphs()
-            self.prefill_graphs = PrefillGraphs(lambda packed: self.prefill_forward(packed, self.max_seq_len),
-                                                self.prefill_in.dev, self.scratch, self.max_prefill_tokens)
+            self.prefill_graphs = PrefillGraphs(lambda packed, lora: self.prefill_forward(packed, self.max_seq_len, lora),
+                                                self.prefill_in.dev, self.scratch, self.max_prefill_tokens,
+                                                variants=(False,) if self.lora is None else (False, True))
 
     def frame_graphs(self) -> FrameGraphs:
         """The frame step, one CUDA graph per bucket (all captured here); and the first frame from the prefill's h0
@@ -151,12 +154,13 @@ class ModelRunner:
         from csmserve.engine.graphs import FrameGraphs
 
         apart = self.codec_stream is not None  # the decode in graphs of its own, on the codec stream
-        return FrameGraphs(lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart), self.buckets,
-                           self.scratch, self.ring, self.device, codec=self.codec_step if apart else None,
+        return FrameGraphs(lambda ids, lora: self.frame_step(ids, self.max_seq_len, with_codec=not apart, lora=lora),
+                           self.buckets, self.scratch, self.ring, self.device, codec=self.codec_step if apart else None,
                            codec_stream=self.codec_stream,
-                           first=lambda ids: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
-                                                             from_prefill=True),
-                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS])
+                           first=lambda ids, lora: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
+                                                                   from_prefill=True, lora=lora),
+                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS],
+                           variants=(False,) if self.lora is None else (False, True))
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
@@ -204,6 +208,7 @@ class ModelRunner:
             ints[i, 2 * W:] = (a.first_pos, a.top_k, a.seed, a.slot, int(reset), a.adapter)
             floats[i] = (a.temperature, a.top_p)
             self.host_pos[a.slot] = a.first_pos
+            self.host_adapter[a.slot] = a.adapter
         d, f = self.admit_ints.put(ints), self.admit_floats.put(floats)
         s, c = self.state, 2 * W
         slots = d[:, c + _SLOT]
@@ -233,32 +238,34 @@ class ModelRunner:
         if n > self.max_prefill_tokens:
             raise ValueError(f"{n} prefill tokens in one step > max_prefill_tokens={self.max_prefill_tokens}")
         T = n if self.prefill_graphs is None else self.prefill_graphs.bucket(n)
-        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch,
-                                                  self.lora is not None))
+        lora = self.lora is not None and any(c.adapter >= 0 for c in chunks)  # else the plain variant
+        packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch, lora))
         if self.prefill_graphs is not None:
-            self.prefill_graphs.run(packed)
+            self.prefill_graphs.run(packed, lora)
             return
         bound = max(c.start + len(c.tokens) for c in chunks)
-        self.prefill_forward(packed, bound)
+        self.prefill_forward(packed, bound, lora)
 
-    def prefill_forward(self, packed: Tensor, kv_bound: int) -> None:
-        """packed [T, 2W + 4] (pack_prefill) -> KV of each token written at its slot and position."""
+    def prefill_forward(self, packed: Tensor, kv_bound: int, lora: bool = True) -> None:
+        """packed [T, 2W + 4] (pack_prefill) -> KV of each token written at its slot and position. lora=False: no
+        chunk has an adapter (the projections run without the pool's kernels)."""
         W = self.cfg.frame_width
         tokens, mask = packed[:, None, :W], packed[:, None, W:2 * W].bool()  # [T, 1, W]
         # the kernels (RoPE, K/V store, attention) index positions and slots as contiguous arrays
         pos, slot_tok = packed[:, -2:-1].contiguous(), packed[:, -1].contiguous()  # [T, 1], [T]
         self.kv.set_decode(slot_tok, kv_bound)
-        with self._lora_rows(None if self.lora is None else packed[:, 2 * W + 1]):  # each token row's pool slot
+        with self._lora_rows(packed[:, 2 * W + 1] if self.lora is not None and lora else None):  # rows' pool slots
             h = self.model.forward_backbone(tokens, mask, pos, self.kv)  # [T, 1, D]
         # the head rows' hidden states -> their slots' h0 (every other row -> the scratch row)
         self.h0.index_copy_(0, torch.where(packed[:, 2 * W] != 0, slot_tok, self.scratch), h[:, 0])
 
     # ---- the frame step ----
     def frame_step(self, slot_ids: Tensor, kv_bound: int, with_codec: bool = True,
-                   from_prefill: bool = False) -> tuple[Tensor, Tensor | None]:
+                   from_prefill: bool = False, lora: bool = True) -> tuple[Tensor, Tensor | None]:
         """slot_ids [B] (padding = scratch slot) -> codes [B, K], pcm [B, frame_size] | None (with_codec=False:
         None; the decode is then `codec_step`'s, on the codec stream). from_prefill: each row's first frame, from
-        the hidden state the prefill kept (h0; its last prompt position's KV is written): no backbone pass."""
+        the hidden state the prefill kept (h0; its last prompt position's KV is written): no backbone pass.
+        lora=False: no row has an adapter, the projections run without the pool's kernels."""
         s, m = self.state, self.model
         if self.frame_io:  # kernels/frame_io.py: the gathers and the embedding in one kernel
             from csmserve.kernels.frame_io import prologue_triton
@@ -277,7 +284,7 @@ class ModelRunner:
         def sampler(logits: Tensor, codebook: int) -> Tensor:
             return sample(logits[:, :n], temp, top_k, top_p, seed, frame, codebook)
 
-        with self._lora_rows(None if self.lora is None else s.adapter[slot_ids]):  # [B] each row's pool slot
+        with self._lora_rows(s.adapter[slot_ids] if self.lora is not None and lora else None):  # [B] pool slots
             if from_prefill:
                 h = self.h0[slot_ids]  # [B, D]
             else:
@@ -350,11 +357,13 @@ class ModelRunner:
         slots = np.asarray(slots, np.int64)
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
+        lora = self.lora is not None and bool((self.host_adapter[slots] >= 0).any())  # else the plain variant
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
-            return self.graphs.run(slots, ring, first=from_prefill)
+            return self.graphs.run(slots, ring, first=from_prefill, lora=lora)
         self.host_pos[slots] += 1
         bound = int(self.host_pos[slots].max())  # the torch path attends to [0, bound)
-        codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound, from_prefill=from_prefill)
+        codes, pcm = self.frame_step(torch.from_numpy(slots).to(self.device), bound, from_prefill=from_prefill,
+                                     lora=lora)
         n, r = len(slots), self.ring
         r.codes[ring, :n].copy_(codes)
         if pcm is not None:

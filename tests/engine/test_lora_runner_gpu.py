@@ -62,3 +62,34 @@ def test_a_pool_with_no_adapter_rows_gives_the_base_codes():
     plain = ModelRunner(model, num_slots=16, max_seq_len=128, use_graphs=True)
     np.testing.assert_array_equal(run(runner(model, True), ps, seeds, [-1] * 4, 0.0, 10),
                                   run(plain, ps, seeds, [-1] * 4, 0.0, 10))
+
+
+class _Spy:  # a captured graph whose replays are recorded as (kind, lora)
+    def __init__(self, graph, kind: str, lora: bool, seen: list) -> None:
+        self.graph, self.key, self.seen = graph, (kind, lora), seen
+
+    def replay(self) -> None:
+        self.seen.append(self.key)
+        self.graph.replay()
+
+
+@cuda
+def test_the_plain_graphs_replay_while_no_row_has_an_adapter():
+    """A runner with a pool captures each bucket with the LoRA kernels and without: steps and prefills whose rows are
+    all on the base replay the plain graphs (the base's codes); one adapter row switches its step to the LoRA graphs."""
+    model = tiny_model(torch.bfloat16)
+    r = runner(model, True)
+    seen: list = []
+    for kind, table in (("step", r.graphs.graphs), ("prefill", r.prefill_graphs.graphs)):
+        assert {lora for _, lora in table} == {False, True}
+        for key, g in list(table.items()):
+            table[key] = _Spy(g, kind, key[1], seen)
+    ps, seeds = prompts(3), [1, 2, 3]
+    base = run(r, ps, seeds, [-1] * 3, 0.0, 6)
+    assert set(seen) == {("step", False), ("prefill", False)}
+    seen.clear()
+    mixed = run(r, ps, seeds, [-1, 2, -1], 0.0, 6)
+    assert [k for k in seen if k[0] == "prefill"] == [("prefill", False), ("prefill", True), ("prefill", False)]
+    assert [k for k in seen if k[0] == "step"] == [("step", True)] * 6
+    np.testing.assert_array_equal(mixed[[0, 2]], base[[0, 2]])  # the base rows' codes, whatever graph ran them
+    assert not np.array_equal(mixed[1], base[1])
