@@ -92,3 +92,23 @@ def frame_step_ms(runner, slots: list[int], steps: int, warmup: int = 3) -> floa
         prev = out
     prev.wait()
     return (time.perf_counter() - t) / steps * 1e3
+
+
+class _Adapter:  # what the runner reads of engine/adapters.py's Adapter
+    def __init__(self, weights) -> None:
+        self.weights = weights
+
+
+def load_pool(runner, model, rank: int, n: int) -> None:
+    """n random adapters of `rank` (every projection) into the runner's LoRA pool slots 0..n-1."""
+    from csmserve.models.lora import random_adapter
+
+    for slot in range(n):
+        runner.load_loras([(slot, _Adapter(random_adapter(model.cfg, rank, seed=slot).pin()))])
+    torch.cuda.synchronize()
+    assert len(runner.lora_loads_done()) == n
+
+
+def spread(b: int, adapters: int) -> list[int]:
+    """b rows' pool slots: the first `adapters` slots in contiguous runs (the scheduler's order), or all -1."""
+    return [s * adapters // b if adapters else -1 for s in range(b)]

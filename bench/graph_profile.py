@@ -2,6 +2,7 @@
 runner's frame graphs, each kernel charged with the wall time it holds the head of the chain.
 
 python bench/graph_profile.py --batches 1,4,16 --weights fp8-all [--codec] [--no-codec-stream]
+python bench/graph_profile.py --batches 1,64 --adapters 64 --lora-rank 16   # the LoRA kernels' share (issue 42)
 
 An eager profile times every kernel alone; in the graphs, PDL kernels start while the
 one before still runs (docs/benchmarks.md, issue 16), so a kernel's own duration counts its wait too. Here the
@@ -22,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from gpu_profile import admit_rows, dummy_model
+from gpu_profile import admit_rows, dummy_model, load_pool, spread
 
 from csmserve.engine.runner import ModelRunner
 
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--weights", default="bf16", choices=["bf16", "fp8", "fp8-all"])
     ap.add_argument("--codec", action="store_true", help="include Mimi's streaming decode")
     ap.add_argument("--no-codec-stream", action="store_true", help="Mimi's decode in the frame's one graph")
+    ap.add_argument("--adapters", type=int, default=0, help="random LoRA adapters spread over each batch's rows")
+    ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     from csmserve.models.llama import fuse_elementwise
 
@@ -66,11 +69,14 @@ def main() -> None:
         mimi = load_mimi("dummy", dtype=torch.bfloat16, device="cuda")
     n = max(batches)
     runner = ModelRunner(model, num_slots=n, max_seq_len=512, buckets=batches, mimi=mimi, weights=args.weights,
-                         codec_stream=not args.no_codec_stream)
+                         codec_stream=not args.no_codec_stream, max_loras=args.adapters,
+                         max_lora_rank=args.lora_rank)
+    if args.adapters:
+        load_pool(runner, model, args.lora_rank, args.adapters)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, weights {args.weights}, codec {args.codec}, "
-          f"codec stream {runner.codec_stream is not None}")
+          f"codec stream {runner.codec_stream is not None}, adapters {args.adapters} of rank {args.lora_rank}")
     for b in batches:
-        admit_rows(runner, list(range(n)), args.context)
+        admit_rows(runner, list(range(n)), args.context, spread(b, min(args.adapters, b)) + [-1] * (n - b))
         slots = list(range(b))
         for _ in range(3):
             runner.step(slots).wait()

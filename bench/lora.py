@@ -16,29 +16,15 @@ import time
 
 import torch
 
-from gpu_profile import admit_rows, dummy_model, frame_step_ms
+from gpu_profile import admit_rows, dummy_model, frame_step_ms, load_pool, spread
 
 from csmserve.engine.runner import ModelRunner
-
-
-class _Adapter:  # what the runner reads of engine/adapters.py's Adapter
-    def __init__(self, weights) -> None:
-        self.weights = weights
-
-
-def load_pool(runner: ModelRunner, model, rank: int, n: int) -> None:
-    from csmserve.models.lora import random_adapter
-
-    for slot in range(n):
-        runner.load_loras([(slot, _Adapter(random_adapter(model.cfg, rank, seed=slot).pin()))])
-    torch.cuda.synchronize()
-    assert len(runner.lora_loads_done()) == n
 
 
 def adapters_step_ms(runner: ModelRunner, b: int, adapters: int, context: int, steps: int) -> float:
     """Mean frame step (ms) of b rows, the first `adapters` pool slots spread over them in contiguous runs."""
     slots = list(range(b))
-    admit_rows(runner, slots, context, [s * adapters // b if adapters else -1 for s in slots])
+    admit_rows(runner, slots, context, spread(b, adapters))
     return frame_step_ms(runner, slots, steps)
 
 

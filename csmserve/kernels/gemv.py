@@ -480,7 +480,7 @@ def _lora_args(lora, m: int) -> tuple[dict, int]:
     kw = dict(AD=lora.rows, LA=a, LB=b, LRANKS=lora.pool.ranks, LWS=ws, LCTR=ctr,
               l_per=m // lora.rows.shape[0], l_sal=a.stride(0), l_sar=a.stride(1), l_sbl=b.stride(0),
               l_sbr=b.stride(1), L_N0=t.bounds[0], L_N1=t.bounds[1], LS=len(t.slices), LKSPLIT=ksplit, LRB=rb,
-              LBK=kl.piece_block(t.k, rb))
+              LBK=kl.piece_block(t.k))
     return kw, len(t.slices) * ksplit
 
 

@@ -39,15 +39,15 @@ of ~4.6 ms (batch 1), ~8.3 ms (64), ~60 ms (2,048); HBM at ~3.5 TB/s, a launch o
 SiLU*up kernel) above 256 rows; 451 = one ticketed launch each, gate,up none, at 17-64 rows. A step with no adapter
 row does not run these kernels (engine/graphs.py: the plain graphs replay).
 
-Measured (H100, `a13dbb4`, docs/benchmarks.md "Issue 42"), rank 16: batch 1 +117% with one adapter; 64 rows +96%,
-+415%, +2,978% with 1, 8, 64 adapters; 2,048 rows +38-43% whatever the adapters. The predictions above are wrong by
-4-60x. Reasons read from the numbers: at 1-16 rows the shrink pieces (the norm's rms over the whole row, then their
-K range) take longer than the GEMV whose store waits for them; up to TICKET_ROWS one tile holds every row and walks
-its adapters one at a time (shrink and every column block: ~4 ms a frame per distinct adapter at 64 rows); above
-256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or a program per row) where a tile
-meets many adapters, pieces without the rms pass (the GEMV's own rstd shared), FUSED_ROWS, the down projection's
-shrink in lora_glu (its input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool of
-max_lora_rank 16.
+Measured (H100, `a13dbb4` and `167ea7c`, docs/benchmarks.md "Issue 42"), rank 16: batch 1 +113-117% with one
+adapter; 64 rows +96%, +415%, +2,978% with 1, 8, 64 adapters; 2,048 rows +38-43% whatever the adapters. The
+predictions above are wrong by 4-60x. Read from the numbers, not yet profiled (`bench/graph_profile.py --adapters`
+is the next call): up to TICKET_ROWS one tile holds every row and walks its adapters one at a time (shrink and every
+column block: ~4 ms a frame per distinct adapter at 64 rows); at 1-16 rows ~10 us a projection that the pieces'
+loads do not explain (a 4x larger K chunk, 4 loads a piece fewer, changed 1%: tried-and-dropped), so the counters,
+the wait or the epilogue; above 256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or
+a program per row) where a tile meets many adapters, FUSED_ROWS, the down projection's shrink in lora_glu (its
+input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool of max_lora_rank 16.
 """
 from __future__ import annotations
 
@@ -394,12 +394,9 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
     lora_arrive(CTR, tl.num_programs(0))
 
 
-def piece_block(k: int, rb: int = 16, bm: int = 16) -> int:
-    """The shrink pieces' K chunk: a power of two dividing each piece's range, its x tile [BM, BK] and A tile [BK, RB]
-    at most 4K elements each (256 at 16 rows, rank 16). A piece's loads come one after another and its column blocks
-    wait for it: at 64 (`a13dbb4`) a piece of 512 took 8 of them, its rms pass over the row 16-32, longer than the
-    GEMV it rides in."""
-    return _pow2_divisor(k // pieces(k), max(16, 4096 // max(rb, bm)))
+def piece_block(k: int) -> int:
+    """The shrink pieces' K chunk: a power of two (<= 64) dividing each piece's range."""
+    return _pow2_divisor(k // pieces(k), 64)
 
 
 def rank_block(lora) -> int:
@@ -417,7 +414,7 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     t = lora.target
     _, _, bn, rb = _blocks(lora, m, n)
     ksplit = pieces(t.k)
-    bk = piece_block(t.k, rb, small_tile(m))  # divides each piece's K range
+    bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
     grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
