@@ -116,10 +116,10 @@ class FrameGraphs:
 
     def run(self, slots: np.ndarray, ring: int, first: bool = False, lora: bool = False) -> StepOutput:
         """first: replay the `first` step's graph where one was captured for the bucket, else the plain one.
-        lora: some row has an adapter (the LoRA variant; a FrameGraphs without one has only the other)."""
+        lora: some row has an adapter (the LoRA variant: captured only where `variants` has it)."""
         n, i = len(slots), self.flip
         self.flip ^= 1
-        key = self.buckets[bisect.bisect_left(self.buckets, n)], lora and self.variants[-1]
+        key = self.buckets[bisect.bisect_left(self.buckets, n)], lora
         b = key[0]
         first = first and key in self.first_graphs
         ids = self.host_ids[i]

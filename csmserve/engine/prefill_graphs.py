@@ -57,4 +57,4 @@ class PrefillGraphs:
         """packed: the staging buffer's first T rows (T a bucket), already holding this step's rows. lora: some
         chunk has an adapter."""
         assert packed.data_ptr() == self.input.data_ptr()
-        self.graphs[packed.shape[0], lora and self.variants[-1]].replay()
+        self.graphs[packed.shape[0], lora].replay()

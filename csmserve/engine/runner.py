@@ -14,8 +14,9 @@ LoRA (max_loras > 0): the model's LoRA pool (models/lora.py LoraPool) and each s
 loaded with the admission); the frame step gathers its rows' pool slots, a prefill's rows carry theirs (a column of
 the packed rows), and the LoRA'd projections read them (data in the graphs: whatever the adapters). Each bucket is
 captured twice, with the LoRA kernels and without: a step (or prefill) none of whose rows has an adapter replays the
-plain graph (host_adapter, the admissions' mirror of SlotState.adapter, says so without a sync). An adapter is copied into its pool slot on a side stream that first waits for the work launched so far
-(the steps that may still read the slot's last adapter); its event says when requests for it may be admitted.
+plain graph (host_adapter, the admissions' mirror of SlotState.adapter, says so without a sync). An adapter is
+copied into its pool slot on a side stream that first waits for the work launched so far (the steps that may still
+read the slot's last adapter); its event says when requests for it may be admitted.
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ class ModelRunner:
         self.audio_mask = torch.tensor([True] * self.cfg.num_codebooks + [False], device=self.device)
         self.host_pos = np.zeros(num_slots + 1, dtype=np.int64)  # mirror of state.pos (the torch path's kv bound; kept only without graphs)
         self.host_adapter = np.full(num_slots + 1, -1, dtype=np.int64)  # mirror of state.adapter: a step's LoRA or not
+        self._step_adapters = np.empty(num_slots + 1, dtype=np.int64)  # a step's rows' host_adapter (no allocation)
+        self.variants = (False,) if self.lora is None else (False, True)  # the graphs': without LoRA, with it
         W = self.cfg.frame_width
         self.max_prefill_tokens = max(max_prefill_tokens, max_prefill_chunk or 0)
         # tokens, mask, pos, top_k, seed, slot, reset, adapter
@@ -143,9 +146,9 @@ class ModelRunner:
             from csmserve.engine.prefill_graphs import PrefillGraphs
 
             self.graphs = self.frame_graphs()
-            self.prefill_graphs = PrefillGraphs(lambda packed, lora: self.prefill_forward(packed, self.max_seq_len, lora),
-                                                self.prefill_in.dev, self.scratch, self.max_prefill_tokens,
-                                                variants=(False,) if self.lora is None else (False, True))
+            self.prefill_graphs = PrefillGraphs(
+                lambda packed, lora: self.prefill_forward(packed, self.max_seq_len, lora), self.prefill_in.dev,
+                self.scratch, self.max_prefill_tokens, variants=self.variants)
 
     def frame_graphs(self) -> FrameGraphs:
         """The frame step, one CUDA graph per bucket (all captured here); and the first frame from the prefill's h0
@@ -159,8 +162,7 @@ class ModelRunner:
                            codec_stream=self.codec_stream,
                            first=lambda ids, lora: self.frame_step(ids, self.max_seq_len, with_codec=not apart,
                                                                    from_prefill=True, lora=lora),
-                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS],
-                           variants=(False,) if self.lora is None else (False, True))
+                           first_buckets=[b for b in self.buckets if b <= FIRST_ROWS], variants=self.variants)
 
     # ---- admissions and prefill ----
     def admit(self, admissions: list[Admission], prefixes: bool = True) -> None:
@@ -357,7 +359,9 @@ class ModelRunner:
         slots = np.asarray(slots, np.int64)
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
-        lora = self.lora is not None and bool((self.host_adapter[slots] >= 0).any())  # else the plain variant
+        # some row has an adapter: the LoRA variant (the rows' host_adapter gathered into a buffer, no allocation)
+        lora = self.lora is not None and bool(
+            np.take(self.host_adapter, slots, out=self._step_adapters[:len(slots)], mode="clip").max() >= 0)
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
             return self.graphs.run(slots, ring, first=from_prefill, lora=lora)
         self.host_pos[slots] += 1

@@ -8,10 +8,7 @@ from csmserve.engine.runner import ModelRunner
 from csmserve.models.loader import load_csm
 from csmserve.models.lora import random_adapter
 
-
-class _Adapter:  # engine/adapters.py's Adapter, as far as the runner reads it
-    def __init__(self, weights):
-        self.weights = weights
+from test_lora_runner_gpu import _Adapter  # same folder
 
 
 def test_a_pool_is_read_only_by_steps_and_prefills_with_an_adapter_row(monkeypatch):
@@ -21,7 +18,8 @@ def test_a_pool_is_read_only_by_steps_and_prefills_with_an_adapter_row(monkeypat
     assert len(r.lora_loads_done()) == 1
     seen: list = []
     step, prefill = r.frame_step, r.prefill_forward
-    monkeypatch.setattr(r, "frame_step", lambda *a, lora, **kw: seen.append(("step", lora)) or step(*a, lora=lora, **kw))
+    monkeypatch.setattr(r, "frame_step",
+                        lambda *a, lora, **kw: seen.append(("step", lora)) or step(*a, lora=lora, **kw))
     monkeypatch.setattr(r, "prefill_forward", lambda p, b, lora: seen.append(("prefill", lora)) or prefill(p, b, lora))
     W = model.cfg.frame_width
     tok, mask = np.zeros((3, W), np.int64), np.zeros((3, W), bool)
