@@ -19,6 +19,7 @@ def reading_ms(chars: int, ms_per_char: int = AUDIO_MS_PER_CHAR) -> int:
     return max(1000, ms_per_char * chars)
 
 WEIGHTS = ("bf16", "fp8", "fp8-all")  # EngineConfig.weights
+MPS_MODES = ("auto", "on", "off")  # RayConfig.mps
 # OpenAI's TTS model ids: a request's `model` naming one of them means the base model (as the server's own name
 # and "csm-1b" do), so unmodified clients (the OpenAI SDK, Open WebUI, Pipecat, LiveKit) keep working
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "gpt-4o-mini-tts-2025-03-20", "gpt-4o-mini-tts-2025-12-15")
@@ -232,6 +233,9 @@ class RayConfig:
     # --max-slots
     target_ongoing_requests: float | None = None
     gpus_per_replica: float | None = None  # fractions share a GPU; None: 1, or 0 with --device cpu
+    # replicas sharing a GPU under NVIDIA MPS (csmserve/ray/mps.py: a private daemon of an own Ray instance): auto
+    # (where it runs), on (an error where it cannot), off (their CUDA contexts take turns)
+    mps: str = "auto"
     cpus_per_replica: float = 1.0  # what Ray reserves per replica (its API workers: --api-workers)
     health_check_period_s: float = 2.0  # Ray calls each replica's check_health this often
     health_check_timeout_s: float = 30.0
@@ -253,6 +257,8 @@ class RayConfig:
                               "report_interval_s")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("RayConfig needs min_replicas <= max_replicas")
+        if self.mps not in MPS_MODES:
+            raise ValueError(f"RayConfig.mps must be one of {', '.join(MPS_MODES)}, got {self.mps!r}")
         lo, hi = INGRESS_BODY_BYTES
         if not lo <= self.ingress_body_bytes <= hi:
             raise ValueError(f"RayConfig.ingress_body_bytes must be in [{lo}, {hi}], got {self.ingress_body_bytes}")

@@ -15,8 +15,8 @@
 #   serve      load through the real server (SERVE_SCENARIOS, SERVE_ARGS, SERVE_* below; carry .whl or .bundle)
 #   soak       the soak: 1,000 users for 8 minutes, errors, crashes, slots, memory (SOAK_*; carry .whl or .bundle)
 #   ray        Ray Serve against the plain server: TTFA added at 1 user, then load (RAY_*; carry .bundle)
-#   scaleout   issue 40: plain against --ray (1 replica; 2 half-GPU replicas, also under MPS) at 2,048 pcm, 1,024 mp3,
-#              1,024 WS, bursts (SCALEOUT_SETUPS: plain 1x1 2x0.5 2x0.5mps)
+#   scaleout   issue 40: plain against --ray (1 replica; 2 half-GPU replicas, under MPS: --mps auto) at 2,048 pcm,
+#              1,024 mp3, 1,024 WS, bursts (SCALEOUT_SETUPS: plain 1x1 2x0.5; RAY_SERVE_ARGS="--mps off": without)
 #   ab         before/after: frame step at 1, 64, 2,048 and engine at 1, 2,048 streams, ab_old/ against this tree
 #   lora       LoRA adapters' cost per step and one stream (bench/lora.py), then through the server (LORA_PARTS)
 # WEIGHTS="bf16 fp8-all" runs frame, engine, ttfa and profile once per weights (default bf16).
@@ -142,7 +142,7 @@ stop_server() {  # SIGTERM, 90 s, then SIGKILL and `ray stop`: no replica left o
 m_ray() {  # Ray Serve (docs/scale-out.md) against the plain server; the bundle unpacked into $RAY_SITE (/tmp/site).
   # RAY_PARTS: ttfa (what Ray adds to the first chunk at 1 user, bench/ray_ttfa.py) and load (SERVE_BENCH_CMD + SERVE_BENCH_ARGS against each RAY_SETUPS:
   # plain, or replicas x GPU share; one server at a time on port 8100). One device call is 10 minutes at most.
-  local setup name n share want pid log sfx
+  local setup name n share want pid log
   unpack_bundle
   export PYTHONPATH=$ROOT:${RAY_SITE:-/tmp/site} RAY_USAGE_STATS_ENABLED=0
   python -c "import ray, fastapi, uvicorn, av; print('ray', ray.__version__, 'fastapi', fastapi.__version__)" \
@@ -154,21 +154,16 @@ m_ray() {  # Ray Serve (docs/scale-out.md) against the plain server; the bundle 
   fi
   [[ ${RAY_PARTS:-ttfa load} == *load* ]] || return 0
   for setup in ${RAY_SETUPS:-plain 1x1 2x0.5}; do
-    sfx=
-    if [[ $setup == *mps ]]; then  # NxS under MPS: the replicas' engines run their kernels side by side, not in turns
-      setup=${setup%mps} sfx=_mps
-      mps_start || { echo "== ray_${setup}_mps: no MPS here" | tee -a "$OUT/ray_bench.txt"; continue; }
-    fi
     if [[ $setup == plain ]]; then
       name=plain want=0
       python -m csmserve serve ${RAY_MODEL_ARGS:---model dummy} --port 8100 > "$OUT/serve_$name.log" 2>&1 &
     else
-      n=${setup%%x*} share=${setup#*x} name="ray_$setup$sfx" want=${setup%%x*}
+      n=${setup%%x*} share=${setup#*x} name="ray_$setup" want=${setup%%x*}
       python -m csmserve serve --ray ${RAY_MODEL_ARGS:---model dummy} --port 8100 --num-replicas "$n" \
         --gpus-per-replica "$share" --cpus-per-replica 4 ${RAY_SERVE_ARGS:-} > "$OUT/serve_$name.log" 2>&1 &
     fi
     pid=$!
-    python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; stop_server $pid; mps_stop; continue; }
+    python - "$want" <<'PY' || { echo "$name did not get ready" | tee -a "$OUT/ray_bench.txt"; stop_server $pid; continue; }
 import sys, time, httpx
 want, deadline = int(sys.argv[1]), time.time() + 400
 while time.time() < deadline:
@@ -185,26 +180,13 @@ PY
     ${SERVE_BENCH_CMD:-python bench/serve_bench.py --url http://127.0.0.1:8100} ${SERVE_BENCH_ARGS:-} 2>&1 \
       | tee -a "$OUT/ray_bench.txt"
     stop_server $pid
-    mps_stop
+    grep -h "NVIDIA MPS" "$OUT/serve_$name.log" | cut -c1-200 | tee -a "$OUT/ray_bench.txt"
     log="$OUT/serve_$name.log"  # too large to come back whole: its warnings and errors, counted, and the last lines
     { grep -E "ERROR|WARNING|Error|Traceback" "$log" | sed -E 's/^[0-9-]+ [0-9:,]+ //; s/pid=[0-9]+/pid=N/g' |
         cut -c1-240 | sort | uniq -c | sort -rn | head -60; echo "-- last lines"; tail -40 "$log"; } \
       > "$OUT/serve_$name.problems.txt" 2>&1
     rm -f "$log"
   done
-}
-mps_start() {  # a private NVIDIA MPS control daemon (its own pipe and log folders: only processes given them join it;
-  # the GPU's settings are not touched), checked with one CUDA context; mps_stop quits it
-  command -v nvidia-cuda-mps-control > /dev/null || return 1
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/csmserve-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/csmserve-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && timeout 60 python -c "import torch; torch.ones(1, device='cuda').sum().item()" \
-    && return 0
-  mps_stop; return 1
-}
-mps_stop() {
-  [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]] && { echo quit | timeout 30 nvidia-cuda-mps-control; sleep 1; }
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 replica, then 2 half-GPU replicas, each
   # under its own time limit (a part cut short still leaves the others); SCALEOUT_ARGS: the clients' pacing
@@ -218,16 +200,15 @@ m_scaleout() {  # issue 40's acceptance in one call: plain, then --ray with 1 re
   # 2 half-GPU replicas: SCALEOUT_HALF's scenarios (all: the load); SCALEOUT_IDLE= / SCALEOUT_BURST= leave those out
   local half=${SCALEOUT_HALF:-"--scenario closed:users=$u $burst"}
   [[ $half == all ]] && half=$load
-  for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $half" \
-      "2x0.5mps ${limits[3]:-${limits[2]}} $half"; do
+  for part in "plain ${limits[0]} $idle $load" "1x1 ${limits[1]} $idle $load $burst" "2x0.5 ${limits[2]} $half"; do
     read -r setup limit args <<< "$part"
     [[ " ${SCALEOUT_SETUPS:-plain 1x1 2x0.5} " == *" $setup "* ]] || continue
     RAY_SETUPS=$setup SERVE_BENCH_ARGS="$c $args --out $OUT/scaleout_$setup" timeout "$limit" bash "$0" ray
     pkill -f "csmserve serve" 2>/dev/null; sleep 2
     python -c "import sys, ray.scripts.scripts as s; sys.argv = ['ray', 'stop', '--force']; s.main()" >/dev/null 2>&1
-    if [ -d /tmp/csmserve-mps/pipe ]; then  # a part cut short by its limit: its MPS daemon too
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/csmserve-mps/pipe; mps_stop; rm -rf /tmp/csmserve-mps
-    fi
+    for pipe in /tmp/csmserve-mps-*/pipe; do  # a part cut short by its limit: its server's MPS daemon too
+      [ -d "$pipe" ] && echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe timeout 30 nvidia-cuda-mps-control
+    done
   done
   grep -E "^== |^\| " "$OUT/ray_bench.txt" > "$OUT/scaleout_summary.txt"; cat "$OUT/scaleout_summary.txt"
 }

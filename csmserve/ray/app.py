@@ -148,6 +148,12 @@ def run_ray(args: argparse.Namespace) -> int:
     ensure_importable()
     for key, value in ray_environment().items():  # the own instance's processes inherit it (a cluster's have theirs)
         os.environ.setdefault(key, value)  # a variable already set wins
+    from csmserve.ray.mps import MpsError, start_for
+
+    try:  # before Ray: its processes inherit the daemon's variables
+        mps = start_for(cfg.mps, spec.gpu_share, cfg.ray_address is None, args.device)
+    except MpsError as e:
+        raise SystemExit(f"csmserve: --mps on: {e}") from None
 
     try:
         if cfg.ray_address is None:
@@ -173,13 +179,17 @@ def run_ray(args: argparse.Namespace) -> int:
         pass
     finally:
         log.info("stopping")
-        if ray.is_initialized():
-            try:
-                if cfg.ray_address is None:
-                    serve.shutdown()  # then the instance goes with ray.shutdown
-                else:
-                    serve.delete(cfg.app_name)  # a shared cluster's: only our application
-            finally:
-                ray.shutdown()
+        try:
+            if ray.is_initialized():
+                try:
+                    if cfg.ray_address is None:
+                        serve.shutdown()  # then the instance goes with ray.shutdown
+                    else:
+                        serve.delete(cfg.app_name)  # a shared cluster's: only our application
+                finally:
+                    ray.shutdown()
+        finally:
+            if mps is not None:  # after the engines: their contexts are gone
+                mps.stop()
     return 0
 

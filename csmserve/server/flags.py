@@ -119,8 +119,9 @@ _HELP = {
     "max_replicas": "autoscale: most replicas",
     "target_ongoing_requests": "autoscale: active streams per replica to aim at",
     "gpus_per_replica": "GPUs per replica; fractions share one",
+    "mps": "NVIDIA MPS for GPU shares: auto|on|off",
     "cpus_per_replica": "CPUs Ray reserves per replica",
-    "health_check_period_s": "seconds between Ray's health checks of a replica",
+    "health_check_period_s": "seconds between a replica's health checks",
     "health_check_timeout_s": "seconds a replica's health check may take before it counts as failed",
     "affinity_load_factor": "a voice / first turn / adapter stays on its replica while that one's connections "
                             "are under this x the mean (HAProxy's hash-balance-factor)",
