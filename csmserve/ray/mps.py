@@ -2,8 +2,8 @@
 
 Without MPS each replica's engine is a CUDA context of its own, and contexts take turns on the GPU (time slices): two
 steps of 1,024 rows then cost more than one of 2,048. Two half-GPU replicas carried 69% of the plain server's
-requests/s at 2,048 pcm users, every stream dry (H100, `a13dbb4`); under MPS their kernels run side by side: 90.7%,
-none dry at 300 ms (H100, `c91c6c1`; docs/scale-out.md).
+requests/s at 2,048 pcm users, every stream dry (H100, `a13dbb4`); under MPS their kernels run side by side: 90.7%
+(H100, `c91c6c1`) and 100% (H200, `41d9107`), none dry at 300 ms (docs/scale-out.md).
 
 `csmserve serve --ray` on a Ray instance of its own starts a private control daemon before Ray: its own pipe and log
 folders, so only processes given CUDA_MPS_PIPE_DIRECTORY join it (the GPU's compute mode and every other process are

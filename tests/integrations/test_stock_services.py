@@ -56,7 +56,9 @@ def test_pipecat_openai_tts_service_speaks_pcm_at_24k(server, csm):
 def test_pipecat_interruption_frees_the_slot(server, csm):
     tts = pipecat_service(server, model="tts-1")
     long_replies(server)
-    frames = [TTSSpeakFrame("A very long answer that would go on for a whole minute."), SleepFrame(0.6),
+    # 1 s before the interruption: the first frames are out even on a busy 2-core CI machine (at 0.6 s one run had
+    # none yet), and a minute of audio is far off
+    frames = [TTSSpeakFrame("A very long answer that would go on for a whole minute."), SleepFrame(1.0),
               InterruptionFrame(), SleepFrame(0.5)]
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
     settle(csm)  # the engine request is gone and every slot free
