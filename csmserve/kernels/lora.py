@@ -41,8 +41,8 @@ row does not run these kernels (engine/graphs.py: the plain graphs replay).
 
 Measured (H100, `a13dbb4` and `167ea7c`, docs/benchmarks.md "Issue 42"), rank 16: batch 1 +113-117% with one
 adapter; 64 rows +96%, +415%, +2,978% with 1, 8, 64 adapters; 2,048 rows +38-43% whatever the adapters. The
-predictions above are wrong by 4-60x. Read from the numbers, not yet profiled (`bench/graph_profile.py --adapters`
-is the next call): up to TICKET_ROWS one tile holds every row and walks its adapters one at a time (shrink and every
+predictions above are wrong by 4-60x. Read from the numbers (this kernel was never profiled; branch `lora-pdl`
+replaces it, docs/benchmarks.md): up to TICKET_ROWS one tile holds every row and walks its adapters one at a time (shrink and every
 column block: ~4 ms a frame per distinct adapter at 64 rows); at 1-16 rows ~10 us a projection that the pieces'
 loads do not explain (a 4x larger K chunk, 4 loads a piece fewer, changed 1%: tried-and-dropped), so the counters,
 the wait or the epilogue; above 256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or

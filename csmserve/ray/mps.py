@@ -52,6 +52,16 @@ class MpsDaemon:
         self.control: str | None = None
 
     def start(self, check: bool = True) -> None:
+        """MpsError (one line) where it cannot run; the daemon, if started, quit again and the folders gone."""
+        try:
+            self._start(check)
+        except MpsError:
+            self.stop()
+            raise
+        os.environ.update(self.env)
+        log.info("NVIDIA MPS: a private daemon for the replicas sharing a GPU (%s)", self.root)
+
+    def _start(self, check: bool) -> None:
         control = shutil.which(CONTROL)
         if control is None:
             raise MpsError(f"{CONTROL} is not on PATH (NVIDIA's driver utilities)")
@@ -62,18 +72,16 @@ class MpsDaemon:
         if r.returncode != 0:
             raise MpsError(f"{CONTROL} -d failed: {(r.stderr or r.stdout).strip()[:200]}")
         self.control = control
-        if check:
-            try:
-                c = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
-                                   timeout=CHECK_S)
-                ok, why = c.returncode == 0, (c.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            except subprocess.TimeoutExpired:
-                ok, why = False, f"no CUDA context in {CHECK_S} s"
-            if not ok:
-                self.stop()
-                raise MpsError(f"a CUDA context under MPS failed: {why}")
-        os.environ.update(self.env)
-        log.info("NVIDIA MPS: a private daemon for the replicas sharing a GPU (%s)", self.root)
+        if not check:
+            return
+        try:
+            c = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
+                               timeout=CHECK_S)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"a CUDA context under MPS failed: none in {CHECK_S} s") from None
+        if c.returncode != 0:
+            why = (c.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise MpsError(f"a CUDA context under MPS failed: {why}")
 
     def stop(self) -> None:
         if self.control is not None:
@@ -97,7 +105,6 @@ def start_for(mode: str, gpu_share: float, own_instance: bool, device: str | Non
     try:
         daemon.start()
     except MpsError as e:
-        shutil.rmtree(daemon.root, ignore_errors=True)
         if mode == "on":
             raise
         log.warning("NVIDIA MPS not used (--mps auto): %s; replicas sharing a GPU take turns on it", e)

@@ -89,3 +89,11 @@ def test_auto_goes_on_without_mps_where_no_cuda_context_runs_under_it(control, c
     with pytest.raises(mps.MpsError, match="CUDA context under MPS failed"):
         mps.start_for("on", 0.5, True, None)
     assert mps.start_for("off", 0.5, True, None) is None
+
+
+def test_a_failed_start_leaves_no_folder(control, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_RC", "1")
+    d = mps.MpsDaemon()
+    with pytest.raises(mps.MpsError):
+        d.start(check=False)
+    assert not Path(d.root).exists() and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
