@@ -7,6 +7,8 @@ python bench/lora.py --batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64
 
 A row's adapters are contiguous runs of slots (the scheduler orders a step's rows by adapter); "0" is the pool's
 runner with every row on the base (its graphs without the LoRA kernels replay), "base" a runner without a pool.
+"r16" runs as the server does (a lone adapter merged into the weights: engine/runner.py; measured at 0 and 1
+adapters, the only counts it changes), "r16 kernels" with lora_merge off (the batched LoRA kernels at every count).
 """
 from __future__ import annotations
 
@@ -18,14 +20,15 @@ import torch
 
 from gpu_profile import admit_rows, dummy_model, frame_step_ms, load_pool, spread
 
-from csmserve.engine.runner import ModelRunner
+from csmserve.engine.runner import MERGE_AFTER, ModelRunner
 
 
 def adapters_step_ms(runner: ModelRunner, b: int, adapters: int, context: int, steps: int) -> float:
-    """Mean frame step (ms) of b rows, the first `adapters` pool slots spread over them in contiguous runs."""
+    """Mean frame step (ms) of b rows, the first `adapters` pool slots spread over them in contiguous runs (after
+    MERGE_AFTER + 2 steps: a lone adapter is merged by then)."""
     slots = list(range(b))
     admit_rows(runner, slots, context, spread(b, adapters))
-    return frame_step_ms(runner, slots, steps)
+    return frame_step_ms(runner, slots, steps, warmup=MERGE_AFTER + 2)
 
 
 def step_table(model, args) -> list[tuple]:
@@ -33,17 +36,18 @@ def step_table(model, args) -> list[tuple]:
     counts = [int(a) for a in args.adapters.split(",")]
     n = max(batches)
     rows = []
-    runs = [("base", None)] + [(f"r{r}", int(r)) for r in args.ranks.split(",")]
-    for label, rank in runs:
+    runs = [("base", None, False)] + [(f"r{r}{k}", int(r), k == "") for r in args.ranks.split(",")
+                                      for k in ("", " kernels")]
+    for label, rank, merge in runs:
         t0 = time.perf_counter()
         runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches,
-                             max_loras=max(counts) if rank else 0, max_lora_rank=rank or 16)
+                             max_loras=max(counts) if rank else 0, max_lora_rank=rank or 16, lora_merge=merge)
         if rank:
             load_pool(runner, model, rank, max(counts))
         print(f"{label}: graphs captured, pool loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         for b in batches:
             for a in (counts if rank else [0]):
-                if a > b:
+                if a > b or (merge and a > 1):
                     continue
                 ms = adapters_step_ms(runner, b, a, args.context, args.steps)
                 rows.append((label, b, a if rank else "-", ms))
@@ -64,17 +68,18 @@ def one_stream(model, args) -> list[tuple]:
 
     bench_engine.TEXT_VOCAB[0] = model.cfg.text_vocab_size
     out = []
-    for rank in [None] + [int(r) for r in args.ranks.split(",")]:
+    for rank, merge in [(None, True)] + [(int(r), m) for r in args.ranks.split(",") for m in (True, False)]:
         n = max(int(a) for a in args.adapters.split(","))
         cfg = EngineConfig(max_slots=8, max_seq_len=args.max_seq_len, max_loras=n if rank else 0,
-                           max_lora_rank=rank or 16)
+                           max_lora_rank=rank or 16, lora_merge=merge)
         engine = build_engine(model, None, cfg)
         if rank:
             for i in range(n):
                 engine.load_adapter(f"a{i}", random_adapter(model.cfg, rank, seed=i).pin()).result()
             _adapter_for(engine, "a0")
         r = measure(engine, args.stream_frames)
-        out.append(("base" if rank is None else f"r{rank} adapter", r["fps"], r["ttfa_p50_ms"]))
+        out.append(("base" if rank is None else f"r{rank} adapter" + ("" if merge else ", kernels"), r["fps"],
+                    r["ttfa_p50_ms"]))
         print(f"| {out[-1][0]} | {r['fps']:.1f} | {r['ttfa_p50_ms']:.1f} |", flush=True)
         engine.shutdown()
         del engine

@@ -94,6 +94,9 @@ class EngineConfig:
     # a request whose adapter has no pool slot (every slot held by running requests of other adapters) waits in the
     # queue this many seconds at most, then ends with AdapterPoolFullError (the server's 503 adapter_pool_full)
     max_lora_wait_s: float = 10.0
+    # a step whose every row has one adapter runs it merged into the weights (the base's speed; engine/runner.py),
+    # at the cost of a copy of the LoRA'd weights on the GPU (~1.9 GB for CSM-1B in bf16; FP8 weights never merge)
+    lora_merge: bool = True
 
     def __post_init__(self) -> None:
         _require(self, ">= 1", "max_slots max_seq_len prefill_token_budget max_prefill_chunk first_chunk_frames "

@@ -558,5 +558,5 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
     runner = ModelRunner(model, cfg.max_slots, cfg.max_seq_len, mimi=mimi,
                          max_prefill_tokens=cfg.prefill_token_budget, output_ring=ring,
                          weights=cfg.weights, codec_stream=cfg.codec_stream, max_loras=cfg.max_loras,
-                         max_lora_rank=cfg.max_lora_rank)
+                         max_lora_rank=cfg.max_lora_rank, lora_merge=cfg.lora_merge)
     return Engine(runner, cfg, start=start, emit=emit, inbox=inbox)

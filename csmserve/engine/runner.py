@@ -17,6 +17,11 @@ captured twice, with the LoRA kernels and without: a step (or prefill) none of w
 plain graph (host_adapter, the admissions' mirror of SlotState.adapter, says so without a sync). An adapter is
 copied into its pool slot on a side stream that first waits for the work launched so far (the steps that may still
 read the slot's last adapter); its event says when requests for it may be admitted.
+
+A lone adapter is merged (lora_merge, models/lora.py LoraMerge): once MERGE_AFTER steps in a row had every row on
+one adapter, it is added into the projections' own weights and those steps replay the plain graphs (the base's
+speed: one fine-tuned voice on a GPU costs nothing); the first step or prefill with a row of the base or another
+adapter copies the base weights back first (all on the launching stream, in order with the steps).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from torch import Tensor
 
 from csmserve.models.csm import CSMModel
 from csmserve.models.fp8 import quantize_weights
-from csmserve.models.lora import LoraPool, detach
+from csmserve.models.lora import LoraMerge, LoraPool, detach
 from csmserve.models.mimi import Mimi, MimiStream
 from csmserve.engine.buckets import bucket_sizes
 from csmserve.engine.output_ring import OutputRing, StepOutput
@@ -47,6 +52,9 @@ FIRST_ROWS = 8
 # admission staging columns: tokens [W], mask [W], then these
 _POS, _TOPK, _SEED, _SLOT, _RESET, _ADAPTER = range(6)
 _INTS = 6
+# steps in a row with every row on one adapter before it is merged into the weights: a merge and its undo cost ~2
+# launches per weight (~1 ms), so a batch whose adapters change every few steps stays on the LoRA kernels
+MERGE_AFTER = 8
 
 
 class StreamingCodec(Protocol):
@@ -85,12 +93,16 @@ class ModelRunner:
                  buckets: list[int] | None = None, use_graphs: bool | None = None, fuse: bool = True,
                  max_prefill_tokens: int = 512, output_ring: OutputRing | None = None,
                  max_prefill_chunk: int | None = None, weights: str = "bf16", codec_stream: bool = True,
-                 max_loras: int = 0, max_lora_rank: int = 32) -> None:
+                 max_loras: int = 0, max_lora_rank: int = 32, lora_merge: bool = True) -> None:
         quantize_weights(model, weights)  # EngineConfig.weights: fp8 swaps the GEMMs' weights in place
         # the LoRA adapters' pool (EngineConfig.max_loras), attached to the model's projections (FP8Linear's too)
         self.lora = LoraPool(model, max_loras, max_lora_rank) if max_loras else None
         if self.lora is None:
             detach(model)  # an earlier runner's pool on the same model: never read, never kept
+        # a lone adapter merged into the weights (EngineConfig.lora_merge; not for FP8 weights)
+        self.merge = LoraMerge(model, self.lora) if (self.lora is not None and lora_merge
+                                                     and LoraMerge.possible(model, self.lora)) else None
+        self._lone = (-1, 0)  # (pool slot, steps in a row with every row on it)
         self._lora_loads: list[tuple[object, int, object]] = []  # copies in flight: (event | None, slot, adapter)
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
@@ -240,7 +252,8 @@ class ModelRunner:
         if n > self.max_prefill_tokens:
             raise ValueError(f"{n} prefill tokens in one step > max_prefill_tokens={self.max_prefill_tokens}")
         T = n if self.prefill_graphs is None else self.prefill_graphs.bucket(n)
-        lora = self.lora is not None and any(c.adapter >= 0 for c in chunks)  # else the plain variant
+        lora = self.lora is not None and self._lora_variant(min(c.adapter for c in chunks),
+                                                            max(c.adapter for c in chunks), False)
         packed = self.prefill_in.put(pack_prefill(chunks, T, self.cfg.frame_width, self.scratch, lora))
         if self.prefill_graphs is not None:
             self.prefill_graphs.run(packed, lora)
@@ -319,12 +332,35 @@ class ModelRunner:
         finally:
             self.lora.rows = None
 
+    def _lora_variant(self, lo: int, hi: int, step: bool) -> bool:
+        """Rows whose pool slots span [lo, hi] (-1: the base) run next: True for the LoRA kernels, False for the plain
+        ones. With a merge: the merged adapter's rows alone run plain; a frame step whose rows share one adapter
+        counts towards its merge (MERGE_AFTER); any other rows get the base weights back first."""
+        m = self.merge
+        if m is None:
+            return hi >= 0
+        if lo == hi >= 0:
+            if m.slot == lo:
+                return False
+            if step:
+                n = self._lone[1] + 1 if self._lone[0] == lo else 1
+                self._lone = (lo, n)
+                if n >= MERGE_AFTER:
+                    m.merge(lo)
+                    return False
+        elif step:
+            self._lone = (-1, 0)
+        m.restore()
+        return hi >= 0
+
     # ---- LoRA adapters' copies ----
     def load_loras(self, loads: list[tuple[int, object]]) -> None:
         """(pool slot, engine/adapters.py Adapter) copies, started now: on the side stream after every step launched
         so far (they may read the slot's last adapter), before any step that reads the new one (its requests are
         admitted once `lora_loads_done` says so)."""
         for slot, a in loads:
+            if self.merge is not None and self.merge.slot == slot:  # the slot's last adapter leaves the weights too
+                self.merge.restore()
             if self.lora_stream is None:  # CPU: at once
                 self.lora.write(slot, a.weights)
                 self._lora_loads.append((None, slot, a))
@@ -359,9 +395,11 @@ class ModelRunner:
         slots = np.asarray(slots, np.int64)
         ring = self.ring.next()
         self.ring.header[ring] = step_id  # before the launch: a reader of an older step sees the reuse
-        # some row has an adapter: the LoRA variant (the rows' host_adapter gathered into a buffer, no allocation)
-        lora = self.lora is not None and bool(
-            np.take(self.host_adapter, slots, out=self._step_adapters[:len(slots)], mode="clip").max() >= 0)
+        # some row has an adapter (not merged): the LoRA variant (the rows' host_adapter gathered into a buffer)
+        lora = False
+        if self.lora is not None:
+            ad = np.take(self.host_adapter, slots, out=self._step_adapters[:len(slots)], mode="clip")
+            lora = self._lora_variant(int(ad.min()), int(ad.max()), True)
         if self.graphs is not None:  # the graphs attend up to max_seq_len: no host-side bound to keep
             return self.graphs.run(slots, ring, first=from_prefill, lora=lora)
         self.host_pos[slots] += 1

@@ -382,8 +382,58 @@ class LoraPool:
         self.ranks[slot] = r
 
 
+class LoraMerge:
+    """One adapter merged into the model's own projection weights, in place: W += B A per slice (one rounding, as
+    PEFT's merge_and_unload; B carries the scale), so a step whose every row has that adapter runs the plain kernels
+    (engine/runner.py decides when). The base weights stay in `base` (a copy of every LoRA'd weight on the device,
+    ~1.9 GB for CSM-1B in bf16), copied back by `restore`: exact, no drift over any number of merges. The CUDA
+    graphs hold the weights' storage, which both keep. Weights other than the pool's dtype (FP8's e4m3) cannot merge
+    (`possible`)."""
+
+    def __init__(self, model: nn.Module, pool: "LoraPool") -> None:
+        self.pool = pool
+        self.weights = [model.get_submodule(layer.target.module).weight for layer in pool.layers]  # [N, K] each
+        self.base = [w.detach().clone() for w in self.weights]
+        self.slot = -1  # the pool slot merged now; -1: the base weights
+        model.__dict__["lora_merge"] = self  # a later runner on the model restores it (detach)
+
+    @staticmethod
+    def possible(model: nn.Module, pool: "LoraPool") -> bool:
+        w0 = pool.weights
+        for layer in pool.layers:
+            w = getattr(model.get_submodule(layer.target.module), "weight", None)
+            if not isinstance(w, Tensor) or w.dtype != w0.dtype or w.shape != (layer.target.n, layer.target.k):
+                return False
+        return True
+
+    @torch.no_grad()
+    def merge(self, slot: int) -> None:
+        """The adapter in pool slot `slot` into the weights (the base ones first, if another is merged)."""
+        if self.slot == slot:
+            return
+        self.restore()
+        for w, layer in zip(self.weights, self.pool.layers):
+            a, b, col = layer.a[slot], layer.b[slot], 0  # [R, S, K], [R, N]
+            for s, width in enumerate(layer.target.slices):
+                w[col:col + width].addmm_(b[:, col:col + width].T, a[:, s])  # [N_s, R] @ [R, K]
+                col += width
+        self.slot = slot
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self.slot < 0:
+            return
+        for w, base in zip(self.weights, self.base):
+            w.copy_(base)
+        self.slot = -1
+
+
 def detach(model: nn.Module) -> None:
-    """Take every LoraLayer off the model's modules (its pool's memory goes with the last reference)."""
+    """Take every LoraLayer off the model's modules (its pool's memory goes with the last reference), and the base
+    weights back where an adapter is merged."""
+    merge = model.__dict__.pop("lora_merge", None)
+    if merge is not None:
+        merge.restore()
     for m in model.modules():
         m.__dict__.pop("lora", None)
 

@@ -88,6 +88,8 @@ _HELP = {
     "max_lora_rank": "the largest adapter rank the pool takes (larger: refused)",
     "max_cpu_loras": "adapters loaded at once, in pinned host memory (one more: 409)",
     "max_lora_wait_s": "a request waits this long for a pool slot held by other adapters, then 503",
+    "lora_merge": "a step whose rows all have one adapter runs it merged into the weights (the base's speed; "
+                  "a copy of the weights on the GPU, ~1.9 GB); false: always the batched LoRA kernels",
     "lora_dir": "POST /v1/load_lora_adapter reads adapters under this directory only",
     "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
     "max_seq_len": "positions per slot: prompt frames + generated frames",
@@ -158,7 +160,7 @@ _GROUPS = {
     "slow clients": ("header_timeout_s", "body_timeout_s", "body_min_rate", "keep_alive_s", "max_header_bytes"),
     "WebSocket sessions": ("session_idle_s", "max_sessions", "max_session_turns", "max_session_frames",
                            "max_ws_message_bytes", "ws_turn_idle_s"),
-    "LoRA adapters": ("lora_dir", "max_loras", "max_lora_rank", "max_cpu_loras", "max_lora_wait_s"),
+    "LoRA adapters": ("lora_dir", "max_loras", "max_lora_rank", "max_cpu_loras", "max_lora_wait_s", "lora_merge"),
 }
 _METAVARS = {"model": "ID|PATH", "codec": "PATH", "codec_dtype": "DTYPE", "log_level": "LEVEL", "host": "HOST",
              "port": "PORT", "api_key": "KEY", "model_name": "NAME", "voices_db": "PATH|URL", "cors_origins": "ORIGINS",

@@ -93,3 +93,39 @@ def test_the_plain_graphs_replay_while_no_row_has_an_adapter():
     assert [k for k in seen if k[0] == "step"] == [("step", True)] * 6
     np.testing.assert_array_equal(mixed[[0, 2]], base[[0, 2]])  # the base rows' codes, whatever graph ran them
     assert not np.array_equal(mixed[1], base[1])
+
+
+@cuda
+def test_a_lone_adapter_merged_replays_the_plain_graphs_and_restores_the_base_bits():
+    """Every row on one adapter: after MERGE_AFTER steps the plain graphs replay on merged weights (graphed == eager,
+    and the codes close to the LoRA kernels' run: bf16 rounds the merge once); a base row puts the base bits back."""
+    from csmserve.engine.runner import MERGE_AFTER
+
+    model = tiny_model(torch.bfloat16)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ps, seeds = prompts(3), [1, 2, 3]
+    steps = MERGE_AFTER + 6
+    kernels = ModelRunner(model, num_slots=16, max_seq_len=128, use_graphs=True, max_loras=4, max_lora_rank=16,
+                          lora_merge=False)
+    for slot, rank in enumerate([16, 4, 8, 16]):
+        kernels.load_loras([(slot, _Adapter(random_adapter(model.cfg, rank, seed=slot, std=0.05).pin()))])
+    torch.cuda.synchronize()
+    kernels.lora_loads_done()
+    want = run(kernels, ps, seeds, [2] * 3, 0.0, steps)
+    del kernels
+    eager = run(runner(model, False), ps, seeds, [2] * 3, 0.0, steps)
+    r = runner(model, True)
+    seen: list = []
+    for key, g in list(r.graphs.graphs.items()):
+        r.graphs.graphs[key] = _Spy(g, "step", key[1], seen)
+    got = run(r, ps, seeds, [2] * 3, 0.0, steps)
+    assert [lora for _, lora in seen] == [True] * (MERGE_AFTER - 1) + [False] * (steps - MERGE_AFTER + 1)
+    assert r.merge.slot == 2
+    np.testing.assert_array_equal(got, eager)
+    np.testing.assert_array_equal(got[:, :MERGE_AFTER - 1], want[:, :MERGE_AFTER - 1])  # before the merge: the same
+    # the first merged frame's codebook 0 (no depth step before it to diverge in): bf16's other rounding, same codes
+    np.testing.assert_array_equal(got[:, MERGE_AFTER - 1, 0], want[:, MERGE_AFTER - 1, 0])
+    print("merged against the LoRA kernels, codes equal after the merge:", (got == want)[:, MERGE_AFTER - 1:].mean())
+    run(r, ps[:1], seeds, [-1], 0.0, 1)  # a base row: the base weights back, bit for bit
+    assert r.merge.slot == -1
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())

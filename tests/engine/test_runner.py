@@ -43,3 +43,54 @@ def test_a_pool_is_read_only_by_steps_and_prefills_with_an_adapter_row(monkeypat
     start(3, -1)  # the slot reused by a request without an adapter
     r.step([0, 3]).wait()
     assert seen == [("prefill", False), ("step", False)]
+
+
+def test_a_lone_adapter_runs_merged_with_the_codes_of_the_lora_kernels(monkeypatch):
+    """Every row on one adapter for MERGE_AFTER steps: the adapter goes into the weights and the plain step runs, with
+    the codes of a runner that never merges (float32); a base row's prefill puts the base weights back, bit for bit;
+    a copy into the merged adapter's slot does too."""
+    from csmserve.engine.runner import MERGE_AFTER
+
+    model = load_csm("dummy-tiny", dtype=torch.float32)[0]
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    W = model.cfg.frame_width
+    tok, mask = np.zeros((3, W), np.int64), np.zeros((3, W), bool)
+    mask[:, -1] = True
+    adapter = _Adapter(random_adapter(model.cfg, 4, seed=3, std=0.2, dtype=torch.float32))
+
+    def start(r, slot: int, a: int) -> None:
+        r.prefill([PrefillChunk(slot, 0, tok[:2], mask[:2], adapter=a)])
+        r.admit([Admission(slot, tok[2], mask[2], 2, 0.0, 1, 1.0, slot, adapter=a)])
+
+    def run(merge: bool) -> tuple[ModelRunner, np.ndarray, list]:
+        r = ModelRunner(model, num_slots=4, max_seq_len=64, max_loras=2, max_lora_rank=4, lora_merge=merge)
+        r.load_loras([(1, adapter)])
+        assert len(r.lora_loads_done()) == 1
+        seen: list = []
+        step = r.frame_step
+        monkeypatch.setattr(r, "frame_step", lambda *a, lora, **kw: seen.append(lora) or step(*a, lora=lora, **kw))
+        start(r, 0, 1)
+        start(r, 2, 1)
+        codes = np.stack([r.step([0, 2]).wait()[0].copy() for _ in range(MERGE_AFTER + 4)])
+        return r, codes, seen
+
+    plain, want, seen = run(False)
+    assert plain.merge is None and seen == [True] * (MERGE_AFTER + 4)
+    r, got, seen = run(True)
+    assert seen == [True] * (MERGE_AFTER - 1) + [False] * 5 and r.merge.slot == 1
+    np.testing.assert_array_equal(got, want)
+    assert any(not torch.equal(p, base[n]) for n, p in model.named_parameters())  # merged: the weights moved
+    start(r, 3, -1)  # a base row: its prefill gets the base weights back
+    assert r.merge.slot == -1
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())
+    r.step([0, 2, 3]).wait()
+    assert seen[-1] is True  # a mixed step: the LoRA kernels
+    for _ in range(MERGE_AFTER):
+        r.step([0, 2]).wait()
+    assert r.merge.slot == 1
+    r.load_loras([(1, adapter)])  # another copy into the merged slot: the base weights first
+    assert r.merge.slot == -1 and all(torch.equal(p, base[n]) for n, p in model.named_parameters())
+    for _ in range(MERGE_AFTER):
+        r.step([0, 2]).wait()
+    ModelRunner(model, num_slots=4, max_seq_len=64)  # a later runner on the model: the base weights back
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())
