@@ -60,6 +60,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from csmserve.kernels import pdl
 
 FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column group), past it shrink and expand apart
+# past FUSED_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE (fp32 sums added in order
+# by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
+SHRINK_ROWS = 16
+SHRINK_PIECE = 256
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
@@ -72,19 +76,19 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def shrink_rows(x_rows, sel, a_base, stride_ar, rank, K, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
-                BK: tl.constexpr, IEEE: tl.constexpr):
-    """xa [BM, RB] per slice (fp32) = x[sel rows] A^T: x_rows [BM] row pointers, a_base the adapter's A [R, S, K]
-    (slices K apart, rank rows stride_ar apart); rows outside sel and ranks >= rank are zero."""
+def shrink_rows(x_rows, sel, a_base, stride_ar, rank, K, k_lo, k_hi, S: tl.constexpr, RB: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """xa [BM, RB] per slice (fp32) = x[sel rows, k_lo:k_hi] A[:, :, k_lo:k_hi]^T: x_rows [BM] row pointers, a_base
+    the adapter's A [R, S, K] (slices K apart, rank rows stride_ar apart); rows outside sel, ranks >= rank: zero."""
     rr = tl.arange(0, RB)
     xa0 = tl.zeros([BM, RB], dtype=tl.float32)
     xa1 = tl.zeros([BM, RB], dtype=tl.float32)
     xa2 = tl.zeros([BM, RB], dtype=tl.float32)
     a_cols = a_base + rr.to(tl.int64)[None, :] * stride_ar  # [1, RB]
     ma = (rr < rank)[None, :]
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         rk = k0 + tl.arange(0, BK)
-        mk = rk < K
+        mk = rk < k_hi
         x = tl.load(x_rows[:, None] + rk[None, :], mask=sel[:, None] & mk[None, :], other=0.0)  # [BM, BK]
         m = mk[:, None] & ma
         xa0 = _dot(x, tl.load(a_cols + rk[:, None], mask=m, other=0.0), xa0, IEEE)  # A^T tile [BK, RB]
@@ -109,9 +113,9 @@ def expand_tile(xa, b_base, stride_br, rank, rn, N, RB: tl.constexpr, BM: tl.con
 def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
                  stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, EXPAND: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr):
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1):
     # program (row tile, column group g of G): SHRINK and EXPAND: xa computed, then y's column blocks g, g + G, ...
-    # updated; SHRINK only: xa stored to XA [M, S, RB] (model dtype); EXPAND only: xa read from XA.
+    # updated; EXPAND only: xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32).
     # GLU (EXPAND): GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
     # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
     pid_m = tl.program_id(0)
@@ -142,26 +146,23 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
         a_l = tl.maximum(a, 0).to(tl.int64)
         rank = tl.load(RANKS + a_l) * has.to(tl.int32)  # 0 for rows without an adapter: nothing read past it
         if SHRINK:
-            xa0, xa1, xa2 = shrink_rows(x_rows, sel & (ad >= 0), A + a_l * stride_al, stride_ar, rank, K, S, RB, BM, BK,
-                                        IEEE)
+            xa0, xa1, xa2 = shrink_rows(x_rows, sel & (ad >= 0), A + a_l * stride_al, stride_ar, rank, K, 0, K, S,
+                                        RB, BM, BK, IEEE)
             xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
-        else:
+        else:  # the shrink's KS pieces [KS, M, S, RB] (fp32) added in order, rounded as PEFT's lora_A(x) is
             mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
-            xa0 = tl.load(xa_rows[:, None] + rr[None, :], mask=mx, other=0.0)
-            xa1 = xa0
-            xa2 = xa0
-            if S > 1:
-                xa1 = tl.load(xa_rows[:, None] + RB + rr[None, :], mask=mx, other=0.0)
-            if S > 2:
-                xa2 = tl.load(xa_rows[:, None] + 2 * RB + rr[None, :], mask=mx, other=0.0)
-        if not EXPAND:
-            m2 = sel[:, None] & (rr < RB)[None, :]
-            tl.store(xa_rows[:, None] + rr[None, :], xa0, mask=m2)
-            if S > 1:
-                tl.store(xa_rows[:, None] + RB + rr[None, :], xa1, mask=m2)
-            if S > 2:
-                tl.store(xa_rows[:, None] + 2 * RB + rr[None, :], xa2, mask=m2)
-        else:
+            xa0 = tl.zeros([BM, RB], dtype=tl.float32)
+            xa1 = tl.zeros([BM, RB], dtype=tl.float32)
+            xa2 = tl.zeros([BM, RB], dtype=tl.float32)
+            for p in range(KS):
+                piece = xa_rows[:, None] + p * M * (S * RB) + rr[None, :]
+                xa0 += tl.load(piece, mask=mx, other=0.0)
+                if S > 1:
+                    xa1 += tl.load(piece + RB, mask=mx, other=0.0)
+                if S > 2:
+                    xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
+            xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
+        if EXPAND:
             b_base = B + a_l * stride_bl
             for nb in range(pid_g, n_blocks, G):
                 n0 = nb * BN
@@ -184,6 +185,46 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                     d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
                     tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+
+
+@triton.jit
+def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, stride_ar, S: tl.constexpr,
+                   RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    # program (row tile, K piece p of KP): XA[p, rows] [BM, S, RB] (fp32) = x[rows, piece] A_a[:, s, piece]^T, each row
+    # with its adapter (the tile's adapters one at a time; rows without one: zeros). Pieces of a fixed KP: a row's
+    # sums, and their order, the same at every batch size
+    pid_m = tl.program_id(0)
+    p = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = pid_m * BM + tl.arange(0, BM)
+    mm = rm < M
+    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
+    todo = ad >= 0
+    x_rows = X + rm.to(tl.int64) * stride_xm
+    acc0 = tl.zeros([BM, RB], dtype=tl.float32)
+    acc1 = tl.zeros([BM, RB], dtype=tl.float32)
+    acc2 = tl.zeros([BM, RB], dtype=tl.float32)
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+        sel = todo & (ad == a)
+        todo = todo & (ad != a)
+        a_l = a.to(tl.int64)
+        xa0, xa1, xa2 = shrink_rows(x_rows, sel, A + a_l * stride_al, stride_ar, tl.load(RANKS + a_l), K, p * KP,
+                                    p * KP + KP, S, RB, BM, BK, IEEE)
+        acc0 += xa0
+        acc1 += xa1
+        acc2 += xa2
+    rr = tl.arange(0, RB)
+    out = XA + (p * M + rm).to(tl.int64)[:, None] * (S * RB) + rr[None, :]  # [BM, RB]
+    m2 = mm[:, None] & (rr < RB)[None, :]
+    tl.store(out, acc0, mask=m2)
+    if S > 1:
+        tl.store(out + RB, acc1, mask=m2)
+    if S > 2:
+        tl.store(out + 2 * RB, acc2, mask=m2)
 
 
 # ---------------------------------------------------------------------------------- 1-16 rows: the ticketed kernel
@@ -456,6 +497,7 @@ def applies(x: Tensor, lora) -> bool:
 
 def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,
             groups: int = 1, gu: Tensor | None = None) -> None:
+    """shrink and expand: one launch (the shrink per program); expand only: xa is lora_shrink's pieces."""
     m = y.shape[0]
     gu = y if gu is None else gu
     bm, bk, bn, rb = _blocks(lora, m, n)
@@ -466,7 +508,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, exp
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
                        gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
                        S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
-                       IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts())
 
 
 def _groups(m: int, n: int, lora, fused: bool) -> int:
@@ -475,12 +517,23 @@ def _groups(m: int, n: int, lora, fused: bool) -> int:
     return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else 1 << 30))
 
 
+def shrink_piece(k: int) -> int:
+    """The K piece of one shrink program past FUSED_ROWS: SHRINK_PIECE where it divides K, else K."""
+    return SHRINK_PIECE if k % SHRINK_PIECE == 0 else k
+
+
 def lora_shrink(x: Tensor, lora) -> Tensor:
-    """xa [M, S, RB] (model dtype; rows without an adapter unset) of x [M, K]."""
+    """The shrink of x [M, K] in K pieces: [KS, M, S, RB] float32 (rows without an adapter zero); xa is their sum
+    in order, rounded to the model dtype (the expand's)."""
     t = lora.target
-    rb = _blocks(lora, x.shape[0], t.n)[3]
-    xa = torch.empty(x.shape[0], len(t.slices), rb, dtype=x.dtype, device=x.device)
-    _launch(x, xa, xa, lora, t.n, shrink=True, expand=False, glu=False)
+    m = x.shape[0]
+    rb = rank_block(lora)
+    kp = shrink_piece(t.k)
+    xa = torch.empty(t.k // kp, m, len(t.slices), rb, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, SHRINK_ROWS), t.k // kp)
+    _shrink_kernel[grid](x, xa, lora.a, lora.pool.ranks, lora.rows, m, t.k, m // lora.rows.shape[0], x.stride(0),
+                         lora.a.stride(0), lora.a.stride(1), S=len(t.slices), RB=rb, BM=SHRINK_ROWS,
+                         BK=min(64, kp), KP=kp, IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
     return xa
 
 

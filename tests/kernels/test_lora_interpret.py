@@ -61,6 +61,7 @@ MODES = ["ticketed", "fused", "split"]  # the 1-64-row kernel; row tiles with th
 def _mode(kl, monkeypatch, mode: str) -> None:
     monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 0)
     monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
+    monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
 
 
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
@@ -114,16 +115,20 @@ def test_lora_glu(pool, monkeypatch, rows, module, mode):
 
 
 @interpreted
-def test_shrink_rounds_like_the_reference(pool):
+def test_shrink_rounds_like_the_reference(pool, monkeypatch):
     from csmserve.kernels import lora as kl
     from csmserve.models.lora import shrink_torch
+
+    monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # K = 64: two pieces
 
     model, p = pool
     layer = model.get_submodule("backbone.layers.0.self_attn.qkv_proj").lora
     p.rows = torch.tensor(ROWS["ragged-sorted"], dtype=torch.int32)
     x = _x(len(ROWS["ragged-sorted"]), layer.target.k, 5)
     want = shrink_torch(x, layer)  # [M, S, R]
-    got = kl.lora_shrink(x, layer)[:, :, :want.shape[2]]
+    pieces = kl.lora_shrink(x, layer)  # [KS, M, S, RB] float32
+    assert pieces.shape[0] == layer.target.k // kl.shrink_piece(layer.target.k)
+    got = pieces.sum(0).to(x.dtype)[:, :, :want.shape[2]]
     live = p.rows >= 0
     _close(got[live], want[live])
 
