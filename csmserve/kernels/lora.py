@@ -64,6 +64,7 @@ FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column grou
 # by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
 SHRINK_ROWS = 16
 SHRINK_PIECE = 256
+GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups: also the down projection's shrink pieces (fixed: its bits)
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
@@ -113,11 +114,14 @@ def expand_tile(xa, b_base, stride_br, rank, rn, N, RB: tl.constexpr, BM: tl.con
 def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
                  stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, EXPAND: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1):
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1, AN=None, stride_anl=0, stride_anr=0,
+                 XD=None, DOWN: tl.constexpr = False):
     # program (row tile, column group g of G): SHRINK and EXPAND: xa computed, then y's column blocks g, g + G, ...
     # updated; EXPAND only: xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32).
     # GLU (EXPAND): GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
-    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart).
+    # DOWN (GLU): the down projection's shrink of Y too, while its blocks are in registers: AN its A [L, R, 1, N],
+    # XD [G, M, 1, RB] (fp32) program g's sum over its column blocks (in order), the pieces lora_add_ reads
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     G = tl.num_programs(1)
@@ -138,6 +142,7 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
     xa_rows = XA + rm.to(tl.int64) * (S * RB)
     dt = Y.dtype.element_ty
     n_blocks = tl.cdiv(N, BN)
+    accd = tl.zeros([BM, RB], dtype=tl.float32)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
         a = tl.min(tl.where(todo, ad, _BIG), axis=0)  # the tile's next adapter (rows sorted: usually one or two)
         sel = todo & (ad == a)
@@ -177,7 +182,13 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                             tl.float32)
                     g = g.to(dt).to(tl.float32)
                     u = u.to(dt).to(tl.float32)
-                    tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m2)
+                    hh = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+                    tl.store(y_rows[:, None] + rn[None, :], hh, mask=m2)
+                    if DOWN:
+                        if has:  # rows outside sel are zeros in hh
+                            at = tl.load(AN + a_l * stride_anl + rr.to(tl.int64)[None, :] * stride_anr + rn[:, None],
+                                         mask=(rr < rank)[None, :] & (rn < N)[:, None], other=0.0)  # [BN, RB]
+                            accd = _dot(hh, at, accd, IEEE)
                 else:
                     # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
                     s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
@@ -185,6 +196,9 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                     d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
                     tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+    if DOWN:
+        tl.store(XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :], accd,
+                 mask=mm[:, None] & (rr < RB)[None, :])
 
 
 @triton.jit
@@ -496,8 +510,9 @@ def applies(x: Tensor, lora) -> bool:
 
 
 def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,
-            groups: int = 1, gu: Tensor | None = None) -> None:
-    """shrink and expand: one launch (the shrink per program); expand only: xa is lora_shrink's pieces."""
+            groups: int = 1, gu: Tensor | None = None, down=None, xd: Tensor | None = None) -> None:
+    """shrink and expand: one launch (the shrink per program); expand only: xa is lora_shrink's pieces. down (glu):
+    the down projection's LoraLayer, its shrink of y into xd [groups, M, 1, RB]."""
     m = y.shape[0]
     gu = y if gu is None else gu
     bm, bk, bn, rb = _blocks(lora, m, n)
@@ -508,7 +523,9 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, exp
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
                        gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
                        S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
-                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts())
+                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts(),
+                       **({} if down is None else dict(AN=down.a, stride_anl=down.a.stride(0),
+                                                       stride_anr=down.a.stride(1), XD=xd, DOWN=True)))
 
 
 def _groups(m: int, n: int, lora, fused: bool) -> int:
@@ -538,7 +555,9 @@ def lora_shrink(x: Tensor, lora) -> Tensor:
 
 
 def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
-    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
+    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y. x lora_glu's
+    output past FUSED_ROWS: its shrink is done (lora.shrunk)."""
+    shrunk, lora.shrunk = lora.shrunk, None
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     m, n = x2.shape[0], y2.shape[1]
     if m <= TICKET_ROWS:
@@ -546,14 +565,16 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     elif m <= FUSED_ROWS:
         _launch(x2, y2, y2, lora, n, shrink=True, expand=True, glu=False, groups=_groups(m, n, lora, True))
     else:
-        xa = lora_shrink(x2, lora)
+        xa = shrunk[1] if shrunk is not None and shrunk[0] is x else lora_shrink(x2, lora)
         _launch(xa, y2, xa, lora, n, shrink=False, expand=True, glu=False, groups=_groups(m, n, lora, False))
     return y
 
 
 def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     """silu(gate + dg) * (up + du) [M, I] from the base gate_up [M, 2I] (cuBLAS') and its input x [M, K]: the MLP's
-    SiLU*up with each row's LoRA deltas of gate and up added first (every row written)."""
+    SiLU*up with each row's LoRA deltas of gate and up added first (every row written). Past FUSED_ROWS the same
+    kernel does the down projection's shrink of its output (GLU_GROUPS pieces, left in lora.down.shrunk for
+    lora_add_: its input, [M, I], is not read again)."""
     x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
     m, i = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
@@ -563,5 +584,13 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
         _launch(x2, h, h, lora, i, shrink=True, expand=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
     else:
         xa = lora_shrink(x2, lora)
-        _launch(xa, h, xa, lora, i, shrink=False, expand=True, glu=True, groups=_groups(m, i, lora, False), gu=gu)
+        down = lora.down if lora.down is not None and lora.down.target.k == i and lora.down.a.dtype == h.dtype \
+            else None
+        xd = None if down is None else torch.empty(GLU_GROUPS, m, 1, rank_block(lora), dtype=torch.float32,
+                                                   device=h.device)
+        _launch(xa, h, xa, lora, i, shrink=False, expand=True, glu=True, groups=GLU_GROUPS, gu=gu, down=down, xd=xd)
+        out = h.reshape(*gate_up.shape[:-1], i)
+        if down is not None:
+            down.shrunk = (out, xd)
+        return out
     return h.reshape(*gate_up.shape[:-1], i)
