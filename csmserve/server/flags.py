@@ -80,21 +80,18 @@ _HELP = {
     "max_session_frames": "audio frames kept per session; the oldest turns are dropped",
     "max_ws_message_bytes": "bytes of one WebSocket message: past it an error, past twice it the connection "
                             "is closed (1009)",
-    "ws_turn_idle_s": "a WebSocket turn with text but no flush is flushed after this many seconds without "
-                      "new text (its slot freed)",
+    "ws_turn_idle_s": "a WebSocket turn's text unflushed this many seconds is flushed",
     # EngineConfig
     "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
     "max_loras": "adapters resident on the GPU at once (pool slots, LRU); 0: one per --lora, or no LoRA",
     "max_lora_rank": "the largest adapter rank the pool takes (larger: refused)",
     "max_cpu_loras": "adapters loaded at once, in pinned host memory (one more: 409)",
     "max_lora_wait_s": "a request waits this long for a pool slot held by other adapters, then 503",
-    "lora_merge": "a step whose rows all have one adapter runs it merged into the weights (the base's speed; "
-                  "a copy of the weights on the GPU, ~1.9 GB); false: always the batched LoRA kernels",
+    "lora_merge": "one adapter in every row: merged (base speed, 1.9 GB more)",
     "lora_dir": "POST /v1/load_lora_adapter reads adapters under this directory only",
     "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
     "max_seq_len": "positions per slot: prompt frames + generated frames",
-    "prefill_token_budget": "prompt positions prefilled per engine step over all slots (docs/benchmarks.md: "
-                            "first audio of 1,024 conversations at 2048 / 4096 / 8192)",
+    "prefill_token_budget": "prompt positions prefilled per engine step over all slots",
     "max_prefill_chunk": "prompt positions prefilled per step for one slot",
     "first_chunk_frames": "80 ms frames in a request's first audio chunk",
     "chunk_frames": "80 ms frames in each later chunk (until the stream is --chunk-grow-lead-ms ahead)",
