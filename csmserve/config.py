@@ -95,7 +95,7 @@ class EngineConfig:
     # queue this many seconds at most, then ends with AdapterPoolFullError (the server's 503 adapter_pool_full)
     max_lora_wait_s: float = 10.0
     # a step whose every row has one adapter runs it merged into the weights (the base's speed; engine/runner.py),
-    # at the cost of a copy of the LoRA'd weights on the GPU (~1.9 GB for CSM-1B in bf16; FP8 weights never merge)
+    # at the cost of a copy of the LoRA'd weights on the GPU (~2 GiB for CSM-1B in bf16; FP8 weights never merge)
     lora_merge: bool = True
 
     def __post_init__(self) -> None:

@@ -549,8 +549,10 @@ def build_engine(model, mimi, config: EngineConfig, start: bool = True, emit: Em
         if cfg.max_loras:
             from csmserve.models.lora import LoraLayout
 
-            cache += (cfg.max_loras * cfg.max_lora_rank * LoraLayout(model.cfg).width
-                      * next(model.parameters()).element_size())
+            layout, size = LoraLayout(model.cfg), next(model.parameters()).element_size()
+            cache += cfg.max_loras * cfg.max_lora_rank * layout.width * size
+            if cfg.lora_merge and cfg.weights == "bf16":  # the base copy of the weights a merge keeps
+                cache += sum(t.n * t.k for t in layout.targets) * size
         cfg = dataclasses.replace(cfg, max_slots=size_slots(model, mimi, cfg.max_seq_len, reserve_bytes=cache))
     fs = mimi.cfg.frame_size if mimi is not None else 0
     ring = OutputRing(ring_slots, cfg.max_slots, model.cfg.num_codebooks, fs, cuda=device.type == "cuda",

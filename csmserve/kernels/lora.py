@@ -12,9 +12,12 @@ rows so) read each adapter's A and B once per tile, not once per row; a tile of 
 
 Above the GEMV's rows (kernels/gemv.py, 1-16 rows, where the LoRA is fused into the GEMV itself) the base GEMM is
 cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink and expand in one program per (row
-tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it, xa through
-memory) and `lora_glu` (the MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's
-kernel, the expand costs no pass over the [M, 2I] output).
+tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it: the shrink in
+programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order by the expand) and `lora_glu` (the
+MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass
+over the [M, 2I] output; past FUSED_ROWS it also shrinks its output for the down projection, whose input is then
+not read again). A batch whose every row has one adapter runs it merged into the weights instead
+(engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Predicted cost per frame step (rank 16 on every projection: the backbone's 16 layers x q,k,v,o,gate,up,down at
 2,048-d, the depth decoder's 4 x 1,024-d run 31 times, and the projection between them: 591 LoRA'd projections a
@@ -48,6 +51,9 @@ loads do not explain (a 4x larger K chunk, 4 loads a piece fewer, changed 1%: tr
 the wait or the epilogue; above 256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or
 a program per row) where a tile meets many adapters, FUSED_ROWS, the down projection's shrink in lora_glu (its
 input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool of max_lora_rank 16.
+Since then (not yet timed: docs/benchmarks.md): past FUSED_ROWS the shrink in 16-row x 256-K programs (the 2,048-row
+down projection's was 64 programs of 128 dependent chunks), and that down shrink in lora_glu; predicted ~+10% at
+2,048 x 64. A lone adapter no longer runs here at all (merged: engine/runner.py).
 """
 from __future__ import annotations
 

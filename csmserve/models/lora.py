@@ -392,7 +392,7 @@ class LoraMerge:
     """One adapter merged into the model's own projection weights, in place: W += B A per slice (one rounding, as
     PEFT's merge_and_unload; B carries the scale), so a step whose every row has that adapter runs the plain kernels
     (engine/runner.py decides when). The base weights stay in `base` (a copy of every LoRA'd weight on the device,
-    ~1.9 GB for CSM-1B in bf16), copied back by `restore`: exact, no drift over any number of merges. The CUDA
+    ~2 GiB for CSM-1B in bf16), copied back by `restore`: exact, no drift over any number of merges. The CUDA
     graphs hold the weights' storage, which both keep. Weights other than the pool's dtype (FP8's e4m3) cannot merge
     (`possible`)."""
 

@@ -87,7 +87,7 @@ _HELP = {
     "max_lora_rank": "the largest adapter rank the pool takes (larger: refused)",
     "max_cpu_loras": "adapters loaded at once, in pinned host memory (one more: 409)",
     "max_lora_wait_s": "a request waits this long for a pool slot held by other adapters, then 503",
-    "lora_merge": "one adapter in every row: merged (base speed, 1.9 GB more)",
+    "lora_merge": "one adapter in every row: merged (base speed, 2 GiB more)",
     "lora_dir": "POST /v1/load_lora_adapter reads adapters under this directory only",
     "max_waiting": "requests queued beyond the slots; past it 503 server_busy",
     "max_seq_len": "positions per slot: prompt frames + generated frames",

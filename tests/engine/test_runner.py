@@ -94,3 +94,31 @@ def test_a_lone_adapter_runs_merged_with_the_codes_of_the_lora_kernels(monkeypat
         r.step([0, 2]).wait()
     ModelRunner(model, num_slots=4, max_seq_len=64)  # a later runner on the model: the base weights back
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())
+
+
+def test_slots_are_sized_beside_the_pool_and_the_merge_copy(monkeypatch):
+    """build_engine's slot count leaves room for the LoRA pool and, with lora_merge and bf16 weights, the base copy of
+    every LoRA'd weight (LoraMerge's)."""
+    from csmserve.config import EngineConfig
+    from csmserve.engine import engine as eng, slots
+    from csmserve.models.lora import LoraLayout
+
+    model = load_csm("dummy-tiny", dtype=torch.float32)[0]
+    seen = []
+
+    def size_slots(model, mimi, max_seq_len, reserve_bytes=0, **kw):
+        seen.append(reserve_bytes)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(slots, "size_slots", size_slots)
+    layout = LoraLayout(model.cfg)
+    pool = 2 * 4 * layout.width * 4
+    copy = sum(t.n * t.k for t in layout.targets) * 4
+    for merge, weights, want in ((True, "bf16", pool + copy), (False, "bf16", pool), (True, "fp8", pool)):
+        cfg = EngineConfig(max_slots=None, max_loras=2, max_lora_rank=4, prefix_cache_bytes=0, lora_merge=merge,
+                           weights=weights)
+        try:
+            eng.build_engine(model, None, cfg)
+        except RuntimeError:
+            pass
+        assert seen[-1] == want, (merge, weights)
