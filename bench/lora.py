@@ -87,6 +87,25 @@ def one_stream(model, args) -> list[tuple]:
     return out
 
 
+def _ab(args) -> None:
+    """The A/B switches: module constants of the kernels set for this process (each run names its own)."""
+    from csmserve.kernels import lora as kl
+    from csmserve.models import lora as ml
+
+    if args.ticket_rows is not None:
+        kl.TICKET_ROWS = args.ticket_rows
+    if args.no_glu_down:
+        init = ml.LoraPool.__init__
+
+        def without_down(self, *a, **kw):
+            init(self, *a, **kw)
+            for layer in self.layers:
+                layer.down = None
+
+        ml.LoraPool.__init__ = without_down
+    print(f"TICKET_ROWS {kl.TICKET_ROWS}, the down shrink in lora_glu: {not args.no_glu_down}", flush=True)
+
+
 def _free(model) -> None:
     from csmserve.models.lora import detach
 
@@ -116,7 +135,12 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=320)
     ap.add_argument("--stream-frames", type=int, default=300)
     ap.add_argument("--no-stream", action="store_true", help="the frame step only")
+    ap.add_argument("--ticket-rows", type=int, help="A/B: kernels/lora.py's TICKET_ROWS (16: 17-64 rows in 16-row "
+                    "tiles, not the ticketed kernel's one tile)")
+    ap.add_argument("--no-glu-down", action="store_true", help="A/B: the down projection shrinks its own input "
+                    "past 256 rows (not lora_glu)")
     args = ap.parse_args()
+    _ab(args)
     model = dummy_model()
     print("| runner | batch | adapters | frame step ms |\n|---|---|---|---|", flush=True)
     rows = step_table(model, args)
