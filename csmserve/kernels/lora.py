@@ -117,26 +117,32 @@ def expand_tile(xa, b_base, stride_br, rank, rn, N, RB: tl.constexpr, BM: tl.con
 
 
 @triton.jit
-def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
-                 stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
-                 BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, EXPAND: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1, AN=None, stride_anl=0, stride_anr=0,
-                 XD=None, DOWN: tl.constexpr = False):
-    # program (row tile, column group g of G): SHRINK and EXPAND: xa computed, then y's column blocks g, g + G, ...
-    # updated; EXPAND only: xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32).
-    # GLU (EXPAND): GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
-    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart).
-    # DOWN (GLU): the down projection's shrink of Y too, while its blocks are in registers: AN its A [L, R, 1, N],
-    # XD [G, M, 1, RB] (fp32) program g's sum over its column blocks (in order), the pieces lora_add_ reads
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    G = tl.num_programs(1)
+def row_tile(pid_m, AD, M, rows_per, BM: tl.constexpr, PDL: tl.constexpr):
+    """A program's rows rm [BM], their mask and adapters [BM] (-1: none), after the PDL wait (the rows' inputs and
+    adapters are written by the kernels before)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     rm = pid_m * BM + tl.arange(0, BM)
     mm = rm < M
-    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)  # [BM] each row's adapter slot
+    return rm, mm, tl.load(AD + rm // rows_per, mask=mm, other=-1)
+
+
+@triton.jit
+def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
+                 stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, GLU: tl.constexpr,
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1, AN=None, stride_anl=0, stride_anr=0,
+                 XD=None, DOWN: tl.constexpr = False):
+    # program (row tile, column group g of G): xa (SHRINK: computed here; else from _shrink_kernel's KS pieces XA
+    # [KS, M, S, RB] fp32), then y's column blocks g, g + G, ... updated.
+    # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart).
+    # DOWN (GLU): the down projection's shrink of Y too, while its blocks are in registers: AN its A [L, R, 1, N],
+    # XD [G, M, 1, RB] (fp32) program g's sum over its column blocks (in order), the pieces lora_add_ reads
+    pid_g = tl.program_id(1)
+    G = tl.num_programs(1)
+    rm, mm, ad = row_tile(tl.program_id(0), AD, M, rows_per, BM, PDL)
     if GLU:  # the rows without an adapter take the loop too (a = -1: no delta)
         todo = mm
     else:
@@ -173,35 +179,34 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                 if S > 2:
                     xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
             xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
-        if EXPAND:
-            b_base = B + a_l * stride_bl
-            for nb in range(pid_g, n_blocks, G):
-                n0 = nb * BN
-                rn = n0 + tl.arange(0, BN)
-                m2 = sel[:, None] & (rn < N)[None, :]
-                if GLU:
-                    g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0).to(tl.float32)
-                    u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0).to(tl.float32)
-                    if has:  # the deltas rounded to the model dtype before the add, as the torch path's
-                        g = g + expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(tl.float32)
-                        u = u + expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(
-                            tl.float32)
-                    g = g.to(dt).to(tl.float32)
-                    u = u.to(dt).to(tl.float32)
-                    hh = (g / (1.0 + tl.exp(-g)) * u).to(dt)
-                    tl.store(y_rows[:, None] + rn[None, :], hh, mask=m2)
-                    if DOWN:
-                        if has:  # rows outside sel are zeros in hh
-                            at = tl.load(AN + a_l * stride_anl + rr.to(tl.int64)[None, :] * stride_anr + rn[:, None],
-                                         mask=(rr < rank)[None, :] & (rn < N)[:, None], other=0.0)  # [BN, RB]
-                            accd = _dot(hh, at, accd, IEEE)
-                else:
-                    # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
-                    s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
-                    xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
-                    d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
-                    y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
-                    tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+        b_base = B + a_l * stride_bl
+        for nb in range(pid_g, n_blocks, G):
+            n0 = nb * BN
+            rn = n0 + tl.arange(0, BN)
+            m2 = sel[:, None] & (rn < N)[None, :]
+            if GLU:
+                g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0).to(tl.float32)
+                if has:  # the deltas rounded to the model dtype before the add, as the torch path's
+                    g = g + expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(tl.float32)
+                    u = u + expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(
+                        tl.float32)
+                g = g.to(dt).to(tl.float32)
+                u = u.to(dt).to(tl.float32)
+                hh = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+                tl.store(y_rows[:, None] + rn[None, :], hh, mask=m2)
+                if DOWN:
+                    if has:  # rows outside sel are zeros in hh
+                        at = tl.load(AN + a_l * stride_anl + rr.to(tl.int64)[None, :] * stride_anr + rn[:, None],
+                                     mask=(rr < rank)[None, :] & (rn < N)[:, None], other=0.0)  # [BN, RB]
+                        accd = _dot(hh, at, accd, IEEE)
+            else:
+                # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
+                s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
+                xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
+                d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
+                y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
+                tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
     if DOWN:
         tl.store(XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :], accd,
                  mask=mm[:, None] & (rr < RB)[None, :])
@@ -214,14 +219,8 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
     # program (row tile, K piece p of KP): XA[p, rows] [BM, S, RB] (fp32) = x[rows, piece] A_a[:, s, piece]^T, each row
     # with its adapter (the tile's adapters one at a time; rows without one: zeros). Pieces of a fixed KP: a row's
     # sums, and their order, the same at every batch size
-    pid_m = tl.program_id(0)
     p = tl.program_id(1)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    rm = pid_m * BM + tl.arange(0, BM)
-    mm = rm < M
-    ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
+    rm, mm, ad = row_tile(tl.program_id(0), AD, M, rows_per, BM, PDL)
     todo = ad >= 0
     x_rows = X + rm.to(tl.int64) * stride_xm
     acc0 = tl.zeros([BM, RB], dtype=tl.float32)
@@ -515,9 +514,9 @@ def applies(x: Tensor, lora) -> bool:
             and piece_block(t.k) >= 16 and t.k % 16 == 0)
 
 
-def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, expand: bool, glu: bool,
+def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu: bool,
             groups: int = 1, gu: Tensor | None = None, down=None, xd: Tensor | None = None) -> None:
-    """shrink and expand: one launch (the shrink per program); expand only: xa is lora_shrink's pieces. down (glu):
+    """y's deltas; shrink: the shrink in each program, else xa is lora_shrink's pieces. down (glu):
     the down projection's LoraLayer, its shrink of y into xd [groups, M, 1, RB]."""
     m = y.shape[0]
     gu = y if gu is None else gu
@@ -528,7 +527,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, exp
     grid = (triton.cdiv(m, bm), groups)
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
                        gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
-                       S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, EXPAND=expand, GLU=glu,
+                       S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, GLU=glu,
                        IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts(),
                        **({} if down is None else dict(AN=down.a, stride_anl=down.a.stride(0),
                                                        stride_anr=down.a.stride(1), XD=xd, DOWN=True)))
@@ -569,10 +568,10 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     if m <= TICKET_ROWS:
         _small(x2, y2, lora, None)
     elif m <= FUSED_ROWS:
-        _launch(x2, y2, y2, lora, n, shrink=True, expand=True, glu=False, groups=_groups(m, n, lora, True))
+        _launch(x2, y2, y2, lora, n, shrink=True, glu=False, groups=_groups(m, n, lora, True))
     else:
         xa = shrunk[1] if shrunk is not None and shrunk[0] is x else lora_shrink(x2, lora)
-        _launch(xa, y2, xa, lora, n, shrink=False, expand=True, glu=False, groups=_groups(m, n, lora, False))
+        _launch(xa, y2, xa, lora, n, shrink=False, glu=False, groups=_groups(m, n, lora, False))
     return y
 
 
@@ -584,19 +583,18 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
     m, i = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+    xd = None  # past FUSED_ROWS: the down projection's shrink pieces
     if m <= TICKET_ROWS:
         _small(x2, h, lora, gu)
     elif m <= FUSED_ROWS:
-        _launch(x2, h, h, lora, i, shrink=True, expand=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
+        _launch(x2, h, h, lora, i, shrink=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
     else:
         xa = lora_shrink(x2, lora)
-        down = lora.down if lora.down is not None and lora.down.target.k == i and lora.down.a.dtype == h.dtype \
-            else None
+        down = lora.down  # the same pool's: its K is i, its dtype h's
         xd = None if down is None else torch.empty(GLU_GROUPS, m, 1, rank_block(lora), dtype=torch.float32,
                                                    device=h.device)
-        _launch(xa, h, xa, lora, i, shrink=False, expand=True, glu=True, groups=GLU_GROUPS, gu=gu, down=down, xd=xd)
-        out = h.reshape(*gate_up.shape[:-1], i)
-        if down is not None:
-            down.shrunk = (out, xd)
-        return out
-    return h.reshape(*gate_up.shape[:-1], i)
+        _launch(xa, h, xa, lora, i, shrink=False, glu=True, groups=GLU_GROUPS, gu=gu, down=down, xd=xd)
+    out = h.reshape(*gate_up.shape[:-1], i)
+    if xd is not None:
+        down.shrunk = (out, xd)
+    return out
