@@ -103,7 +103,12 @@ def _ab(args) -> None:
                 layer.down = None
 
         ml.LoraPool.__init__ = without_down
-    print(f"TICKET_ROWS {kl.TICKET_ROWS}, the down shrink in lora_glu: {not args.no_glu_down}", flush=True)
+    if args.expand_programs is not None:
+        kl.EXPAND_PROGRAMS = args.expand_programs
+    if args.glu_rows is not None:
+        kl.GLU_ROWS = args.glu_rows
+    print(f"TICKET_ROWS {kl.TICKET_ROWS}, the down shrink in lora_glu: {not args.no_glu_down}, EXPAND_PROGRAMS "
+          f"{kl.EXPAND_PROGRAMS}, GLU_ROWS {kl.GLU_ROWS}", flush=True)
 
 
 def _free(model) -> None:
@@ -139,6 +144,9 @@ def main() -> None:
                     "tiles, not the ticketed kernel's one tile)")
     ap.add_argument("--no-glu-down", action="store_true", help="A/B: the down projection shrinks its own input "
                     "past 256 rows (not lora_glu)")
+    ap.add_argument("--expand-programs", type=int, help="A/B: kernels/lora.py's EXPAND_PROGRAMS (264: the grid "
+                    "before every column block had its own program)")
+    ap.add_argument("--glu-rows", type=int, help="A/B: kernels/lora.py's GLU_ROWS (32: the row tile before)")
     args = ap.parse_args()
     _ab(args)
     model = dummy_model()

@@ -51,9 +51,12 @@ loads do not explain (a 4x larger K chunk, 4 loads a piece fewer, changed 1%: tr
 the wait or the epilogue; above 256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or
 a program per row) where a tile meets many adapters, FUSED_ROWS, the down projection's shrink in lora_glu (its
 input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool of max_lora_rank 16.
-Since then (not yet timed: docs/benchmarks.md): past FUSED_ROWS the shrink in 16-row x 256-K programs (the 2,048-row
-down projection's was 64 programs of 128 dependent chunks), and that down shrink in lora_glu; predicted ~+10% at
-2,048 x 64. A lone adapter no longer runs here at all (merged: engine/runner.py).
+Then (`e39a3c2`, H100): past FUSED_ROWS the shrink in 16-row x 256-K programs and the down's shrink in lora_glu
+changed nothing (2,048 x 64: 73.69 ms against the base's 51.76, +42%); the profile put it in the expand:
+`_lora_kernel` 591 calls a frame at 44.9 us, 25.3 ms (35% of the step), the shrinks 3.2 ms. Its grid was ~264
+programs, each walking 6-16 column blocks in turn. Now every column block is a program (EXPAND_PROGRAMS) and the
+GLU's row tile is 16 (GLU_ROWS: 1,024 programs, half the shared memory): predicted 57-62 ms (not yet timed). A
+lone adapter no longer runs here at all (merged: engine/runner.py; measured at the base's step).
 """
 from __future__ import annotations
 
@@ -71,7 +74,12 @@ FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column grou
 SHRINK_ROWS = 16
 SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups: also the down projection's shrink pieces (fixed: its bits)
-_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200
+GLU_ROWS = 16  # past FUSED_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
+_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200: the fused path's grid (each program recomputes its shrink)
+# past FUSED_ROWS the expand's grid is every column block a program (y's read-modify-write is the whole cost; at
+# 2,048 rows a 264-program grid spent ~45 us a call, 25 ms a frame, with each program walking 6-16 blocks in turn:
+# H100 profile, docs/benchmarks.md); the bench's A/B sets this to 264 for the old grid
+EXPAND_PROGRAMS = 1 << 20
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -497,12 +505,12 @@ def _pow2_divisor(n: int, most: int) -> int:
     return d
 
 
-def _blocks(lora, m: int, n: int) -> tuple[int, int, int, int]:
+def _blocks(lora, m: int, n: int, glu: bool = False) -> tuple[int, int, int, int]:
     """(BM, BK, BN, RB) for m rows of a projection's n output columns (BN divides its slice bounds)."""
     t = lora.target
     bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
     rb = rank_block(lora)
-    bm = 16 if m <= 64 else 32
+    bm = GLU_ROWS if glu and m > FUSED_ROWS else 16 if m <= 64 else 32
     return bm, 64, bn, rb
 
 
@@ -520,7 +528,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu
     the down projection's LoraLayer, its shrink of y into xd [groups, M, 1, RB]."""
     m = y.shape[0]
     gu = y if gu is None else gu
-    bm, bk, bn, rb = _blocks(lora, m, n)
+    bm, bk, bn, rb = _blocks(lora, m, n, glu)
     rows = lora.rows
     t = lora.target
     a, b = lora.a, lora.b
@@ -534,9 +542,11 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu
 
 
 def _groups(m: int, n: int, lora, fused: bool) -> int:
-    """Column groups: ~_PROGRAMS programs in all; with the shrink in the program, at most 8 (each recomputes it)."""
+    """Column groups: with the shrink in the program ~_PROGRAMS programs in all and at most 8 (each recomputes it);
+    without, every column block its own (up to EXPAND_PROGRAMS)."""
     bm, _, bn, _ = _blocks(lora, m, n)
-    return max(1, min(triton.cdiv(n, bn), _PROGRAMS // triton.cdiv(m, bm), 8 if fused else 1 << 30))
+    programs = _PROGRAMS if fused else EXPAND_PROGRAMS
+    return max(1, min(triton.cdiv(n, bn), programs // triton.cdiv(m, bm), 8 if fused else 1 << 30))
 
 
 def shrink_piece(k: int) -> int:
