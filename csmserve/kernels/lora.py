@@ -19,44 +19,13 @@ over the [M, 2I] output; past FUSED_ROWS it also shrinks its output for the down
 not read again). A batch whose every row has one adapter runs it merged into the weights instead
 (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
-Predicted cost per frame step (rank 16 on every projection: the backbone's 16 layers x q,k,v,o,gate,up,down at
-2,048-d, the depth decoder's 4 x 1,024-d run 31 times, and the projection between them: 591 LoRA'd projections a
-frame; an adapter is ~13.4 M parameters, 27 MB in bf16, 22.5 MB of it the backbone's), against the base's H200 step
-of ~4.6 ms (batch 1), ~8.3 ms (64), ~60 ms (2,048); HBM at ~3.5 TB/s, a launch on the chain ~1.5 us:
-
-    batch  adapters  launches  bytes (adapters' A+B, activations)   predicted
-        1       1-64         0  0.16 GB (27 MB from HBM: a depth      +2-8%: no launch of its own (fused into the
-                                adapter's 4.4 MB stays in L2)          GEMV); its shrink pieces run beside the GEMV,
-                                                                       the wait at its end is the cost
-       64          1      +451  0.53 GB (x for the pieces, y's RMW)  ~+10-17%  (the launches: ~0.7 ms)
-       64          8      +451  1.7 GB                               ~+14-20%
-       64         64      +451  10.7 GB (64 adapters' depth A+B       ~+45%    (read once per depth step: 31 x
-                                read 31 times)                                  282 MB; inherent to 64 at 64 rows)
-    2,048          1     +1042  11.9 GB (x re-read by the shrink,     ~+8%
-                                y read and written by the expand)
-    2,048          8     +1042  13.0 GB                               ~+9%
-    2,048         64     +1042  22 GB (+ 64 adapters' A+B: 10 GB)    ~+11-13%  (the acceptance asks <= 10%: the
-                                                                                 levers are below)
-
-1,042 = 2 launches (shrink, expand) for q,k,v / o / down / the projection and 1 for gate,up (its expand is the
-SiLU*up kernel) above 256 rows; 451 = one ticketed launch each, gate,up none, at 17-64 rows. A step with no adapter
-row does not run these kernels (engine/graphs.py: the plain graphs replay).
-
-Measured (H100, `a13dbb4` and `167ea7c`, docs/benchmarks.md "Issue 42"), rank 16: batch 1 +113-117% with one
-adapter; 64 rows +96%, +415%, +2,978% with 1, 8, 64 adapters; 2,048 rows +38-43% whatever the adapters. The
-predictions above are wrong by 4-60x. Read from the numbers (this kernel was never profiled; branch `lora-pdl`
-replaces it, docs/benchmarks.md): up to TICKET_ROWS one tile holds every row and walks its adapters one at a time (shrink and every
-column block: ~4 ms a frame per distinct adapter at 64 rows); at 1-16 rows ~10 us a projection that the pieces'
-loads do not explain (a 4x larger K chunk, 4 loads a piece fewer, changed 1%: tried-and-dropped), so the counters,
-the wait or the epilogue; above 256 rows the two launches per projection after cuBLAS. Levers: row tiles of 16 (or
-a program per row) where a tile meets many adapters, FUSED_ROWS, the down projection's shrink in lora_glu (its
-input, 32 MB a call at 2,048 rows, is written there: -4.5 GB a frame), a pool of max_lora_rank 16.
-Then (`e39a3c2`, H100): past FUSED_ROWS the shrink in 16-row x 256-K programs and the down's shrink in lora_glu
-changed nothing (2,048 x 64: 73.69 ms against the base's 51.76, +42%); the profile put it in the expand:
-`_lora_kernel` 591 calls a frame at 44.9 us, 25.3 ms (35% of the step), the shrinks 3.2 ms. Its grid was ~264
-programs, each walking 6-16 column blocks in turn. Now every column block is a program (EXPAND_PROGRAMS) and the
-GLU's row tile is 16 (GLU_ROWS: 1,024 programs, half the shared memory): predicted 57-62 ms (not yet timed). A
-lone adapter no longer runs here at all (merged: engine/runner.py; measured at the base's step).
+Cost (rank 16 on all 591 LoRA'd projections a frame; one H100, `e39a3c2`; the history, the predictions that missed
+and the next call: docs/benchmarks.md "Issue 42"): a step with no adapter row does not run these kernels
+(engine/graphs.py: the plain graphs replay) and a lone adapter runs merged, both at the base's step; a mixed batch
++98% (1 adapter) to +2,998% (64) at 64 rows, where a tile of up to TICKET_ROWS walks its adapters one at a time,
+and +42% at 2,048 rows, 25.3 of its 73.7 ms in the expand (`_lora_kernel`: 591 calls at 44.9 us on a ~264-program
+grid, each program walking 6-16 column blocks in turn). Hence past FUSED_ROWS every column block is its own program
+(EXPAND_PROGRAMS) and the GLU's row tile is GLU_ROWS: predicted 57-62 ms there, not yet timed.
 """
 from __future__ import annotations
 
@@ -76,10 +45,7 @@ SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups: also the down projection's shrink pieces (fixed: its bits)
 GLU_ROWS = 16  # past FUSED_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200: the fused path's grid (each program recomputes its shrink)
-# past FUSED_ROWS the expand's grid is every column block a program (y's read-modify-write is the whole cost; at
-# 2,048 rows a 264-program grid spent ~45 us a call, 25 ms a frame, with each program walking 6-16 blocks in turn:
-# H100 profile, docs/benchmarks.md); the bench's A/B sets this to 264 for the old grid
-EXPAND_PROGRAMS = 1 << 20
+EXPAND_PROGRAMS = 1 << 20  # past FUSED_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -545,8 +511,10 @@ def _groups(m: int, n: int, lora, fused: bool) -> int:
     """Column groups: with the shrink in the program ~_PROGRAMS programs in all and at most 8 (each recomputes it);
     without, every column block its own (up to EXPAND_PROGRAMS)."""
     bm, _, bn, _ = _blocks(lora, m, n)
-    programs = _PROGRAMS if fused else EXPAND_PROGRAMS
-    return max(1, min(triton.cdiv(n, bn), programs // triton.cdiv(m, bm), 8 if fused else 1 << 30))
+    blocks, tiles = triton.cdiv(n, bn), triton.cdiv(m, bm)
+    if fused:
+        return max(1, min(blocks, _PROGRAMS // tiles, 8))
+    return max(1, min(blocks, EXPAND_PROGRAMS // tiles))
 
 
 def shrink_piece(k: int) -> int:
