@@ -38,6 +38,8 @@ def step_table(model, args) -> list[tuple]:
     rows = []
     runs = [("base", None, False)] + [(f"r{r}{k}", int(r), k == "") for r in args.ranks.split(",")
                                       for k in ("", " kernels")]
+    wanted = args.runs.split(",")
+    runs = [r for r in runs if ("base" if r[1] is None else "merged" if r[2] else "kernels") in wanted]
     for label, rank, merge in runs:
         t0 = time.perf_counter()
         runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches,
@@ -140,6 +142,8 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=320)
     ap.add_argument("--stream-frames", type=int, default=300)
     ap.add_argument("--no-stream", action="store_true", help="the frame step only")
+    ap.add_argument("--runs", default="base,merged,kernels", help="the frame step's runners: the base, the "
+                    "adapters as served (merged), the batched kernels (an A/B's: kernels alone)")
     ap.add_argument("--ticket-rows", type=int, help="A/B: kernels/lora.py's TICKET_ROWS (16: 17-64 rows in 16-row "
                     "tiles, not the ticketed kernel's one tile)")
     ap.add_argument("--no-glu-down", action="store_true", help="A/B: the down projection shrinks its own input "
@@ -156,7 +160,8 @@ def main() -> None:
     print("\n| rank | batch | adapters | frame step ms | vs base |\n|---|---|---|---|---|")
     for label, b, a, ms in rows:
         if label != "base":
-            print(f"| {label[1:]} | {b} | {a} | {ms:.2f} | {100 * (ms / base[b] - 1):+.1f}% |")
+            vs = f"{100 * (ms / base[b] - 1):+.1f}%" if b in base else "-"
+            print(f"| {label[1:]} | {b} | {a} | {ms:.2f} | {vs} |")
     if not args.no_stream:
         print("\n| one stream | frames/s | TTFA p50 ms |\n|---|---|---|", flush=True)
         one_stream(model, args)
