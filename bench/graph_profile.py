@@ -3,6 +3,7 @@ runner's frame graphs, each kernel charged with the wall time it holds the head 
 
 python bench/graph_profile.py --batches 1,4,16 --weights fp8-all [--codec] [--no-codec-stream]
 python bench/graph_profile.py --batches 1,64 --adapters 64 --lora-rank 16   # the LoRA kernels' share (issue 42)
+python bench/graph_profile.py --batches 2048 --adapters 64 --by-grid   # and which call sites (a grid each)
 
 An eager profile times every kernel alone; in the graphs, PDL kernels start while the
 one before still runs (docs/benchmarks.md, issue 16), so a kernel's own duration counts its wait too. Here the
@@ -45,6 +46,11 @@ def charge(kernels: list[tuple[float, float, str]]) -> tuple[dict[str, float], f
     return out, sum(out.values()), gap
 
 
+def _name(event: dict, by_grid: bool) -> str:
+    grid = event.get("args", {}).get("grid")
+    return f"{event['name'][:60]} {grid}" if by_grid and grid else event["name"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4,16")
@@ -56,6 +62,8 @@ def main() -> None:
     ap.add_argument("--no-codec-stream", action="store_true", help="Mimi's decode in the frame's one graph")
     ap.add_argument("--adapters", type=int, default=0, help="random LoRA adapters spread over each batch's rows")
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--by-grid", action="store_true", help="a kernel per (name, launch grid): which of a kernel's "
+                    "call sites the time is in")
     args = ap.parse_args()
     from csmserve.models.llama import fuse_elementwise
 
@@ -90,7 +98,8 @@ def main() -> None:
         prof.export_chrome_trace(path)
         with open(path) as f:
             ev = json.load(f)["traceEvents"]
-        kernels = sorted((float(e["ts"]), float(e.get("dur", 0)), e["name"]) for e in ev if e.get("cat") == "kernel")
+        kernels = sorted((float(e["ts"]), float(e.get("dur", 0)), _name(e, args.by_grid)) for e in ev
+                         if e.get("cat") == "kernel")
         # one frame = the kernels between two gaps of > 1 ms (the host's sleep)
         frames, cur, end = [], [], 0.0
         for k in kernels:
@@ -119,7 +128,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for nme, t in sorted(charged.items(), key=lambda kv: -kv[1])[:args.rows]:
             ds = per_name[nme]
-            print(f"| {nme[:70]} | {len(ds) / nf:.0f} | {sum(ds) / len(ds):.2f} | {t:.0f} | {t / max(span, 1e-9):.1%} |")
+            print(f"| {nme[:70 + 20 * args.by_grid]} | {len(ds) / nf:.0f} | {sum(ds) / len(ds):.2f} | {t:.0f} | {t / max(span, 1e-9):.1%} |")
 
 
 if __name__ == "__main__":

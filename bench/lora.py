@@ -4,6 +4,8 @@ in the same run; then one stream through the engine with an adapter and without.
 (`--model dummy`'s); each runner is built, measured and freed in turn (at 2,048 slots one holds ~25 GB of KV).
 
 python bench/lora.py --batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64
+python bench/lora.py --batches 2048 --adapters 64 --ranks 16 --no-stream --runs base,kernels \
+    --variant EXPAND_PROGRAMS=264,GLU_ROWS=32   # an A/B: the kernels with other constants, same process
 
 A row's adapters are contiguous runs of slots (the scheduler orders a step's rows by adapter); "0" is the pool's
 runner with every row on the base (its graphs without the LoRA kernels replay), "base" a runner without a pool.
@@ -36,12 +38,14 @@ def step_table(model, args) -> list[tuple]:
     counts = [int(a) for a in args.adapters.split(",")]
     n = max(batches)
     rows = []
-    runs = [("base", None, False)] + [(f"r{r}{k}", int(r), k == "") for r in args.ranks.split(",")
-                                      for k in ("", " kernels")]
+    runs = [("base", None, False, "")] + [(f"r{r}{k}", int(r), k == "", "") for r in args.ranks.split(",")
+                                          for k in ("", " kernels")]
     wanted = args.runs.split(",")
     runs = [r for r in runs if ("base" if r[1] is None else "merged" if r[2] else "kernels") in wanted]
-    for label, rank, merge in runs:
+    runs += [(f"r{r} kernels {v}", int(r), False, v) for r in args.ranks.split(",") for v in args.variants]
+    for label, rank, merge, variant in runs:
         t0 = time.perf_counter()
+        _set(variant)
         runner = ModelRunner(model, num_slots=n, max_seq_len=args.max_seq_len, buckets=batches,
                              max_loras=max(counts) if rank else 0, max_lora_rank=rank or 16, lora_merge=merge)
         if rank:
@@ -89,28 +93,28 @@ def one_stream(model, args) -> list[tuple]:
     return out
 
 
-def _ab(args) -> None:
-    """The A/B switches: module constants of the kernels set for this process (each run names its own)."""
+def _set(variant: str) -> None:
+    """An A/B variant: kernels/lora.py's module constants ("NAME=V,NAME=V"; "" the defaults) for the runner built
+    next (its graphs capture the launches they choose)."""
     from csmserve.kernels import lora as kl
-    from csmserve.models import lora as ml
 
-    if args.ticket_rows is not None:
-        kl.TICKET_ROWS = args.ticket_rows
-    if args.no_glu_down:
-        init = ml.LoraPool.__init__
+    for name, value in _DEFAULTS.items():
+        setattr(kl, name, value)
+    for kv in filter(None, variant.split(",")):
+        name, value = kv.split("=")
+        if name not in _DEFAULTS:
+            raise SystemExit(f"--variant: {name} is not one of {', '.join(_DEFAULTS)}")
+        setattr(kl, name, int(value))
 
-        def without_down(self, *a, **kw):
-            init(self, *a, **kw)
-            for layer in self.layers:
-                layer.down = None
 
-        ml.LoraPool.__init__ = without_down
-    if args.expand_programs is not None:
-        kl.EXPAND_PROGRAMS = args.expand_programs
-    if args.glu_rows is not None:
-        kl.GLU_ROWS = args.glu_rows
-    print(f"TICKET_ROWS {kl.TICKET_ROWS}, the down shrink in lora_glu: {not args.no_glu_down}, EXPAND_PROGRAMS "
-          f"{kl.EXPAND_PROGRAMS}, GLU_ROWS {kl.GLU_ROWS}", flush=True)
+def _defaults() -> dict[str, int]:
+    from csmserve.kernels import lora as kl
+
+    return {n: getattr(kl, n) for n in ("TICKET_ROWS", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE", "GLU_GROUPS",
+                                        "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
+
+
+_DEFAULTS = _defaults()
 
 
 def _free(model) -> None:
@@ -144,15 +148,11 @@ def main() -> None:
     ap.add_argument("--no-stream", action="store_true", help="the frame step only")
     ap.add_argument("--runs", default="base,merged,kernels", help="the frame step's runners: the base, the "
                     "adapters as served (merged), the batched kernels (an A/B's: kernels alone)")
-    ap.add_argument("--ticket-rows", type=int, help="A/B: kernels/lora.py's TICKET_ROWS (16: 17-64 rows in 16-row "
-                    "tiles, not the ticketed kernel's one tile)")
-    ap.add_argument("--no-glu-down", action="store_true", help="A/B: the down projection shrinks its own input "
-                    "past 256 rows (not lora_glu)")
-    ap.add_argument("--expand-programs", type=int, help="A/B: kernels/lora.py's EXPAND_PROGRAMS (264: the grid "
-                    "before every column block had its own program)")
-    ap.add_argument("--glu-rows", type=int, help="A/B: kernels/lora.py's GLU_ROWS (32: the row tile before)")
+    ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME=V,...",
+                    help="A/B: one more kernels runner with kernels/lora.py's constants set so (e.g. "
+                    "EXPAND_PROGRAMS=264,GLU_ROWS=32); repeatable")
     args = ap.parse_args()
-    _ab(args)
+    print(f"kernels/lora.py: {_DEFAULTS}", flush=True)
     model = dummy_model()
     print("| runner | batch | adapters | frame step ms |\n|---|---|---|---|", flush=True)
     rows = step_table(model, args)

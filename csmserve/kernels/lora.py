@@ -15,8 +15,7 @@ cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink 
 tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it: the shrink in
 programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order by the expand) and `lora_glu` (the
 MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass
-over the [M, 2I] output; past FUSED_ROWS it also shrinks its output for the down projection, whose input is then
-not read again). A batch whose every row has one adapter runs it merged into the weights instead
+over the [M, 2I] output). A batch whose every row has one adapter runs it merged into the weights instead
 (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame; one H100, `e39a3c2`; the history, the predictions that missed
@@ -42,8 +41,9 @@ FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column grou
 # by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
 SHRINK_ROWS = 16
 SHRINK_PIECE = 256
-GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups: also the down projection's shrink pieces (fixed: its bits)
+GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups
 GLU_ROWS = 16  # past FUSED_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
+EXPAND_ROWS = 32  # past FUSED_ROWS the expand's row tile
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200: the fused path's grid (each program recomputes its shrink)
 EXPAND_PROGRAMS = 1 << 20  # past FUSED_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
@@ -106,14 +106,11 @@ def row_tile(pid_m, AD, M, rows_per, BM: tl.constexpr, PDL: tl.constexpr):
 def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
                  stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1, AN=None, stride_anl=0, stride_anr=0,
-                 XD=None, DOWN: tl.constexpr = False):
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1):
     # program (row tile, column group g of G): xa (SHRINK: computed here; else from _shrink_kernel's KS pieces XA
     # [KS, M, S, RB] fp32), then y's column blocks g, g + G, ... updated.
     # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
-    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart).
-    # DOWN (GLU): the down projection's shrink of Y too, while its blocks are in registers: AN its A [L, R, 1, N],
-    # XD [G, M, 1, RB] (fp32) program g's sum over its column blocks (in order), the pieces lora_add_ reads
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
     pid_g = tl.program_id(1)
     G = tl.num_programs(1)
     rm, mm, ad = row_tile(tl.program_id(0), AD, M, rows_per, BM, PDL)
@@ -128,7 +125,6 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
     xa_rows = XA + rm.to(tl.int64) * (S * RB)
     dt = Y.dtype.element_ty
     n_blocks = tl.cdiv(N, BN)
-    accd = tl.zeros([BM, RB], dtype=tl.float32)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
         a = tl.min(tl.where(todo, ad, _BIG), axis=0)  # the tile's next adapter (rows sorted: usually one or two)
         sel = todo & (ad == a)
@@ -167,13 +163,7 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                         tl.float32)
                 g = g.to(dt).to(tl.float32)
                 u = u.to(dt).to(tl.float32)
-                hh = (g / (1.0 + tl.exp(-g)) * u).to(dt)
-                tl.store(y_rows[:, None] + rn[None, :], hh, mask=m2)
-                if DOWN:
-                    if has:  # rows outside sel are zeros in hh
-                        at = tl.load(AN + a_l * stride_anl + rr.to(tl.int64)[None, :] * stride_anr + rn[:, None],
-                                     mask=(rr < rank)[None, :] & (rn < N)[:, None], other=0.0)  # [BN, RB]
-                        accd = _dot(hh, at, accd, IEEE)
+                tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m2)
             else:
                 # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
                 s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
@@ -181,9 +171,6 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
                 d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                 y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
                 tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
-    if DOWN:
-        tl.store(XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :], accd,
-                 mask=mm[:, None] & (rr < RB)[None, :])
 
 
 @triton.jit
@@ -476,7 +463,7 @@ def _blocks(lora, m: int, n: int, glu: bool = False) -> tuple[int, int, int, int
     t = lora.target
     bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
     rb = rank_block(lora)
-    bm = GLU_ROWS if glu and m > FUSED_ROWS else 16 if m <= 64 else 32
+    bm = (GLU_ROWS if glu else EXPAND_ROWS) if m > FUSED_ROWS else 16 if m <= 64 else 32
     return bm, 64, bn, rb
 
 
@@ -489,9 +476,8 @@ def applies(x: Tensor, lora) -> bool:
 
 
 def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu: bool,
-            groups: int = 1, gu: Tensor | None = None, down=None, xd: Tensor | None = None) -> None:
-    """y's deltas; shrink: the shrink in each program, else xa is lora_shrink's pieces. down (glu):
-    the down projection's LoraLayer, its shrink of y into xd [groups, M, 1, RB]."""
+            groups: int = 1, gu: Tensor | None = None) -> None:
+    """y's deltas; shrink: the shrink in each program, else xa is lora_shrink's pieces."""
     m = y.shape[0]
     gu = y if gu is None else gu
     bm, bk, bn, rb = _blocks(lora, m, n, glu)
@@ -502,9 +488,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
                        gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
                        S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, GLU=glu,
-                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts(),
-                       **({} if down is None else dict(AN=down.a, stride_anl=down.a.stride(0),
-                                                       stride_anr=down.a.stride(1), XD=xd, DOWN=True)))
+                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts())
 
 
 def _groups(m: int, n: int, lora, fused: bool) -> int:
@@ -538,9 +522,7 @@ def lora_shrink(x: Tensor, lora) -> Tensor:
 
 
 def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
-    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y. x lora_glu's
-    output past FUSED_ROWS: its shrink is done (lora.shrunk)."""
-    shrunk, lora.shrunk = lora.shrunk, None
+    """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     m, n = x2.shape[0], y2.shape[1]
     if m <= TICKET_ROWS:
@@ -548,31 +530,22 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     elif m <= FUSED_ROWS:
         _launch(x2, y2, y2, lora, n, shrink=True, glu=False, groups=_groups(m, n, lora, True))
     else:
-        xa = shrunk[1] if shrunk is not None and shrunk[0] is x else lora_shrink(x2, lora)
+        xa = lora_shrink(x2, lora)
         _launch(xa, y2, xa, lora, n, shrink=False, glu=False, groups=_groups(m, n, lora, False))
     return y
 
 
 def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     """silu(gate + dg) * (up + du) [M, I] from the base gate_up [M, 2I] (cuBLAS') and its input x [M, K]: the MLP's
-    SiLU*up with each row's LoRA deltas of gate and up added first (every row written). Past FUSED_ROWS the same
-    kernel does the down projection's shrink of its output (GLU_GROUPS pieces, left in lora.down.shrunk for
-    lora_add_: its input, [M, I], is not read again)."""
+    SiLU*up with each row's LoRA deltas of gate and up added first (every row written)."""
     x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
     m, i = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
-    xd = None  # past FUSED_ROWS: the down projection's shrink pieces
     if m <= TICKET_ROWS:
         _small(x2, h, lora, gu)
     elif m <= FUSED_ROWS:
         _launch(x2, h, h, lora, i, shrink=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
     else:
         xa = lora_shrink(x2, lora)
-        down = lora.down  # the same pool's: its K is i, its dtype h's
-        xd = None if down is None else torch.empty(GLU_GROUPS, m, 1, rank_block(lora), dtype=torch.float32,
-                                                   device=h.device)
-        _launch(xa, h, xa, lora, i, shrink=False, glu=True, groups=GLU_GROUPS, gu=gu, down=down, xd=xd)
-    out = h.reshape(*gate_up.shape[:-1], i)
-    if xd is not None:
-        down.shrunk = (out, xd)
-    return out
+        _launch(xa, h, xa, lora, i, shrink=False, glu=True, groups=GLU_GROUPS, gu=gu)
+    return h.reshape(*gate_up.shape[:-1], i)

@@ -336,8 +336,6 @@ class LoraLayer:
         self.a = w.as_strided((L, R, S, K), (R * W, W, K, 1), w.storage_offset() + target.a_off)
         self.b = w.as_strided((L, R, N), (R * W, W, 1), w.storage_offset() + target.b_off)
         self._scratch: tuple[Tensor, Tensor] | None = None
-        self.down: LoraLayer | None = None  # a gate_up's: its MLP's down projection (kernels/lora.py lora_glu)
-        self.shrunk: tuple[Tensor, Tensor] | None = None  # (x, its shrink's pieces) lora_glu left for this layer
 
     @property
     def rows(self) -> Tensor | None:
@@ -374,10 +372,6 @@ class LoraPool:
             layer = LoraLayer(self, t)
             model.get_submodule(t.module).lora = layer
             self.layers.append(layer)
-        by_module = {layer.target.module: layer for layer in self.layers}
-        for layer in self.layers:
-            if layer.target.module.endswith("mlp.gate_up_proj"):
-                layer.down = by_module.get(layer.target.module.replace("gate_up_proj", "down_proj"))
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Adapter into slot (on the current stream; the caller orders it after the steps that read the slot's

@@ -163,28 +163,3 @@ def test_gemv_with_lora_matches_reference(pool, m, kind, module):
     assert err < 2e-2, f"relative error {err:.2e}"
     assert torch.equal(run(), got)
     assert layer.scratch(layer._scratch[0].shape[2])[1].tolist() == [0, 0, 0, 0]  # counters reset
-
-
-@cuda
-@pytest.mark.parametrize("m", [300, 2048])
-@pytest.mark.parametrize("mlp", ["backbone.layers.4.mlp", "decoder.layers.2.mlp"])
-def test_the_glu_does_the_down_projections_shrink(pool, m, mlp):
-    """Past FUSED_ROWS lora_glu's kernel shrinks its output for the down projection (GLU_GROUPS pieces), and lora_add_
-    on that output uses them: the reference's delta; the same bits as the down projection shrinking it itself."""
-    from csmserve.kernels import lora as kl
-    from csmserve.models.lora import delta_torch
-
-    model, p = pool
-    gate_up, down = (model.get_submodule(f"{mlp}.{n}").lora for n in ("gate_up_proj", "down_proj"))
-    p.rows = rows_of(m, "sorted")
-    g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, gate_up.target.k, generator=g, device="cuda").bfloat16()
-    gu = torch.randn(m, gate_up.target.n, generator=g, device="cuda").bfloat16()
-    y0 = torch.randn(m, down.target.n, generator=g, device="cuda").bfloat16()
-    h = kl.lora_glu(gu, x, gate_up)
-    assert down.shrunk[0] is h
-    got = kl.lora_add_(h, y0.clone(), down)
-    assert down.shrunk is None
-    assert _delta_err(got, y0, delta_torch(h, down)) < 2e-2
-    itself = kl.lora_add_(h.clone(), y0.clone(), down)  # not lora_glu's output: shrunk apart (256-wide pieces)
-    assert _delta_err(itself, y0, delta_torch(h, down)) < 2e-2

@@ -115,30 +115,6 @@ def test_lora_glu(pool, monkeypatch, rows, module, mode):
 
 
 @interpreted
-@pytest.mark.parametrize("rows", ["ragged-sorted", "unsorted", "one"])
-@pytest.mark.parametrize("mlp", ["backbone.layers.1.mlp", "decoder.layers.0.mlp"])
-def test_the_glu_does_the_down_projections_shrink(pool, monkeypatch, rows, mlp):
-    """Past FUSED_ROWS lora_glu leaves the down projection its shrink of h; lora_add_ on that h uses it (the delta the
-    reference gives), on any other input shrinks it itself."""
-    from csmserve.kernels import lora as kl
-
-    model, p = pool
-    gate_up, down = (model.get_submodule(f"{mlp}.{n}").lora for n in ("gate_up_proj", "down_proj"))
-    assert gate_up.down is down
-    p.rows = torch.tensor(ROWS[rows], dtype=torch.int32)
-    m = len(ROWS[rows])
-    _mode(kl, monkeypatch, "split")
-    h = kl.lora_glu(_x(m, gate_up.target.n, 3), _x(m, gate_up.target.k, 4), gate_up)
-    assert down.shrunk is not None and down.shrunk[0] is h and down.shrunk[1].shape[0] == kl.GLU_GROUPS
-    y0 = _x(m, down.target.n, 5)
-    _close(kl.lora_add_(h, y0.clone(), down), y0 + delta_torch(h, down))
-    assert down.shrunk is None
-    h2 = h.clone()  # another tensor: its own shrink
-    kl.lora_glu(_x(m, gate_up.target.n, 3), _x(m, gate_up.target.k, 4), gate_up)
-    _close(kl.lora_add_(h2, y0.clone(), down), y0 + delta_torch(h2, down))
-
-
-@interpreted
 def test_shrink_rounds_like_the_reference(pool, monkeypatch):
     from csmserve.kernels import lora as kl
     from csmserve.models.lora import shrink_torch
