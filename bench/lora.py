@@ -111,7 +111,7 @@ def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
     return {n: getattr(kl, n) for n in ("TICKET_ROWS", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE", "GLU_GROUPS",
-                                        "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
+                                        "GLU_ROWS", "GLU_WARPS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
 
 
 _DEFAULTS = _defaults()
