@@ -128,7 +128,8 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for nme, t in sorted(charged.items(), key=lambda kv: -kv[1])[:args.rows]:
             ds = per_name[nme]
-            print(f"| {nme[:70 + 20 * args.by_grid]} | {len(ds) / nf:.0f} | {sum(ds) / len(ds):.2f} | {t:.0f} | {t / max(span, 1e-9):.1%} |")
+            w = 70 + 20 * args.by_grid
+            print(f"| {nme[:w]} | {len(ds) / nf:.0f} | {sum(ds) / len(ds):.2f} | {t:.0f} | {t / max(span, 1e-9):.1%} |")
 
 
 if __name__ == "__main__":

@@ -131,15 +131,16 @@ def _gemv_lora_kernel(X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, s
                       NORM: tl.constexpr, HAS_DELTA: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr,
                       LS: tl.constexpr, LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr,
-                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False):
-    """_gemv_kernel with each row's LoRA delta added before the store (and the GLU), its shrink in LS * LKSPLIT
+                      SCALED: tl.constexpr = False, IDX=None, GATHER: tl.constexpr = False, LAJ: tl.constexpr = 1):
+    """_gemv_kernel with each row's LoRA delta added before the store (and the GLU), its shrink in LS * LKSPLIT * LAJ
     programs of the same grid (kernels/lora.py: the ticketed pieces; a program's role and column block come from its
     ticket). A kernel of its own: the plain GEMV's parameters and PTX stay as they were (bench/ptx_diff.py)."""
     t = tl.atomic_add(LCTR, 1)
-    n_pieces = LS * LKSPLIT
+    n_pieces = LS * LKSPLIT * LAJ
     if t < n_pieces:
         lora_piece(t, X, DELTA, NW, IDX, AD, LA, LRANKS, LWS, LCTR, M, K, l_per, stride_xm, stride_dm, l_sal, l_sar,
-                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False, PDL)
+                   eps, X.dtype.element_ty, LS, LKSPLIT, LRB, _LORA_TILE, LBK, NORM, HAS_DELTA, GATHER, False, PDL,
+                   LAJ)
     else:
         _gemv_columns(t - n_pieces, X, DELTA, H, NW, W, S, Y, M, N, K, stride_xm, stride_dm, stride_hm, stride_wn,
                       stride_ym, UP_OFF, eps, NORM, HAS_DELTA, TWO_ROWS, BLOCK_N, BLOCK_K, GLU, PRE_K, PDL,
@@ -249,14 +250,15 @@ def _gemv_mma_lora_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, 
                           l_per, l_sal, l_sar, l_sbl, l_sbr, L_N0, L_N1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr, LS: tl.constexpr,
                           LKSPLIT: tl.constexpr, LRB: tl.constexpr, LBK: tl.constexpr, SCALED: tl.constexpr = False,
-                          IDX=None, GATHER: tl.constexpr = False, WS=None, CTR=None, SPLIT: tl.constexpr = 1):
-    # _gemv_mma_kernel with the rows' LoRA deltas: a 1-D grid, the LS * LKSPLIT shrink pieces first (tickets), then
-    # (pid, s) = divmod(ticket - pieces, SPLIT); the storing program adds the rows' deltas
+                          IDX=None, GATHER: tl.constexpr = False, WS=None, CTR=None, SPLIT: tl.constexpr = 1,
+                          LAJ: tl.constexpr = 1):
+    # _gemv_mma_kernel with the rows' LoRA deltas: a 1-D grid, the LS * LKSPLIT * LAJ shrink pieces first (tickets),
+    # then (pid, s) = divmod(ticket - pieces, SPLIT); the storing program adds the rows' deltas
     t = tl.atomic_add(LCTR, 1)
-    n_pieces = LS * LKSPLIT
+    n_pieces = LS * LKSPLIT * LAJ
     if t < n_pieces:
         lora_piece(t, X, X, X, IDX, AD, LA, LRANKS, LWS, LCTR, M, K, l_per, stride_xm, 0, l_sal, l_sar, 0.0,
-                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False, PDL)
+                   X.dtype.element_ty, LS, LKSPLIT, LRB, BLOCK_M, LBK, False, False, GATHER, False, PDL, LAJ)
     else:
         b = t - n_pieces
         _mma_columns(b // SPLIT, b % SPLIT, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF,
@@ -480,8 +482,8 @@ def _lora_args(lora, m: int) -> tuple[dict, int]:
     kw = dict(AD=lora.rows, LA=a, LB=b, LRANKS=lora.pool.ranks, LWS=ws, LCTR=ctr,
               l_per=m // lora.rows.shape[0], l_sal=a.stride(0), l_sar=a.stride(1), l_sbl=b.stride(0),
               l_sbr=b.stride(1), L_N0=t.bounds[0], L_N1=t.bounds[1], LS=len(t.slices), LKSPLIT=ksplit, LRB=rb,
-              LBK=kl.piece_block(t.k))
-    return kw, len(t.slices) * ksplit
+              LBK=kl.piece_block(t.k), LAJ=kl.adapter_split(lora))
+    return kw, len(t.slices) * ksplit * kw["LAJ"]
 
 
 def _launch(x, delta, h, nw, weight, scale, y, M, N, K, strides, eps, *, glu, norm, has_delta=False, pre_k=0,

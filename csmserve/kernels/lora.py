@@ -220,6 +220,7 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 # (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
 TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
+ADAPTER_SPLIT = 1  # up to TICKET_ROWS each piece and column block in this many programs, split by adapter
 
 
 @triton.jit
@@ -260,13 +261,17 @@ def x_chunk(x_rows, d_rows, NW, rk, m2, rstd, dt, NORM: tl.constexpr, HAS_DELTA:
 def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, stride_dm, stride_al,
                stride_ar, eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
                BK: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr,
-               IEEE: tl.constexpr, PDL: tl.constexpr):
-    """Shrink piece t = (slice s, K range kp): WS[t] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's range]^T, each
-    row with its adapter (rows without one: zeros), then counted in CTR[1] for lora_wait. x as the GEMV sees it
-    (NORM: normed x + delta; GATHER: rows of a table). PDL: x read after the kernel before (its program waits here)."""
+               IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1):
+    """Shrink piece t // AJ = (slice s, K range kp): WS[t // AJ] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's
+    range]^T, each row with its adapter (rows without one: zeros), then counted in CTR[1] for lora_wait. x as the
+    GEMV sees it (NORM: normed x + delta; GATHER: rows of a table). PDL: x read after the kernel before (its program
+    waits here). AJ > 1: the piece's rows split over AJ programs by adapter (pool slot % AJ == t % AJ; rows without
+    one: the first's), so a tile of many adapters walks them side by side, not one after another."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    j = t % AJ
+    t = t // AJ
     s = t // KSPLIT
     kp = t % KSPLIT
     rm = tl.arange(0, BM)
@@ -276,7 +281,7 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
     x_rows = x_rows_of(X, IDX, rm, mm, stride_xm, GATHER)
     d_rows = DELTA + rm.to(tl.int64) * stride_dm
     rstd = tl.full([BM], 1.0, dtype=tl.float32)
-    todo = ad >= 0
+    todo = (ad >= 0) & _owns(ad, j, AJ)
     if NORM:
         if tl.max(todo.to(tl.int32), axis=0) > 0:
             rstd = norm_rstd(x_rows, d_rows, mm & todo, K, eps, dt, HAS_DELTA, BK)
@@ -294,9 +299,18 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
             x = x_chunk(x_rows, d_rows, NW, rk, sel[:, None] & (rk < K)[None, :], rstd, dt, NORM, HAS_DELTA)
             w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
             acc = _dot(x, w.to(dt), acc, IEEE)
-    tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
+    if AJ > 1:  # this program's rows
+        tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc, mask=_owns(ad, j, AJ)[:, None])
+    else:
+        tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
     tl.debug_barrier()  # every thread's sums stored before the count (release)
     tl.atomic_add(CTR + 1, 1, sem="release")
+
+
+@triton.jit
+def _owns(ad, j, AJ: tl.constexpr):
+    """The rows [BM] program j of AJ writes: its adapters' (pool slot % AJ == j), and j = 0 the rows without one."""
+    return tl.where(ad >= 0, ad % AJ, 0) == j
 
 
 @triton.jit
@@ -329,15 +343,16 @@ def lora_xa(WS, s, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
-              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, j=0, AJ: tl.constexpr = 1):
     """The delta [BM, BN] (fp32, rounded to dt as PEFT's is) of columns rn = n0 + [0, BN) (one slice), every row
-    with its adapter's B; after lora_wait."""
+    with its adapter's B (AJ > 1: only the rows of adapters with pool slot % AJ == j; the others zero); after
+    lora_wait."""
     s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
     xa = lora_xa(WS, s, KSPLIT, RB, BM).to(dt)
     rm = tl.arange(0, BM)
     ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
     d = tl.zeros([BM, BN], dtype=tl.float32)
-    todo = ad >= 0
+    todo = (ad >= 0) & _owns(ad, j, AJ)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
         a = tl.min(tl.where(todo, ad, _BIG), axis=0)
         sel = todo & (ad == a)
@@ -371,36 +386,39 @@ def lora_row(WS, AD, B, RANKS, m, M, rows_per, n0, rn, N, N0, N1, stride_bl, str
 def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_gm, stride_ym,
                        stride_al, stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr,
                        RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr):
-    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks: y += delta (rows without an adapter untouched), or
-    # GLU: Y = silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul)
+                       IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1):
+    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks, each in AJ programs (lora_piece's split by adapter):
+    # y += delta (rows without an adapter untouched), or GLU: Y = silu(gate + dg) * (up + du) [M, N] from the base
+    # GU [M, 2N], every row (the MLP's silu_mul)
     t = tl.atomic_add(CTR, 1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    NP = S * KSPLIT
+    NP = S * KSPLIT * AJ
     dt = Y.dtype.element_ty
     if t < NP:
         lora_piece(t, X, X, X, X, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0,
-                   dt, S, KSPLIT, RB, BM, BK, False, False, False, IEEE, False)  # PDL: every program waited above
+                   dt, S, KSPLIT, RB, BM, BK, False, False, False, IEEE, False, AJ)  # PDL: every program waited above
     else:
+        j = (t - NP) % AJ
         rm = tl.arange(0, BM)
         ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
-        live = ad >= 0
+        own = _owns(ad, j, AJ) & (rm < M)
+        live = own & (ad >= 0)
         any_live = tl.max(live.to(tl.int32), axis=0) > 0
-        n0 = (t - NP) * BN
+        n0 = (t - NP) // AJ * BN
         rn = n0 + tl.arange(0, BN)
         if GLU:
-            m2 = (rm < M)[:, None] & (rn < N)[None, :]
+            m2 = own[:, None] & (rn < N)[None, :]
             g_ptr = GU + rm.to(tl.int64)[:, None] * stride_gm + rn[None, :]
             g = tl.load(g_ptr, mask=m2, other=0.0).to(tl.float32)
             u = tl.load(g_ptr + N, mask=m2, other=0.0).to(tl.float32)
             if any_live:
                 lora_wait(CTR, NP)
                 g += lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
-                               KSPLIT, RB, BM, BN, IEEE)
+                               KSPLIT, RB, BM, BN, IEEE, j, AJ)
                 u += lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
-                               dt, KSPLIT, RB, BM, BN, IEEE)
+                               dt, KSPLIT, RB, BM, BN, IEEE, j, AJ)
             g = g.to(dt).to(tl.float32)
             u = u.to(dt).to(tl.float32)
             tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt),
@@ -408,7 +426,7 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
         elif any_live:
             lora_wait(CTR, NP)
             d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
-                          BM, BN, IEEE)
+                          BM, BN, IEEE, j, AJ)
             y_ptr = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
             m2 = live[:, None] & (rn < N)[None, :]
             y = tl.load(y_ptr, mask=m2, other=0.0)
@@ -439,12 +457,19 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
-    grid = (len(t.slices) * ksplit + triton.cdiv(n, bn),)
+    aj = adapter_split(lora)
+    grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj,)
     _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
                              m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
                              lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
                              KSPLIT=ksplit, RB=rb, BM=small_tile(m), BK=bk, BN=bn, GLU=gu is not y,
-                             IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
+                             IEEE=x.dtype == torch.float32, AJ=aj, num_warps=4, **pdl.opts())
+
+
+def adapter_split(lora) -> int:
+    """The ticketed kernels' programs per piece and column block (AJ): ADAPTER_SPLIT, at most the pool's slots and
+    the batch's rows (the most adapters a tile can hold)."""
+    return max(1, min(ADAPTER_SPLIT, lora.a.shape[0], lora.rows.shape[0]))
 
 
 def small_tile(m: int) -> int:

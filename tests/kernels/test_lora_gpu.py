@@ -69,10 +69,12 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
     y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
     delta = delta_torch(x, layer).float()  # [m, n]
     ref = (y0.float() + delta).bfloat16()
-    modes = ["ticketed"] if m <= kl.TICKET_ROWS else []
+    modes = ["ticketed", "by adapter"] if m <= kl.TICKET_ROWS else []  # by adapter: ADAPTER_SPLIT 8
     modes += ["fused", "split"]
+    bits = {}
     for mode in modes:
-        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 0)
+        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode in ("ticketed", "by adapter") else 0)
+        monkeypatch.setattr(kl, "ADAPTER_SPLIT", 8 if mode == "by adapter" else 1)
         monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
         if "gate_up" in module:
             got = kl.lora_glu(y0, x, layer)
@@ -87,6 +89,9 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
         assert err < 2e-2, f"{mode}: relative error {err:.2e}"
         again = kl.lora_glu(y0, x, layer) if "gate_up" in module else kl.lora_add_(x, y0.clone(), layer)
         assert torch.equal(again, got), f"{mode}: not the same bits twice"
+        bits[mode] = got
+    if "by adapter" in bits:  # each row's pieces summed in the same order, whichever program walks its adapter
+        assert torch.equal(bits["by adapter"], bits["ticketed"])
 
 
 @cuda

@@ -142,14 +142,17 @@ SMALL = {"ragged": [-1, 0, 0, 2, 2, 2, -1, 4], "mixed": [3, -1, 1, 0, 3, 1, 4, 2
 @pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.0.mlp.gate_up_proj",
                                     "backbone.layers.1.mlp.down_proj", "projection"])
 @pytest.mark.parametrize("piece_k", [512, 32])
-def test_ticketed_pieces_split_over_k(pool, monkeypatch, rows, module, piece_k):
+@pytest.mark.parametrize("split", [1, 3])
+def test_ticketed_pieces_split_over_k(pool, monkeypatch, rows, module, piece_k, split):
     """1-64 rows: shrink pieces (split over K: piece_k 32) then the column blocks that wait for them; run twice (the
-    counters reset by the last program), with two positions per row where the rows allow; gate_up as the GLU."""
+    counters reset by the last program), with two positions per row where the rows allow; gate_up as the GLU. split:
+    each piece and column block in 3 programs by adapter (ADAPTER_SPLIT; 5 slots: two programs walk two each)."""
     from csmserve.kernels import lora as kl
 
     model, p = pool
     layer = model.get_submodule(module).lora
     monkeypatch.setattr(kl, "PIECE_K", piece_k)
+    monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
     _mode(kl, monkeypatch, "ticketed")
     layer._scratch = None
     for per in (1, 2) if len(SMALL[rows]) <= 8 else (1,):
@@ -202,14 +205,16 @@ def _gemv_cases():
 @pytest.mark.parametrize("module, glu", [("backbone.layers.0.self_attn.qkv_proj", False),
                                          ("backbone.layers.0.mlp.gate_up_proj", True),
                                          ("decoder.layers.0.mlp.down_proj", False), ("projection", False)])
-def test_gemv_with_lora(wide, monkeypatch, m, rows, per, module, glu):
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_with_lora(wide, monkeypatch, m, rows, per, module, glu, split):
     """gemv(x, w, lora=...) == F.linear + the torch delta (glu: silu(gate + dg) * (up + du)), the shrink pieces split
-    over K (PIECE_K 64), twice in a row (the counters reset)."""
+    over K (PIECE_K 64) and (split 3) over adapters, twice in a row (the counters reset)."""
     from csmserve.kernels import gemv
     from csmserve.kernels import lora as kl
 
     model, p = wide
     monkeypatch.setattr(kl, "PIECE_K", 64)
+    monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
     mod = model.get_submodule(module)
     layer = mod.lora
     layer._scratch = None
@@ -228,14 +233,17 @@ def test_gemv_with_lora(wide, monkeypatch, m, rows, per, module, glu):
 @pytest.mark.parametrize("rows", [[1], [-1, 2], [3, 0]])
 @pytest.mark.parametrize("module, glu", [("backbone.layers.0.self_attn.qkv_proj", False),
                                          ("decoder.layers.0.mlp.gate_up_proj", True)])
-def test_norm_gemv_with_lora(wide, monkeypatch, rows, module, glu):
-    """The block's residual add + RMSNorm and the GEMV in one kernel, the pieces normalising x + delta themselves."""
+@pytest.mark.parametrize("split", [1, 2])
+def test_norm_gemv_with_lora(wide, monkeypatch, rows, module, glu, split):
+    """The block's residual add + RMSNorm and the GEMV in one kernel, the pieces normalising x + delta themselves
+    (split 2: the pieces over adapters too, each normalising its own rows)."""
     from csmserve.kernels import gemv
     from csmserve.kernels import lora as kl
     from csmserve.models.llama import _add_rms_norm
 
     model, p = wide
     monkeypatch.setattr(kl, "PIECE_K", 64)
+    monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
     mod = model.get_submodule(module)
     layer = mod.lora
     p.rows = torch.tensor(rows)
