@@ -110,8 +110,8 @@ def _set(variant: str) -> None:
 def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
-    return {n: getattr(kl, n) for n in ("TICKET_ROWS", "ADAPTER_SPLIT", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE", "GLU_GROUPS",
-                                        "GLU_ROWS", "GLU_WARPS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
+    return {n: getattr(kl, n) for n in ("TICKET_ROWS", "ADAPTER_SPLIT", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE",
+                                        "GLU_GROUPS", "GLU_ROWS", "GLU_WARPS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
 
 
 _DEFAULTS = _defaults()
