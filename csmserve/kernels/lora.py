@@ -18,13 +18,13 @@ MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mu
 over the [M, 2I] output). A batch whose every row has one adapter runs it merged into the weights instead
 (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
-Cost (rank 16 on all 591 LoRA'd projections a frame; one H100, `e39a3c2`; the history, the predictions that missed
-and the next call: docs/benchmarks.md "Issue 42"): a step with no adapter row does not run these kernels
-(engine/graphs.py: the plain graphs replay) and a lone adapter runs merged, both at the base's step; a mixed batch
-+98% (1 adapter) to +2,998% (64) at 64 rows, where a tile of up to TICKET_ROWS walks its adapters one at a time,
-and +42% at 2,048 rows, 25.3 of its 73.7 ms in the expand (`_lora_kernel`: 591 calls at 44.9 us on a ~264-program
-grid, each program walking 6-16 column blocks in turn). Hence past FUSED_ROWS every column block is its own program
-(EXPAND_PROGRAMS) and the GLU's row tile is GLU_ROWS: predicted 57-62 ms there, not yet timed.
+Cost (rank 16 on all 591 LoRA'd projections a frame; the history and the next call: docs/benchmarks.md "Issue
+42"): a step with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone
+adapter runs merged, both at the base's step. A mixed batch: +28% at 2,048 rows with 64 adapters (65.44 against
+51.02 ms, one H100, `0f52192`): the GLU 78 us a call where silu_mul's pass alone needs ~30, the down's shrink 25
+us, the rest ~1,000 short launches; +110% (1 adapter) to +3,540% (64) at 64 rows (H200, `ea5ec89`), where each
+shrink piece walks its tile's adapters one at a time: ADAPTER_SPLIT (off: 1) splits them over programs, not yet
+timed.
 """
 from __future__ import annotations
 
