@@ -38,11 +38,12 @@ def step_table(model, args) -> list[tuple]:
     counts = [int(a) for a in args.adapters.split(",")]
     n = max(batches)
     rows = []
-    runs = [("base", None, False, "")] + [(f"r{r}{k}", int(r), k == "", "") for r in args.ranks.split(",")
-                                          for k in ("", " kernels")]
-    wanted = args.runs.split(",")
-    runs = [r for r in runs if ("base" if r[1] is None else "merged" if r[2] else "kernels") in wanted]
-    runs += [(f"r{r} kernels {v}", int(r), False, v) for r in args.ranks.split(",") for v in args.variants]
+    kinds = args.runs.split(",")
+    runs = [("base", None, False, "")] if "base" in kinds else []  # (label, rank, merge, variant)
+    for r in args.ranks.split(","):
+        runs += [(f"r{r}", int(r), True, "")] if "merged" in kinds else []
+        runs += [(f"r{r} kernels", int(r), False, "")] if "kernels" in kinds else []
+        runs += [(f"r{r} kernels {v}", int(r), False, v) for v in args.variants]
     for label, rank, merge, variant in runs:
         t0 = time.perf_counter()
         _set(variant)
@@ -60,6 +61,7 @@ def step_table(model, args) -> list[tuple]:
                 print(f"| {label} | {b} | {rows[-1][2]} | {ms:.2f} |", flush=True)
         del runner
         _free(model)
+    _set("")  # one_stream after: the defaults
     return rows
 
 
@@ -111,7 +113,7 @@ def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
     return {n: getattr(kl, n) for n in ("TICKET_ROWS", "ADAPTER_SPLIT", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE",
-                                        "GLU_GROUPS", "GLU_ROWS", "GLU_WARPS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
+                                        "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
 
 
 _DEFAULTS = _defaults()
@@ -152,6 +154,8 @@ def main() -> None:
                     help="A/B: one more kernels runner with kernels/lora.py's constants set so (e.g. "
                     "EXPAND_PROGRAMS=264,GLU_ROWS=32); repeatable")
     args = ap.parse_args()
+    if not set(args.runs.split(",")) <= {"base", "merged", "kernels"}:
+        raise SystemExit(f"--runs: {args.runs} is not a list of base, merged, kernels")
     print(f"kernels/lora.py: {_DEFAULTS}", flush=True)
     model = dummy_model()
     print("| runner | batch | adapters | frame step ms |\n|---|---|---|---|", flush=True)

@@ -44,7 +44,6 @@ SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups
 GLU_ROWS = 16  # past FUSED_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
 EXPAND_ROWS = 32  # past FUSED_ROWS the expand's row tile
-GLU_WARPS = 4  # past FUSED_ROWS the GLU's warps a program
 _PROGRAMS = 264  # ~2 programs per SM of an H100 / H200: the fused path's grid (each program recomputes its shrink)
 EXPAND_PROGRAMS = 1 << 20  # past FUSED_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
@@ -514,8 +513,7 @@ def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu
     _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
                        gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
                        S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, GLU=glu,
-                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0],
-                       num_warps=GLU_WARPS if glu and m > FUSED_ROWS else 4, **pdl.opts())
+                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts())
 
 
 def _groups(m: int, n: int, lora, fused: bool) -> int:
