@@ -112,8 +112,9 @@ def _set(variant: str) -> None:
 def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
-    return {n: getattr(kl, n) for n in ("TICKET_ROWS", "ADAPTER_SPLIT", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE",
-                                        "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")}
+    names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE",
+             "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")
+    return {n: getattr(kl, n) for n in names}
 
 
 _DEFAULTS = _defaults()

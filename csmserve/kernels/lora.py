@@ -22,9 +22,10 @@ Cost (rank 16 on all 591 LoRA'd projections a frame; the history and the next ca
 42"): a step with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone
 adapter runs merged, both at the base's step. A mixed batch: +28% at 2,048 rows with 64 adapters (65.44 against
 51.02 ms, one H100, `0f52192`): the GLU 78 us a call where silu_mul's pass alone needs ~30, the down's shrink 25
-us, the rest ~1,000 short launches; +110% (1 adapter) to +3,540% (64) at 64 rows (H200, `ea5ec89`), where each
-shrink piece walks its tile's adapters one at a time: ADAPTER_SPLIT (off: 1) splits them over programs, not yet
-timed.
+us, the rest ~1,000 short launches. At 64 rows (H100, `551eb99` with ADAPTER_SPLIT 16): 64 adapters 47.7 ms
+against the base's 8.44 (259 when each shrink piece walked its tile's adapters one at a time: ADAPTER_SPLIT spreads
+them over 16 programs by pool slot), 16 adapters 26.6, 1 adapter 20.7 (~20 us of chained latency per call: shrink,
+tickets, expand).
 """
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 # (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
 TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
-ADAPTER_SPLIT = 1  # up to TICKET_ROWS each piece and column block in this many programs, split by adapter
+ADAPTER_SPLIT = 16  # up to TICKET_ROWS each piece and column block in this many programs, by pool slot % split
 
 
 @triton.jit
