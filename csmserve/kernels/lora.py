@@ -217,8 +217,12 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 # CUB's decoupled look-back relies on): no deadlock whatever order the GPU starts them in. The pieces' partial sums
 # [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
 # finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
-# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1.
+# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1. Past
+# TICKET_TILE rows the same launch runs row tiles of TICKET_TILE, pieces and column blocks per tile (tile-major),
+# every column block waiting for every piece: one launch a projection where the row-tile path below takes two
+# (bench/lora.py --variant TICKET_ROWS=2048 measures it against that path).
 TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
+TICKET_TILE = 64  # its largest row tile: past it several tiles, each adapter split off (ADAPTER_SPLIT 1)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
 ADAPTER_SPLIT = 16  # up to TICKET_ROWS each piece and column block in this many programs, by pool slot % split
 
@@ -262,19 +266,21 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
                stride_ar, eps, dt, S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
                BK: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr,
                IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1):
-    """Shrink piece t // AJ = (slice s, K range kp): WS[t // AJ] [BM, RB] (fp32) = x[:, kp's range] A_a[:, s, kp's
-    range]^T, each row with its adapter (rows without one: zeros), then counted in CTR[1] for lora_wait. x as the
-    GEMV sees it (NORM: normed x + delta; GATHER: rows of a table). PDL: x read after the kernel before (its program
-    waits here). AJ > 1: the piece's rows split over AJ programs by adapter (pool slot % AJ == t % AJ; rows without
-    one: the first's), so a tile of many adapters walks them side by side, not one after another."""
+    """Shrink piece p = t // AJ = (row tile, slice s, K range kp), tile-major: WS[p] [BM, RB] (fp32) = x[the tile's
+    rows, kp's range] A_a[:, s, kp's range]^T, each row with its adapter (rows without one: zeros), then counted in
+    CTR[1] for lora_wait. x as the GEMV sees it (NORM: normed x + delta; GATHER: rows of a table). PDL: x read after
+    the kernel before (its program waits here). AJ > 1: the piece's rows split over AJ programs by adapter (pool
+    slot % AJ == t % AJ; rows without one: the first's), so a tile of many adapters walks them side by side, not one
+    after another."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     j = t % AJ
     t = t // AJ
-    s = t // KSPLIT
+    s = t // KSPLIT % S
     kp = t % KSPLIT
-    rm = tl.arange(0, BM)
+    rl = tl.arange(0, BM)
+    rm = t // (S * KSPLIT) * BM + rl
     mm = rm < M
     rr = tl.arange(0, RB)
     ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
@@ -300,9 +306,9 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
             w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
             acc = _dot(x, w.to(dt), acc, IEEE)
     if AJ > 1:  # this program's rows
-        tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc, mask=_owns(ad, j, AJ)[:, None])
+        tl.store(WS + t * (BM * RB) + rl[:, None] * RB + rr[None, :], acc, mask=_owns(ad, j, AJ)[:, None])
     else:
-        tl.store(WS + t * (BM * RB) + rm[:, None] * RB + rr[None, :], acc)
+        tl.store(WS + t * (BM * RB) + rl[:, None] * RB + rr[None, :], acc)
     tl.debug_barrier()  # every thread's sums stored before the count (release)
     tl.atomic_add(CTR + 1, 1, sem="release")
 
@@ -331,25 +337,27 @@ def lora_arrive(CTR, total):
 
 
 @triton.jit
-def lora_xa(WS, s, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr):
-    """Slice s's xa [BM, RB] (fp32): its KSPLIT pieces' sums added in order."""
+def lora_xa(WS, s, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, P0=0):
+    """Slice s's xa [BM, RB] (fp32): its KSPLIT pieces' sums added in order (P0: the row tile's first piece)."""
     rm = tl.arange(0, BM)
     rr = tl.arange(0, RB)
     xa = tl.zeros([BM, RB], dtype=tl.float32)
     for kp in range(KSPLIT):
-        xa += tl.load(WS + (s * KSPLIT + kp) * (BM * RB) + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")
+        xa += tl.load(WS + (P0 + s * KSPLIT + kp) * (BM * RB) + rm[:, None] * RB + rr[None, :],
+                      cache_modifier=".cg")
     return xa
 
 
 @triton.jit
 def lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT: tl.constexpr,
-              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, j=0, AJ: tl.constexpr = 1):
+              RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, j=0, AJ: tl.constexpr = 1,
+              R0=0, P0=0):
     """The delta [BM, BN] (fp32, rounded to dt as PEFT's is) of columns rn = n0 + [0, BN) (one slice), every row
     with its adapter's B (AJ > 1: only the rows of adapters with pool slot % AJ == j; the others zero); after
-    lora_wait."""
+    lora_wait. R0, P0: the row tile's first row and first piece."""
     s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
-    xa = lora_xa(WS, s, KSPLIT, RB, BM).to(dt)
-    rm = tl.arange(0, BM)
+    xa = lora_xa(WS, s, KSPLIT, RB, BM, P0).to(dt)
+    rm = R0 + tl.arange(0, BM)
     ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
     d = tl.zeros([BM, BN], dtype=tl.float32)
     todo = (ad >= 0) & _owns(ad, j, AJ)
@@ -386,27 +394,30 @@ def lora_row(WS, AD, B, RANKS, m, M, rows_per, n0, rn, N, N0, N1, stride_bl, str
 def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_gm, stride_ym,
                        stride_al, stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr,
                        RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1):
-    # S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks, each in AJ programs (lora_piece's split by adapter):
-    # y += delta (rows without an adapter untouched), or GLU: Y = silu(gate + dg) * (up + du) [M, N] from the base
-    # GU [M, 2N], every row (the MLP's silu_mul)
+                       IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1, TILES=1):
+    # per row tile of BM rows (tile-major): S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks, each in AJ
+    # programs (lora_piece's split by adapter): y += delta (rows without an adapter untouched), or GLU: Y =
+    # silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul)
     t = tl.atomic_add(CTR, 1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    NP = S * KSPLIT * AJ
+    NP = S * KSPLIT * AJ * TILES
     dt = Y.dtype.element_ty
     if t < NP:
         lora_piece(t, X, X, X, X, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0,
                    dt, S, KSPLIT, RB, BM, BK, False, False, False, IEEE, False, AJ)  # PDL: every program waited above
     else:
         j = (t - NP) % AJ
-        rm = tl.arange(0, BM)
+        b = (t - NP) // AJ  # (row tile, column block), tile-major
+        nb = tl.cdiv(N, BN)
+        tile = b // nb
+        rm = tile * BM + tl.arange(0, BM)
         ad = tl.load(AD + rm // rows_per, mask=rm < M, other=-1)
         own = _owns(ad, j, AJ) & (rm < M)
         live = own & (ad >= 0)
         any_live = tl.max(live.to(tl.int32), axis=0) > 0
-        n0 = (t - NP) // AJ * BN
+        n0 = b % nb * BN
         rn = n0 + tl.arange(0, BN)
         if GLU:
             m2 = own[:, None] & (rn < N)[None, :]
@@ -416,9 +427,9 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
             if any_live:
                 lora_wait(CTR, NP)
                 g += lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
-                               KSPLIT, RB, BM, BN, IEEE, j, AJ)
+                               KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
                 u += lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
-                               dt, KSPLIT, RB, BM, BN, IEEE, j, AJ)
+                               dt, KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
             g = g.to(dt).to(tl.float32)
             u = u.to(dt).to(tl.float32)
             tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt),
@@ -426,7 +437,7 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
         elif any_live:
             lora_wait(CTR, NP)
             d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
-                          BM, BN, IEEE, j, AJ)
+                          BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
             y_ptr = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
             m2 = live[:, None] & (rn < N)[None, :]
             y = tl.load(y_ptr, mask=m2, other=0.0)
@@ -457,13 +468,17 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
-    aj = adapter_split(lora)
-    grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj,)
+    bm = small_tile(m)
+    tiles = triton.cdiv(m, bm)
+    if tiles * bm > ws.shape[1]:
+        raise ValueError(f"{m} rows: the ticketed kernel's scratch holds {ws.shape[1]} (TICKET_ROWS)")
+    aj = adapter_split(lora) if tiles == 1 else 1
+    grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
     _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
                              m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
                              lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
-                             KSPLIT=ksplit, RB=rb, BM=small_tile(m), BK=bk, BN=bn, GLU=gu is not y,
-                             IEEE=x.dtype == torch.float32, AJ=aj, num_warps=4, **pdl.opts())
+                             KSPLIT=ksplit, RB=rb, BM=bm, BK=bk, BN=bn, GLU=gu is not y,
+                             IEEE=x.dtype == torch.float32, AJ=aj, TILES=tiles, num_warps=4, **pdl.opts())
 
 
 def adapter_split(lora) -> int:
@@ -473,8 +488,8 @@ def adapter_split(lora) -> int:
 
 
 def small_tile(m: int) -> int:
-    """The ticketed kernel's row tile: 16 rows (the GEMV's), 32 or 64."""
-    return 16 if m <= 16 else triton.next_power_of_2(m)
+    """The ticketed kernel's row tile: 16 rows (the GEMV's), 32 or 64 (TICKET_TILE: past it several tiles)."""
+    return 16 if m <= 16 else min(triton.next_power_of_2(m), TICKET_TILE)
 
 
 def _pow2_divisor(n: int, most: int) -> int:

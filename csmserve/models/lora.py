@@ -342,14 +342,16 @@ class LoraLayer:
         return self.pool.rows
 
     def scratch(self, rb: int) -> tuple[Tensor, Tensor]:
-        """The ticketed kernels' (kernels/lora.py) shrink partial sums [pieces, <= 64 rows, rb] float32 and counters [4]
-        int32, this projection's own (its calls run one after another), made once, never inside a capture."""
-        if self._scratch is None or self._scratch[0].shape[2] != rb:
-            from csmserve.kernels.lora import TICKET_ROWS, pieces
+        """The ticketed kernels' (kernels/lora.py) shrink partial sums [pieces, TICKET_ROWS in whole tiles, rb] float32
+        and counters [4] int32, this projection's own (its calls run one after another), made once, never inside a
+        capture."""
+        from csmserve.kernels.lora import TICKET_ROWS, TICKET_TILE, pieces
 
+        rows = max(1, -(-TICKET_ROWS // TICKET_TILE)) * TICKET_TILE  # at least one tile (the GEMV's 16 rows)
+        if self._scratch is None or self._scratch[0].shape[1:] != (rows, rb):
             dev = self.a.device
             n = len(self.target.slices) * pieces(self.target.k)
-            self._scratch = (torch.zeros(n, TICKET_ROWS, rb, dtype=torch.float32, device=dev),
+            self._scratch = (torch.zeros(n, rows, rb, dtype=torch.float32, device=dev),
                              torch.zeros(4, dtype=torch.int32, device=dev))
         return self._scratch
 

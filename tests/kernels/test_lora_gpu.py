@@ -69,11 +69,13 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
     y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
     delta = delta_torch(x, layer).float()  # [m, n]
     ref = (y0.float() + delta).bfloat16()
-    modes = ["ticketed", "by adapter"] if m <= kl.TICKET_ROWS else []  # by adapter: ADAPTER_SPLIT 8
+    # by adapter: ADAPTER_SPLIT 8; tiles: the ticketed kernel in 64-row tiles past 64 rows
+    modes = ["ticketed", "by adapter"] if m <= kl.TICKET_ROWS else ["tiles"]
     modes += ["fused", "split"]
     bits = {}
     for mode in modes:
-        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode in ("ticketed", "by adapter") else 0)
+        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode in ("ticketed", "by adapter") else 2048 if mode == "tiles"
+                            else 0)
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 8 if mode == "by adapter" else 1)
         monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
         if "gate_up" in module:

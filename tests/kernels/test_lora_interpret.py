@@ -55,11 +55,13 @@ ROWS = {  # each batch row's adapter slot
 }
 
 
-MODES = ["ticketed", "fused", "split"]  # the 1-64-row kernel; row tiles with the shrink per program, or apart
+MODES = ["ticketed", "tiles", "fused", "split"]  # the 1-64-row kernel, and it in several row tiles (16 here); row
+# tiles with the shrink per program, or apart
 
 
 def _mode(kl, monkeypatch, mode: str) -> None:
-    monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 0)
+    monkeypatch.setattr(kl, "TICKET_ROWS", {"ticketed": 64, "tiles": 256}.get(mode, 0))
+    monkeypatch.setattr(kl, "TICKET_TILE", 16 if mode == "tiles" else 64)
     monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
     monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
 
