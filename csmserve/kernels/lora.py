@@ -25,7 +25,8 @@ adapter runs merged, both at the base's step. A mixed batch: +28% at 2,048 rows 
 us, the rest ~1,000 short launches. At 64 rows (H100, `551eb99` with ADAPTER_SPLIT 16): 64 adapters 47.7 ms
 against the base's 8.44 (259 when each shrink piece walked its tile's adapters one at a time: ADAPTER_SPLIT spreads
 them over 16 programs by pool slot), 16 adapters 26.6, 1 adapter 20.7 (~20 us of chained latency per call: shrink,
-tickets, expand).
+tickets, expand). 65-256 rows over many adapters: not measured yet, and likely the slowest (each 32-row tile walks its
+adapters one after another, the whole shrink each): docs/benchmarks.md, "The next call".
 """
 from __future__ import annotations
 
@@ -219,10 +220,11 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 # finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
 # (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1. Past
 # TICKET_TILE rows the same launch runs row tiles of TICKET_TILE, pieces and column blocks per tile (tile-major),
-# every column block waiting for every piece: one launch a projection where the row-tile path below takes two
-# (bench/lora.py --variant TICKET_ROWS=2048 measures it against that path).
+# every column block waiting for every piece: one launch a projection where the row-tile paths below walk a tile's
+# adapters one after another (65-256 rows) or take two launches (past 256); bench/lora.py --variant TICKET_ROWS=N
+# measures it against them.
 TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
-TICKET_TILE = 64  # its largest row tile: past it several tiles, each adapter split off (ADAPTER_SPLIT 1)
+TICKET_TILE = 64  # its largest row tile: past it several, each split by adapter over ADAPTER_SPLIT // tiles
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
 ADAPTER_SPLIT = 16  # up to TICKET_ROWS each piece and column block in this many programs, by pool slot % split
 
@@ -472,7 +474,7 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     tiles = triton.cdiv(m, bm)
     if tiles * bm > ws.shape[1]:
         raise ValueError(f"{m} rows: the ticketed kernel's scratch holds {ws.shape[1]} (TICKET_ROWS)")
-    aj = adapter_split(lora) if tiles == 1 else 1
+    aj = max(1, adapter_split(lora) // tiles)  # programs ~ one tile's at any number of tiles
     grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
     _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
                              m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),

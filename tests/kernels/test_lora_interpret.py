@@ -55,13 +55,17 @@ ROWS = {  # each batch row's adapter slot
 }
 
 
-MODES = ["ticketed", "tiles", "fused", "split"]  # the 1-64-row kernel, and it in several row tiles (16 here); row
-# tiles with the shrink per program, or apart
+# the 1-64-row kernel, and it in several row tiles (16 here; split by adapter or not); row tiles with the shrink
+# per program, or apart
+MODES = ["ticketed", "tiles", "tiles unsplit", "fused", "split"]
 
 
 def _mode(kl, monkeypatch, mode: str) -> None:
-    monkeypatch.setattr(kl, "TICKET_ROWS", {"ticketed": 64, "tiles": 256}.get(mode, 0))
-    monkeypatch.setattr(kl, "TICKET_TILE", 16 if mode == "tiles" else 64)
+    tiles = mode.startswith("tiles")
+    monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 256 if tiles else 0)
+    monkeypatch.setattr(kl, "TICKET_TILE", 16 if tiles else 64)
+    if mode == "tiles unsplit":
+        monkeypatch.setattr(kl, "ADAPTER_SPLIT", 1)
     monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
     monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
 
