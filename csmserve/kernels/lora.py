@@ -471,9 +471,7 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
     bm = small_tile(m)
-    tiles = triton.cdiv(m, bm)
-    if tiles * bm > ws.shape[1]:
-        raise ValueError(f"{m} rows: the ticketed kernel's scratch holds {ws.shape[1]} (TICKET_ROWS)")
+    tiles = triton.cdiv(m, bm)  # tiles * bm <= the scratch's rows: TICKET_ROWS in whole tiles (LoraLayer.scratch)
     aj = max(1, adapter_split(lora) // tiles)  # programs ~ one tile's at any number of tiles
     grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
     _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
