@@ -112,7 +112,7 @@ def _set(variant: str) -> None:
 def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
-    names = ("TICKET_ROWS", "TICKET_TILE", "ADAPTER_SPLIT", "PIECE_K", "FUSED_ROWS", "SHRINK_ROWS", "SHRINK_PIECE",
+    names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "SHRINK_ROWS", "SHRINK_PIECE",
              "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")
     return {n: getattr(kl, n) for n in names}
 

@@ -11,22 +11,19 @@ rows so) read each adapter's A and B once per tile, not once per row; a tile of 
     expand:  y[:, slice s] += xa[:, s] B_a[:, slice s]   (in place)  | GLU: h = silu(g + dg) * (u + du)
 
 Above the GEMV's rows (kernels/gemv.py, 1-16 rows, where the LoRA is fused into the GEMV itself) the base GEMM is
-cuBLAS and this file runs after it: `lora_add_` (y += delta; one launch: shrink and expand in one program per (row
-tile, column group) at up to FUSED_ROWS rows, the shrink recomputed per group; two launches past it: the shrink in
-programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order by the expand) and `lora_glu` (the
-MLP's SiLU*up with the gate and up deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass
-over the [M, 2I] output). A batch whose every row has one adapter runs it merged into the weights instead
-(engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
+cuBLAS and this file runs after it: `lora_add_` (y += delta) and `lora_glu` (the MLP's SiLU*up with the gate and up
+deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass over the [M, 2I] output). Up to
+TICKET_ROWS (256) rows one launch, the ticketed kernel (below: the shrink in pieces over K, the expand waiting on
+them); past it two: the shrink in programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order
+by the expand. A batch whose every row has one adapter runs it merged into the weights instead (engine/runner.py,
+models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
-Cost (rank 16 on all 591 LoRA'd projections a frame; the history and the next call: docs/benchmarks.md "Issue
-42"): a step with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone
-adapter runs merged, both at the base's step. A mixed batch: +28% at 2,048 rows with 64 adapters (65.44 against
-51.02 ms, one H100, `0f52192`): the GLU 78 us a call where silu_mul's pass alone needs ~30, the down's shrink 25
-us, the rest ~1,000 short launches. At 64 rows (H100, `551eb99` with ADAPTER_SPLIT 16): 64 adapters 47.7 ms
-against the base's 8.44 (259 when each shrink piece walked its tile's adapters one at a time: ADAPTER_SPLIT spreads
-them over 16 programs by pool slot), 16 adapters 26.6, 1 adapter 20.7 (~20 us of chained latency per call: shrink,
-tickets, expand). 65-256 rows over many adapters: not measured yet, and likely the slowest (each 32-row tile walks its
-adapters one after another, the whole shrink each): docs/benchmarks.md, "The next call".
+Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
+with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
+merged, both at the base's step. A mixed batch over 64 adapters (`91cdcc8` with these defaults): 64 rows 27.6 ms
+against the base's 8.4, 128 rows 28.6 (9.4), 256 rows 31.0 (11.2); 512 rows 30.8 (15.9), 1,024 38.2 (27.7); 2,048
+rows 66.1 against 51.8 (+27%: the GLU 78 us a call where silu_mul's pass alone needs ~30, the down's shrink 25 us,
+the rest ~1,000 short launches). At a few rows each call is ~20 us of chained latency (shrink, tickets, expand).
 """
 from __future__ import annotations
 
@@ -38,16 +35,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve.kernels import pdl
 
-FUSED_ROWS = 256  # up to here one launch (the shrink recomputed per column group), past it shrink and expand apart
-# past FUSED_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE (fp32 sums added in order
-# by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
+# past TICKET_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE (fp32 sums added in
+# order by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
 SHRINK_ROWS = 16
 SHRINK_PIECE = 256
-GLU_GROUPS = 8  # past FUSED_ROWS the GLU's column groups
-GLU_ROWS = 16  # past FUSED_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
-EXPAND_ROWS = 32  # past FUSED_ROWS the expand's row tile
-_PROGRAMS = 264  # ~2 programs per SM of an H100 / H200: the fused path's grid (each program recomputes its shrink)
-EXPAND_PROGRAMS = 1 << 20  # past FUSED_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
+GLU_GROUPS = 8  # past TICKET_ROWS the GLU's column groups
+GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
+EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
+EXPAND_PROGRAMS = 1 << 20  # past TICKET_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -105,12 +100,11 @@ def row_tile(pid_m, AD, M, rows_per, BM: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, stride_gm, stride_ym, stride_al,
-                 stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr,
-                 BK: tl.constexpr, BN: tl.constexpr, SHRINK: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr = 1):
-    # program (row tile, column group g of G): xa (SHRINK: computed here; else from _shrink_kernel's KS pieces XA
-    # [KS, M, S, RB] fp32), then y's column blocks g, g + G, ... updated.
+def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br, N0, N1,
+                 S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr):
+    # program (row tile, column group g of G): xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32), then y's
+    # column blocks g, g + G, ... updated.
     # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
     # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
     pid_g = tl.program_id(1)
@@ -121,7 +115,6 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
     else:
         todo = ad >= 0
     rr = tl.arange(0, RB)
-    x_rows = X + rm.to(tl.int64) * stride_xm
     g_rows = GU + rm.to(tl.int64) * stride_gm
     y_rows = Y + rm.to(tl.int64) * stride_ym
     xa_rows = XA + rm.to(tl.int64) * (S * RB)
@@ -134,23 +127,19 @@ def _lora_kernel(X, GU, Y, XA, A, B, RANKS, AD, M, N, K, rows_per, stride_xm, st
         has = a >= 0
         a_l = tl.maximum(a, 0).to(tl.int64)
         rank = tl.load(RANKS + a_l) * has.to(tl.int32)  # 0 for rows without an adapter: nothing read past it
-        if SHRINK:
-            xa0, xa1, xa2 = shrink_rows(x_rows, sel & (ad >= 0), A + a_l * stride_al, stride_ar, rank, K, 0, K, S,
-                                        RB, BM, BK, IEEE)
-            xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
-        else:  # the shrink's KS pieces [KS, M, S, RB] (fp32) added in order, rounded as PEFT's lora_A(x) is
-            mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
-            xa0 = tl.zeros([BM, RB], dtype=tl.float32)
-            xa1 = tl.zeros([BM, RB], dtype=tl.float32)
-            xa2 = tl.zeros([BM, RB], dtype=tl.float32)
-            for p in range(KS):
-                piece = xa_rows[:, None] + p * M * (S * RB) + rr[None, :]
-                xa0 += tl.load(piece, mask=mx, other=0.0)
-                if S > 1:
-                    xa1 += tl.load(piece + RB, mask=mx, other=0.0)
-                if S > 2:
-                    xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
-            xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
+        # the shrink's KS pieces added in order, rounded as PEFT's lora_A(x) is
+        mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
+        xa0 = tl.zeros([BM, RB], dtype=tl.float32)
+        xa1 = tl.zeros([BM, RB], dtype=tl.float32)
+        xa2 = tl.zeros([BM, RB], dtype=tl.float32)
+        for p in range(KS):
+            piece = xa_rows[:, None] + p * M * (S * RB) + rr[None, :]
+            xa0 += tl.load(piece, mask=mx, other=0.0)
+            if S > 1:
+                xa1 += tl.load(piece + RB, mask=mx, other=0.0)
+            if S > 2:
+                xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
+        xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
         b_base = B + a_l * stride_bl
         for nb in range(pid_g, n_blocks, G):
             n0 = nb * BN
@@ -209,7 +198,7 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
         tl.store(out + 2 * RB, acc2, mask=m2)
 
 
-# ---------------------------------------------------------------------------------- 1-16 rows: the ticketed kernel
+# --------------------------------------------------------------------------------- 1-256 rows: the ticketed kernel
 # At a few rows the shrink is a reduction over K of a few rows: one program per column block (the expand) would each
 # read all of A again, and one program per row reads A [R, K] alone (a latency of microseconds for K = 8,192). So
 # the shrink is cut into pieces (slice s, a K range of PIECE_K), each a program of its own, and the programs that
@@ -218,13 +207,12 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 # CUB's decoupled look-back relies on): no deadlock whatever order the GPU starts them in. The pieces' partial sums
 # [NP, 16, RB] (fp32) are added in a fixed order by every reader: the same bits every run. The last program to
 # finish resets the counters for the next launch (the same call site runs again only kernels later). The GEMV
-# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1. Past
-# TICKET_TILE rows the same launch runs row tiles of TICKET_TILE, pieces and column blocks per tile (tile-major),
-# every column block waiting for every piece: one launch a projection where the row-tile paths below walk a tile's
-# adapters one after another (65-256 rows) or take two launches (past 256); bench/lora.py --variant TICKET_ROWS=N
-# measures it against them.
-TICKET_ROWS = 64  # lora_add_ / lora_glu run the ticketed kernel up to here (row tiles of 16, 32, 64)
-TICKET_TILE = 64  # its largest row tile: past it several, each split by adapter over ADAPTER_SPLIT // tiles
+# (kernels/gemv.py) runs the same pieces and epilogue inside its own grid: no launch of its own at batch 1. Past 16
+# rows the same launch runs row tiles of 16, pieces and column blocks per tile (tile-major), every column block
+# waiting for every piece, each tile's programs split by adapter over ADAPTER_SPLIT // tiles (32- and 64-row tiles
+# measured slower at 64-256 rows; past 256 rows the shrink and expand apart win: docs/tried-and-dropped.md).
+TICKET_ROWS = 256  # lora_add_ / lora_glu run the ticketed kernel up to here; past it lora_shrink + _expand
+TICKET_TILE = 16  # its row tile (the GEMV's rows)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
 ADAPTER_SPLIT = 16  # up to TICKET_ROWS each piece and column block in this many programs, by pool slot % split
 
@@ -470,7 +458,7 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
-    bm = small_tile(m)
+    bm = TICKET_TILE
     tiles = triton.cdiv(m, bm)  # tiles * bm <= the scratch's rows: TICKET_ROWS in whole tiles (LoraLayer.scratch)
     aj = max(1, adapter_split(lora) // tiles)  # programs ~ one tile's at any number of tiles
     grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
@@ -487,11 +475,6 @@ def adapter_split(lora) -> int:
     return max(1, min(ADAPTER_SPLIT, lora.a.shape[0], lora.rows.shape[0]))
 
 
-def small_tile(m: int) -> int:
-    """The ticketed kernel's row tile: 16 rows (the GEMV's), 32 or 64 (TICKET_TILE: past it several tiles)."""
-    return 16 if m <= 16 else min(triton.next_power_of_2(m), TICKET_TILE)
-
-
 def _pow2_divisor(n: int, most: int) -> int:
     d = 1
     while d < most and n % (d * 2) == 0:
@@ -504,8 +487,7 @@ def _blocks(lora, m: int, n: int, glu: bool = False) -> tuple[int, int, int, int
     t = lora.target
     bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
     rb = rank_block(lora)
-    bm = (GLU_ROWS if glu else EXPAND_ROWS) if m > FUSED_ROWS else 16 if m <= 64 else 32
-    return bm, 64, bn, rb
+    return GLU_ROWS if glu else EXPAND_ROWS, 64, bn, rb
 
 
 def applies(x: Tensor, lora) -> bool:
@@ -516,34 +498,27 @@ def applies(x: Tensor, lora) -> bool:
             and piece_block(t.k) >= 16 and t.k % 16 == 0)
 
 
-def _launch(x: Tensor, y: Tensor, xa: Tensor, lora, n: int, *, shrink: bool, glu: bool,
-            groups: int = 1, gu: Tensor | None = None) -> None:
-    """y's deltas; shrink: the shrink in each program, else xa is lora_shrink's pieces."""
+def _expand(xa: Tensor, y: Tensor, lora, n: int, *, glu: bool, groups: int, gu: Tensor | None = None) -> None:
+    """y's deltas from lora_shrink's pieces xa."""
     m = y.shape[0]
     gu = y if gu is None else gu
-    bm, bk, bn, rb = _blocks(lora, m, n, glu)
+    bm, _, bn, rb = _blocks(lora, m, n, glu)
     rows = lora.rows
     t = lora.target
-    a, b = lora.a, lora.b
     grid = (triton.cdiv(m, bm), groups)
-    _lora_kernel[grid](x, gu, y, xa, a, b, lora.pool.ranks, rows, m, n, t.k, m // rows.shape[0], x.stride(0),
-                       gu.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), *t.bounds,
-                       S=len(t.slices), RB=rb, BM=bm, BK=bk, BN=bn, SHRINK=shrink, GLU=glu,
-                       IEEE=y.dtype == torch.float32, KS=1 if shrink else xa.shape[0], num_warps=4, **pdl.opts())
+    _lora_kernel[grid](gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
+                       lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
+                       IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
 
 
-def _groups(m: int, n: int, lora, fused: bool) -> int:
-    """Column groups: with the shrink in the program ~_PROGRAMS programs in all and at most 8 (each recomputes it);
-    without, every column block its own (up to EXPAND_PROGRAMS)."""
+def _groups(m: int, n: int, lora) -> int:
+    """The expand's column groups: every column block its own program (up to EXPAND_PROGRAMS in all)."""
     bm, _, bn, _ = _blocks(lora, m, n)
-    blocks, tiles = triton.cdiv(n, bn), triton.cdiv(m, bm)
-    if fused:
-        return max(1, min(blocks, _PROGRAMS // tiles, 8))
-    return max(1, min(blocks, EXPAND_PROGRAMS // tiles))
+    return max(1, min(triton.cdiv(n, bn), EXPAND_PROGRAMS // triton.cdiv(m, bm)))
 
 
 def shrink_piece(k: int) -> int:
-    """The K piece of one shrink program past FUSED_ROWS: SHRINK_PIECE where it divides K, else K."""
+    """The K piece of one shrink program past TICKET_ROWS: SHRINK_PIECE where it divides K, else K."""
     return SHRINK_PIECE if k % SHRINK_PIECE == 0 else k
 
 
@@ -568,11 +543,8 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     m, n = x2.shape[0], y2.shape[1]
     if m <= TICKET_ROWS:
         _small(x2, y2, lora, None)
-    elif m <= FUSED_ROWS:
-        _launch(x2, y2, y2, lora, n, shrink=True, glu=False, groups=_groups(m, n, lora, True))
     else:
-        xa = lora_shrink(x2, lora)
-        _launch(xa, y2, xa, lora, n, shrink=False, glu=False, groups=_groups(m, n, lora, False))
+        _expand(lora_shrink(x2, lora), y2, lora, n, glu=False, groups=_groups(m, n, lora))
     return y
 
 
@@ -584,9 +556,6 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
     if m <= TICKET_ROWS:
         _small(x2, h, lora, gu)
-    elif m <= FUSED_ROWS:
-        _launch(x2, h, h, lora, i, shrink=True, glu=True, groups=_groups(m, i, lora, True), gu=gu)
     else:
-        xa = lora_shrink(x2, lora)
-        _launch(xa, h, xa, lora, i, shrink=False, glu=True, groups=GLU_GROUPS, gu=gu)
+        _expand(lora_shrink(x2, lora), h, lora, i, glu=True, groups=GLU_GROUPS, gu=gu)
     return h.reshape(*gate_up.shape[:-1], i)

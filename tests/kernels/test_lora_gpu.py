@@ -1,6 +1,6 @@
 """GPU (`pytest -m gpu`): kernels/lora.py on CSM-1B's shapes (bf16) against the torch reference (models/lora.py): every
-mode (the ticketed kernel at 1-64 rows, row tiles with the shrink per program, shrink and expand apart), ragged and
-mixed rows with rows without an adapter, ranks below the pool's; the same bits every run; inside a CUDA graph."""
+mode (the ticketed kernel in 16-row tiles, split by adapter or not; the shrink and expand apart), ragged and mixed
+rows with rows without an adapter, ranks below the pool's; the same bits every run; inside a CUDA graph."""
 from __future__ import annotations
 
 import pytest
@@ -69,15 +69,12 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
     y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
     delta = delta_torch(x, layer).float()  # [m, n]
     ref = (y0.float() + delta).bfloat16()
-    # by adapter: ADAPTER_SPLIT 8; tiles: the ticketed kernel in 64-row tiles past 64 rows
-    modes = ["ticketed", "by adapter"] if m <= kl.TICKET_ROWS else ["tiles"]
-    modes += ["fused", "split"]
+    # by adapter: ADAPTER_SPLIT 8; split: the shrink and expand apart (the path past TICKET_ROWS); the ticketed
+    # kernel at every m here (its 16-row tiles at 2,048 too)
     bits = {}
-    for mode in modes:
-        monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode in ("ticketed", "by adapter") else 2048 if mode == "tiles"
-                            else 0)
+    for mode in ["ticketed", "by adapter", "split"]:
+        monkeypatch.setattr(kl, "TICKET_ROWS", 0 if mode == "split" else 2048)
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 8 if mode == "by adapter" else 1)
-        monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
         if "gate_up" in module:
             got = kl.lora_glu(y0, x, layer)
             a, b = ref.float().chunk(2, -1)
@@ -92,8 +89,8 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
         again = kl.lora_glu(y0, x, layer) if "gate_up" in module else kl.lora_add_(x, y0.clone(), layer)
         assert torch.equal(again, got), f"{mode}: not the same bits twice"
         bits[mode] = got
-    if "by adapter" in bits:  # each row's pieces summed in the same order, whichever program walks its adapter
-        assert torch.equal(bits["by adapter"], bits["ticketed"])
+    # each row's pieces summed in the same order, whichever program walks its adapter
+    assert torch.equal(bits["by adapter"], bits["ticketed"])
 
 
 @cuda

@@ -55,18 +55,15 @@ ROWS = {  # each batch row's adapter slot
 }
 
 
-# the 1-64-row kernel, and it in several row tiles (16 here; split by adapter or not); row tiles with the shrink
-# per program, or apart
-MODES = ["ticketed", "tiles", "tiles unsplit", "fused", "split"]
+# the ticketed kernel (1-256 rows, 16-row tiles; split by adapter over ADAPTER_SPLIT // tiles, or not), and the
+# shrink and expand apart (past 256)
+MODES = ["ticketed", "ticketed unsplit", "split"]
 
 
 def _mode(kl, monkeypatch, mode: str) -> None:
-    tiles = mode.startswith("tiles")
-    monkeypatch.setattr(kl, "TICKET_ROWS", 64 if mode == "ticketed" else 256 if tiles else 0)
-    monkeypatch.setattr(kl, "TICKET_TILE", 16 if tiles else 64)
-    if mode == "tiles unsplit":
+    monkeypatch.setattr(kl, "TICKET_ROWS", 256 if mode.startswith("ticketed") else 0)
+    if mode == "ticketed unsplit":
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 1)
-    monkeypatch.setattr(kl, "FUSED_ROWS", 1 << 20 if mode == "fused" else 0)
     monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
 
 
