@@ -5,7 +5,7 @@ in the same run; then one stream through the engine with an adapter and without.
 
 python bench/lora.py --batches 1,64,2048 --adapters 0,1,8,64 --ranks 16,64
 python bench/lora.py --batches 2048 --adapters 64 --ranks 16 --no-stream --runs base,kernels \
-    --variant EXPAND_PROGRAMS=264,GLU_ROWS=32   # an A/B: the kernels with other constants, same process
+    --variant GLU_GROUPS=16,GLU_ROWS=32   # an A/B: the kernels with other constants, same process
 
 A row's adapters are contiguous runs of slots (the scheduler orders a step's rows by adapter); "0" is the pool's
 runner with every row on the base (its graphs without the LoRA kernels replay), "base" a runner without a pool.
@@ -113,7 +113,7 @@ def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
     names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "SHRINK_ROWS", "SHRINK_PIECE",
-             "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS", "EXPAND_PROGRAMS")
+             "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS")
     return {n: getattr(kl, n) for n in names}
 
 
@@ -153,7 +153,7 @@ def main() -> None:
                     "adapters as served (merged), the batched kernels (an A/B's: kernels alone)")
     ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME=V,...",
                     help="A/B: one more kernels runner with kernels/lora.py's constants set so (e.g. "
-                    "EXPAND_PROGRAMS=264,GLU_ROWS=32); repeatable")
+                    "GLU_GROUPS=16,GLU_ROWS=32); repeatable")
     args = ap.parse_args()
     if not set(args.runs.split(",")) <= {"base", "merged", "kernels"}:
         raise SystemExit(f"--runs: {args.runs} is not a list of base, merged, kernels")

@@ -42,7 +42,6 @@ SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past TICKET_ROWS the GLU's column groups
 GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
-EXPAND_PROGRAMS = 1 << 20  # past TICKET_ROWS: every column block its own program (bench/lora.py's A/B: 264, the old)
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -453,7 +452,7 @@ def pieces(k: int) -> int:
 def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     m, n = y.shape
     t = lora.target
-    _, _, bn, rb = _blocks(lora, m, n)
+    bn, rb = col_block(lora, n), rank_block(lora)
     ksplit = pieces(t.k)
     bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
@@ -482,12 +481,10 @@ def _pow2_divisor(n: int, most: int) -> int:
     return d
 
 
-def _blocks(lora, m: int, n: int, glu: bool = False) -> tuple[int, int, int, int]:
-    """(BM, BK, BN, RB) for m rows of a projection's n output columns (BN divides its slice bounds)."""
+def col_block(lora, n: int) -> int:
+    """The column block of a projection's n output columns: <= 128, dividing its slice bounds."""
     t = lora.target
-    bn = min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
-    rb = rank_block(lora)
-    return GLU_ROWS if glu else EXPAND_ROWS, 64, bn, rb
+    return min(128, max(16, triton.next_power_of_2(n)), *(_pow2_divisor(b, 128) for b in t.bounds if b < t.n))
 
 
 def applies(x: Tensor, lora) -> bool:
@@ -498,23 +495,19 @@ def applies(x: Tensor, lora) -> bool:
             and piece_block(t.k) >= 16 and t.k % 16 == 0)
 
 
-def _expand(xa: Tensor, y: Tensor, lora, n: int, *, glu: bool, groups: int, gu: Tensor | None = None) -> None:
-    """y's deltas from lora_shrink's pieces xa."""
+def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> None:
+    """y's deltas from lora_shrink's pieces xa; gu: the GLU's (GLU_GROUPS column groups), else every column block
+    its own program."""
     m = y.shape[0]
-    gu = y if gu is None else gu
-    bm, _, bn, rb = _blocks(lora, m, n, glu)
+    bm, bn, rb = GLU_ROWS if gu is not None else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
+    groups = GLU_GROUPS if gu is not None else triton.cdiv(n, bn)
     rows = lora.rows
     t = lora.target
-    grid = (triton.cdiv(m, bm), groups)
-    _lora_kernel[grid](gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
-                       lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
-                       IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
-
-
-def _groups(m: int, n: int, lora) -> int:
-    """The expand's column groups: every column block its own program (up to EXPAND_PROGRAMS in all)."""
-    bm, _, bn, _ = _blocks(lora, m, n)
-    return max(1, min(triton.cdiv(n, bn), EXPAND_PROGRAMS // triton.cdiv(m, bm)))
+    _lora_kernel[(triton.cdiv(m, bm), groups)](
+        y if gu is None else gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0],
+        (y if gu is None else gu).stride(0), y.stride(0), lora.b.stride(0), lora.b.stride(1), *t.bounds,
+        S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=gu is not None, IEEE=y.dtype == torch.float32, KS=xa.shape[0],
+        num_warps=4, **pdl.opts())
 
 
 def shrink_piece(k: int) -> int:
@@ -544,7 +537,7 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     if m <= TICKET_ROWS:
         _small(x2, y2, lora, None)
     else:
-        _expand(lora_shrink(x2, lora), y2, lora, n, glu=False, groups=_groups(m, n, lora))
+        _expand(lora_shrink(x2, lora), y2, lora, n)
     return y
 
 
@@ -557,5 +550,5 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     if m <= TICKET_ROWS:
         _small(x2, h, lora, gu)
     else:
-        _expand(lora_shrink(x2, lora), h, lora, i, glu=True, groups=GLU_GROUPS, gu=gu)
+        _expand(lora_shrink(x2, lora), h, lora, i, gu)
     return h.reshape(*gate_up.shape[:-1], i)
