@@ -6,7 +6,7 @@ scheduler's order), each as a CUDA graph of --reps calls, best of 5 (bench/gpu_p
     cuBLAS         F.linear (gate_up: + silu_mul), the base as the model runs it past 16 rows
     + LoRA         the same + lora_add_ / lora_glu (what a mixed batch runs today)
     ours           _gemm_kernel alone (the best of CONFIGS for the shape; gate_up with the SiLU*up fused)
-    ours + LoRA    lora_shrink + _gemm_kernel with the expand in its epilogue
+    ours + LoRA    lora_shrink + _gemm_kernel with the expand in its epilogue (shrink: lora_shrink alone, its part)
 
 then the sums over a frame's calls (the backbone's 16 layers once, the depth decoder's 4 layers at each of 31
 steps). The decision it makes: ours + LoRA within ~10% of cuBLAS over a frame takes the LoRA into our GEMM; ours
@@ -193,9 +193,9 @@ def main() -> None:
     assert args.rows > kl.TICKET_ROWS, "past TICKET_ROWS only (below it the ticketed kernel runs, one launch)"
     print(f"{torch.cuda.get_device_name()}, {args.rows} rows over {args.adapters} rank-{args.rank} adapters; us a "
           f"call, CUDA graphs of {args.reps} calls, best of 5\n")
-    print("| projection | K -> N | calls a frame | cuBLAS | + LoRA | ours (config) | ours + LoRA | ours + LoRA vs "
-          "cuBLAS + LoRA |\n|---|---|---|---|---|---|---|---|")
-    totals = [0.0] * 4
+    print("| projection | K -> N | calls a frame | cuBLAS | + LoRA | ours (config) | ours + LoRA | shrink | ours + LoRA "
+          "vs cuBLAS + LoRA |\n|---|---|---|---|---|---|---|---|---|")
+    totals = [0.0] * 5
     for part, calls in CALLS.items():
         for mod in MODULES:
             layer = model.get_submodule(f"{part}.layers.0.{mod}")
@@ -226,15 +226,16 @@ def main() -> None:
                 ours[cfg] = graph_timed(lambda c=cfg: [gemm(x, w, c, glu) for _ in range(reps)], reps)
             best = min(ours, key=ours.get)
             t_ours_lora = graph_timed(lambda: [ours_lora(best) for _ in range(reps)], reps)
-            row = (t_cublas, t_cublas_lora, ours[best], t_ours_lora)
+            t_shrink = graph_timed(lambda: [kl.lora_shrink(x, lora) for _ in range(reps)], reps)
+            row = (t_cublas, t_cublas_lora, ours[best], t_ours_lora, t_shrink)
             totals = [a + b * calls / 1000 for a, b in zip(totals, row)]
             n = w.shape[0] // (2 if glu else 1)
             print(f"| {part} {mod} | {w.shape[1]} -> {n} | {calls} | {t_cublas:.1f} | {t_cublas_lora:.1f} | "
-                  f"{ours[best]:.1f} ({'/'.join(map(str, best))}) | {t_ours_lora:.1f} | "
+                  f"{ours[best]:.1f} ({'/'.join(map(str, best))}) | {t_ours_lora:.1f} | {t_shrink:.1f} | "
                   f"{t_ours_lora / t_cublas_lora - 1:+.0%} |", flush=True)
-    c, cl, o, ol = totals
+    c, cl, o, ol, sh = totals
     print(f"\nA frame's calls of these (ms): cuBLAS {c:.2f}; + LoRA {cl:.2f} ({cl - c:+.2f}); ours {o:.2f}; ours + "
-          f"LoRA {ol:.2f} ({ol - c:+.2f} against cuBLAS)")
+          f"LoRA {ol:.2f} ({ol - c:+.2f} against cuBLAS; the shrinks {sh:.2f} of it)")
 
 
 if __name__ == "__main__":
