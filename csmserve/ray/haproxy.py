@@ -11,7 +11,9 @@ context turn, a stored voice), `any` (least connections). The body is read from 
 `/ready`, `/metrics`, `/-/healthz` and the LoRA load / unload routes go to the ingress actor's control port.
 
 Master-worker mode (`-W`): a new config is checked (`haproxy -c`), written, and the master re-executes on
-SIGUSR2; the old worker serves its open streams to their end (at most HARD_STOP_S).
+SIGUSR2; the old worker serves its open streams to their end (at most HARD_STOP_S). `reload` returns once a new
+connection gets the new config (HAProxy answers CONFIG_PATH itself with its servers' hash): until then new
+connections still reach the old worker, so the ingress calls a replica routed (/ready) only after it.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ CHECK_INTER_MS, CHECK_FAST_MS, CHECK_FALL = 1000, 250, 2  # GET /health every 1 
 LONG_S = 3600  # client / server / tunnel inactivity: the replicas' own limits (reader lag, idle turns) come first
 MAX_THREADS = 4
 SESSION_HEADER = "x-session-id"
+CONFIG_PATH = "/-/haproxy-config"  # answered by HAProxy itself: the hash of the servers its config routes to
 
 
 def binary() -> str:
@@ -111,6 +114,12 @@ def server_ids(names: Sequence[str]) -> dict[str, int]:
     return ids
 
 
+def config_id(servers: Sequence[Server]) -> str:
+    """What CONFIG_PATH answers under the config of these servers."""
+    key = " ".join(f"{s.name}={s.host}:{s.port}" for s in sorted(servers, key=lambda s: s.name))
+    return f"{zlib.crc32(key.encode()):08x}"
+
+
 def render(f: Frontend, servers: Sequence[Server]) -> str:
     """The whole haproxy.cfg for these replicas."""
     ids = server_ids([s.name for s in servers])
@@ -170,6 +179,8 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         "frontend csmserve",
         f"    bind {f.host}:{f.port}" if ":" not in f.host else f"    bind [{f.host}]:{f.port}",
         "    option http-buffer-request",
+        f"    http-request return status 200 content-type text/plain string {config_id(servers)} "
+        f"if {{ path {CONFIG_PATH} }}",
         # the control port: the application's own paths, and the LoRA load / unload routes (refused there: with
         # --ray, adapters are given at start, to every replica)
         "    acl control path /ready /metrics /-/healthz /v1/load_lora_adapter /v1/unload_lora_adapter",
@@ -242,6 +253,7 @@ class HAProxy:
         self.config = self.workdir / "haproxy.cfg"
         self.log = self.workdir / "haproxy.log"
         self.process: subprocess.Popen | None = None
+        self.address: tuple[str, int] = ("127.0.0.1", 0)  # where `start` reaches it
 
     def check(self, text: str) -> str | None:
         """None if HAProxy accepts the config, else what it says."""
@@ -259,30 +271,49 @@ class HAProxy:
         os.replace(tmp, self.config)
 
     def start(self, text: str, host: str, port: int, timeout: float = 10.0) -> None:
-        """Start it on `text` and wait until it listens on host:port (RuntimeError with its log if not)."""
+        """Start it on `text` and wait until it serves that config on host:port (RuntimeError with its log if
+        not)."""
         self._write(text)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen([self.path, "-W", "-db", "-f", str(self.config)], stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        connectable = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        self.address = ({"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host), port)
+        try:
+            self._await(text, timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def reload(self, text: str, timeout: float = 10.0) -> None:
+        """The new config, taken in place: returns once new connections get it (RuntimeError if they do not in
+        `timeout` s); open streams keep the old worker."""
+        self._write(text)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR2)
+            self._await(text, timeout)
+
+    def _await(self, text: str, timeout: float) -> None:
+        """Until a new connection's GET CONFIG_PATH answers the id `text` carries."""
+        want = re.search(rf"string (\S+) if {{ path {re.escape(CONFIG_PATH)} }}", text).group(1).encode()
+        request = f"GET {CONFIG_PATH} HTTP/1.0\r\nHost: csmserve\r\n\r\n".encode()
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"HAProxy exited (code {self.process.returncode}): {self.log_tail()}")
             try:
-                with socket.create_connection((connectable, port), timeout=1.0):
+                with socket.create_connection(self.address, timeout=1.0) as sock:
+                    sock.sendall(request)
+                    reply = b""
+                    while chunk := sock.recv(4096):
+                        reply += chunk
+                if reply.startswith(b"HTTP/1.") and reply.split(b"\r\n\r\n", 1)[-1].strip() == want:
                     return
             except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"HAProxy does not listen on {host}:{port}: {self.log_tail()}") from None
-                time.sleep(0.05)
-
-    def reload(self, text: str) -> None:
-        """The new config, taken in place: new connections get it, open streams keep the old worker."""
-        self._write(text)
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGUSR2)
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"HAProxy does not serve its new config on {self.address} in {timeout} s: "
+                                   f"{self.log_tail()}")
+            time.sleep(0.02)
 
     @property
     def alive(self) -> bool:

@@ -4,6 +4,7 @@ bounded loads, health checks, reloads in place, and errors in OpenAI's shape. No
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections import Counter
@@ -114,7 +115,6 @@ class Proxy:
 
     def set(self, replicas: list[Replica]) -> None:
         self.proxy.reload(haproxy.render(self.frontend, [r.server for r in replicas]))
-        time.sleep(0.5)  # the new worker takes over
 
     def speak(self, headers: dict | None = None, params: dict | None = None, **body) -> str:
         r = httpx.post(f"{self.url}/v1/audio/speech", json={"input": "Hi.", **body}, headers=headers,
@@ -261,6 +261,21 @@ def test_a_reload_keeps_open_streams_and_moves_only_the_lost_replicas_keys(proxy
     assert all(moved[c] == h for c, h in homes.items() if h != "r3")
     proxy.set(replicas)
     assert {c: proxy.speak(context_id=c) for c in homes} == homes
+
+
+def test_a_reload_returns_once_new_connections_get_the_new_config(tmp_path, replicas):
+    """The first request after `reload` reaches the replicas of the new config, never the old worker's (its 503
+    with none, its replica otherwise): what lets the ingress call a replica routed (/ready) as reload returns."""
+    p = Proxy(tmp_path, [])
+    try:
+        for r in replicas:  # each reload routes to that replica alone
+            p.set([r])
+            with socket.create_connection(("127.0.0.1", p.port)) as sock:  # at once (httpx takes ~10 ms to start)
+                sock.sendall(f"GET {haproxy.CONFIG_PATH} HTTP/1.0\r\n\r\n".encode())
+                assert sock.makefile("rb").read().endswith(haproxy.config_id([r.server]).encode())
+            assert p.speak() == r.name
+    finally:
+        p.proxy.stop()
 
 
 def test_no_replica_is_a_503_in_openais_shape(tmp_path):
