@@ -152,8 +152,12 @@ def test_serve_ray_starts_a_ray_instance_of_its_own_beside_a_recorded_one(record
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc)
-        workers = {_speak(url).headers["x-csmserve-worker"] for _ in range(6)}
-        assert workers == {"0", "1"}  # the replica's two API workers, connections handed to the least busy
+        # the replica's two API workers, connections handed to the least busy attached one (a worker whose engine
+        # link still attaches gets none: on 2 busy cores that can outlast a few requests, server/dispatch.py)
+        workers, deadline = set(), time.monotonic() + 60
+        while workers != {"0", "1"} and time.monotonic() < deadline:
+            workers |= {_speak(url).headers["x-csmserve-worker"] for _ in range(6)}
+        assert workers == {"0", "1"}
         # nothing of csmserve on the recorded cluster: no Serve there at all
         names = _python(f"import ray; ray.init(address={address!r}); "
                         "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))", env)
