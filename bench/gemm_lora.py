@@ -34,13 +34,15 @@ CALLS = {"backbone": 16, "decoder": 4 * 31}  # a frame's calls of one layer's pr
 
 def _pool(model, adapters: int, rank: int, rows: int) -> LoraPool:
     """`adapters` random adapters of `rank` in a pool of the model's, the rows over them in contiguous runs."""
+    from gpu_profile import spread
+
     p = LoraPool(model, max_loras=adapters, max_rank=rank)
     g = torch.Generator(device="cuda").manual_seed(0)
     for slot in range(adapters):
         w = torch.randn(rank, p.layout.width, generator=g, device="cuda") * 0.02
         p.weights[slot] = w.to(p.weights.dtype)
         p.ranks[slot] = rank
-    p.rows = torch.tensor([r * adapters // rows for r in range(rows)], dtype=torch.int32, device="cuda")
+    p.rows = torch.tensor(spread(rows, adapters), dtype=torch.int32, device="cuda")
     return p
 
 
@@ -89,7 +91,7 @@ def main() -> None:
             t_cublas_lora = graph_timed(lambda: [cublas_lora() for _ in range(reps)], reps)
             ours = {}
             for cfg in CONFIGS:
-                if glu and cfg[0] * cfg[1] > 128 * 128 or any(b % cfg[1] for b in lora.target.bounds if b < w.shape[0]):
+                if glu and cfg[0] * cfg[1] > 128 * 128 or not kl.tile_fits(lora, cfg, glu):
                     continue
                 ours[cfg] = graph_timed(lambda c=cfg: [kl.lora_gemm(x, w, None, glu, c) for _ in range(reps)], reps)
             best = min(ours, key=ours.get)

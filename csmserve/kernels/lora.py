@@ -500,16 +500,15 @@ def applies(x: Tensor, lora) -> bool:
 def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> None:
     """y's deltas from lora_shrink's pieces xa; gu: the GLU's (GLU_GROUPS column groups), else every column block
     its own program."""
-    m = y.shape[0]
-    bm, bn, rb = GLU_ROWS if gu is not None else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
-    groups = GLU_GROUPS if gu is not None else triton.cdiv(n, bn)
+    m, glu = y.shape[0], gu is not None
+    gu = gu if glu else y
+    bm, bn, rb = GLU_ROWS if glu else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
     rows = lora.rows
     t = lora.target
-    _lora_kernel[(triton.cdiv(m, bm), groups)](
-        y if gu is None else gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0],
-        (y if gu is None else gu).stride(0), y.stride(0), lora.b.stride(0), lora.b.stride(1), *t.bounds,
-        S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=gu is not None, IEEE=y.dtype == torch.float32, KS=xa.shape[0],
-        num_warps=4, **pdl.opts())
+    _lora_kernel[(triton.cdiv(m, bm), GLU_GROUPS if glu else triton.cdiv(n, bn))](
+        gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
+        lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
+        IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
 
 
 def shrink_piece(k: int) -> int:
@@ -627,13 +626,18 @@ def _gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, XA, 
     tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], g.to(dt), mask=mm[:, None] & mn[None, :])
 
 
-def gemm_applies(x: Tensor, w: Tensor, lora, glu: bool) -> bool:
-    """Past GEMM_ROWS rows, w in x's and the pool's dtype, K in whole BK chunks, column blocks that never straddle
-    two slices."""
-    _, bn, bk, _, _ = GEMM_TILE
+def tile_fits(lora, tile: tuple, glu: bool) -> bool:
+    """A GEMM tile (GEMM_TILE's fields) for this projection: K in whole BK chunks, column blocks that never straddle
+    two slices (the GLU's gate and up blocks are apart by construction)."""
+    _, bn, bk, _, _ = tile
     t = lora.target
-    return (x.numel() // x.shape[-1] > GEMM_ROWS and w.dtype == x.dtype == lora.a.dtype and t.k % bk == 0
-            and (glu or all(b % bn == 0 for b in t.bounds if b < t.n)))
+    return t.k % bk == 0 and (glu or all(b % bn == 0 for b in t.bounds if b < t.n))
+
+
+def gemm_applies(x: Tensor, w: Tensor, lora, glu: bool) -> bool:
+    """Past GEMM_ROWS rows, w in x's and the pool's dtype, GEMM_TILE fitting the projection."""
+    return (x.numel() // x.shape[-1] > GEMM_ROWS and w.dtype == x.dtype == lora.a.dtype
+            and tile_fits(lora, GEMM_TILE, glu))
 
 
 def lora_gemm(x: Tensor, w: Tensor, lora, glu: bool = False, tile: tuple | None = None) -> Tensor:
