@@ -15,10 +15,8 @@ cuBLAS and this file runs after it: `lora_add_` (y += delta) and `lora_glu` (the
 deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass over the [M, 2I] output). Up to
 TICKET_ROWS (256) rows one launch, the ticketed kernel (below: the shrink in pieces over K, the expand waiting on
 them); past it two: the shrink in programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order
-by the expand. Past GEMM_ROWS (an A/B, off by default) the projection itself is ours, `lora_gemm`: the shrink, then
-one GEMM with the expand (and the GLU) in its epilogue, in place of cuBLAS + these (models/llama.py picks it). A
-batch whose every row has one adapter runs it merged into the weights instead (engine/runner.py, models/lora.py
-LoraMerge): these kernels serve batches that mix adapters.
+by the expand. A batch whose every row has one adapter runs it merged into the weights instead (engine/runner.py,
+models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
@@ -554,110 +552,3 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
         _expand(lora_shrink(x2, lora), h, lora, i, gu)
     return h.reshape(*gate_up.shape[:-1], i)
 
-
-# ------------------------------------------------------ past GEMM_ROWS: our GEMM with the expand in its epilogue
-# An A/B, off by default (docs/benchmarks.md "Issue 42", the next call; bench/lora.py --variant GEMM_ROWS=256): a
-# mixed batch's projection as one GEMM of ours, y = x w^T with each row's delta xa_a B_a added in the epilogue (xa:
-# lora_shrink's pieces) and the gate_up's SiLU*up there too, in place of cuBLAS + the expand's read-modify-write of
-# y (lora_add_) or the GLU's pass over [M, 2I] (lora_glu). bench/gemm_lora.py times it per shape against both.
-GEMM_ROWS = 1 << 30  # models/llama.py runs lora_gemm past here (a LoRA layer in a forward with LoRA rows)
-GEMM_TILE = (128, 128, 64, 3, 8)  # BM, BN, BK, stages, warps
-
-
-@triton.jit
-def _gemm_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, UP_OFF, XA, B, RANKS, AD, rows_per, KS,
-                 stride_bl, stride_br, N0, N1, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 STAGES: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, S: tl.constexpr, RB: tl.constexpr,
-                 IEEE: tl.constexpr):
-    # y [M, N] = x [M, K] @ w [N, K]^T (GLU: w = [gate; up] [2N, K], y = silu(gate) * up), the base rounded to the
-    # model dtype as cuBLAS' output is; LORA: + each row's delta xa_a B_a (xa: lora_shrink's KS pieces [KS, M, S,
-    # RB] fp32 added in order, rounded; the delta rounded before the add, as _lora_kernel's), the tile's adapters
-    # one at a time. Programs in groups of 8 row tiles per column block (w's tiles reused from L2)
-    pid = tl.program_id(0)
-    in_group = 8 * tl.cdiv(N, BN)
-    first_m = pid // in_group * 8
-    size_m = tl.minimum(tl.cdiv(M, BM) - first_m, 8)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mm = rm < M
-    mn = rn < N
-    rk = tl.arange(0, BK)
-    x_ptr = X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    w_ptr = W + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]  # [BK, BN]: w^T's tile
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in tl.range(0, K, BK, num_stages=STAGES):  # K % BK == 0 (gemm_applies)
-        x = tl.load(x_ptr + k, mask=mm[:, None], other=0.0)
-        acc = _dot(x, tl.load(w_ptr + k, mask=mn[None, :], other=0.0), acc, IEEE)
-        if GLU:
-            acc_u = _dot(x, tl.load(w_ptr + UP_OFF * stride_wn + k, mask=mn[None, :], other=0.0), acc_u, IEEE)
-    dt = Y.dtype.element_ty
-    g = acc.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    if LORA:
-        ad = tl.load(AD + rm // rows_per, mask=mm, other=-1)
-        todo = ad >= 0
-        rr = tl.arange(0, RB)
-        s = (pid_n * BN >= N0).to(tl.int32) + (pid_n * BN >= N1).to(tl.int32)  # the block's slice (GLU: gate's, 0)
-        while tl.max(todo.to(tl.int32), axis=0) > 0:
-            a = tl.min(tl.where(todo, ad, _BIG), axis=0)
-            sel = todo & (ad == a)
-            todo = todo & (ad != a)
-            a_l = a.to(tl.int64)
-            xa = tl.zeros([BM, RB], dtype=tl.float32)
-            xa_u = tl.zeros([BM, RB], dtype=tl.float32)
-            for p in range(KS):
-                piece = XA + (p * M + rm).to(tl.int64)[:, None] * (S * RB) + rr[None, :]
-                xa += tl.load(piece + s * RB, mask=sel[:, None], other=0.0)
-                if GLU:
-                    xa_u += tl.load(piece + RB, mask=sel[:, None], other=0.0)
-            b_ptr = B + a_l * stride_bl + rr.to(tl.int64)[:, None] * stride_br + rn[None, :]  # [RB, BN]
-            mb = (rr < tl.load(RANKS + a_l))[:, None] & mn[None, :]
-            zero = tl.zeros([BM, BN], dtype=tl.float32)
-            g += _dot(xa.to(dt), tl.load(b_ptr, mask=mb, other=0.0), zero, IEEE).to(dt).to(tl.float32)  # others: 0
-            if GLU:
-                u += _dot(xa_u.to(dt), tl.load(b_ptr + UP_OFF, mask=mb, other=0.0), zero, IEEE).to(dt).to(tl.float32)
-    if GLU:
-        g = g.to(dt).to(tl.float32)
-        u = u.to(dt).to(tl.float32)
-        g = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], g.to(dt), mask=mm[:, None] & mn[None, :])
-
-
-def tile_fits(lora, tile: tuple, glu: bool) -> bool:
-    """A GEMM tile (GEMM_TILE's fields) for this projection: K in whole BK chunks, column blocks that never straddle
-    two slices (the GLU's gate and up blocks are apart by construction)."""
-    _, bn, bk, _, _ = tile
-    t = lora.target
-    return t.k % bk == 0 and (glu or all(b % bn == 0 for b in t.bounds if b < t.n))
-
-
-def gemm_applies(x: Tensor, w: Tensor, lora, glu: bool) -> bool:
-    """Past GEMM_ROWS rows, w in x's and the pool's dtype, GEMM_TILE fitting the projection."""
-    return (x.numel() // x.shape[-1] > GEMM_ROWS and w.dtype == x.dtype == lora.a.dtype
-            and tile_fits(lora, GEMM_TILE, glu))
-
-
-def lora_gemm(x: Tensor, w: Tensor, lora, glu: bool = False, tile: tuple | None = None) -> Tensor:
-    """x [..., K] @ w^T [..., N] (glu: silu(gate) * up [..., N] of w = [gate; up] [2N, K]) with each row's LoRA delta
-    in the epilogue (lora None: the GEMM alone, bench/gemm_lora.py's); tile: GEMM_TILE's fields."""
-    x2 = x.reshape(-1, x.shape[-1])
-    m, k = x2.shape
-    n = w.shape[0] // (2 if glu else 1)
-    bm, bn, bk, stages, warps = tile or GEMM_TILE
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if lora is None:
-        extra, s, rb = (x2, x2, x2, x2, 1, 0, 0, 0, n, n), 1, 16
-    else:
-        t = lora.target
-        xa = lora_shrink(x2, lora)
-        extra = (xa, lora.b, lora.pool.ranks, lora.rows, m // lora.rows.shape[0], xa.shape[0], lora.b.stride(0),
-                 lora.b.stride(1), *((n, n) if glu else t.bounds))
-        s, rb = len(t.slices), xa.shape[-1]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _gemm_kernel[grid](x2, w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), n if glu else 0, *extra, BM=bm,
-                       BN=bn, BK=bk, STAGES=stages, GLU=glu, LORA=lora is not None, S=s, RB=rb,
-                       IEEE=x.dtype == torch.float32, num_warps=warps)
-    return y.reshape(*x.shape[:-1], n)

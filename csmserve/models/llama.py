@@ -171,9 +171,6 @@ def _glu(x: Tensor, layer: nn.Module) -> Tensor:
     lora = _lora(layer)
     if lora is None:
         return silu_mul(_base(x, layer))
-    h = _lora_gemm(x, layer, lora, True)
-    if h is not None:
-        return h
     gate_up = _base(x, layer)  # the deltas go in before the SiLU: kernels/lora.py's lora_glu is silu_mul's kernel
     if gate_up.is_cuda and _lora_kernels().applies(x, lora):
         return _lora_kernels().lora_glu(gate_up, x, lora)
@@ -217,20 +214,10 @@ def _norm_matmul_t_gemv(x: Tensor, delta: Tensor | None, norm: "RMSNorm", weight
     return _norm_matmul_t(x, delta, norm, weight)
 
 
-def _lora_gemm(x: Tensor, layer: nn.Module, lora, glu: bool) -> Tensor | None:
-    """Past kernels/lora.py's GEMM_ROWS (an A/B, off by default): our GEMM with each row's LoRA delta in its epilogue
-    (glu: and the SiLU*up), else None."""
-    if x.is_cuda and type(layer) is nn.Linear and _lora_kernels().gemm_applies(x, layer.weight, lora, glu):
-        return _lora_kernels().lora_gemm(x, layer.weight, lora, glu)
-    return None
-
-
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+    y = _base(x, layer)
     lora = _lora(layer)
-    if lora is None:
-        return _base(x, layer)
-    y = _lora_gemm(x, layer, lora, False)
-    return _plus_lora(x, _base(x, layer), lora) if y is None else y
+    return y if lora is None else _plus_lora(x, y, lora)
 
 
 def linear(x: Tensor, layer: nn.Module) -> Tensor:

@@ -167,39 +167,3 @@ def test_gemv_with_lora_matches_reference(pool, m, kind, module):
     assert err < 2e-2, f"relative error {err:.2e}"
     assert torch.equal(run(), got)
     assert layer.scratch(layer._scratch[0].shape[2])[1].tolist() == [0, 0, 0, 0]  # counters reset
-
-
-@cuda
-@pytest.mark.parametrize("module", MODULES[:-1])  # not the projection (models/llama.py's linear, no GEMM_ROWS path)
-@pytest.mark.parametrize("m, kind", [(300, "mixed"), (2048, "sorted")])
-def test_lora_gemm_matches_reference(pool, monkeypatch, module, m, kind):
-    """Past GEMM_ROWS (lowered here; off by default) models/llama.py's linear / glu run lora_gemm: our GEMM with
-    the rows' deltas in its epilogue (gate_up: the SiLU*up too) == cuBLAS + the torch delta within bf16's rounding;
-    the same bits twice; without adapter rows, the GEMM alone."""
-    from csmserve.kernels import lora as kl
-    from csmserve.models import llama
-    from csmserve.models.lora import delta_torch
-
-    model, p = pool
-    layer = model.get_submodule(module)
-    p.rows = rows_of(m, kind)
-    x = torch.randn(m, layer.lora.target.k, generator=torch.Generator(device="cuda").manual_seed(m),
-                    device="cuda").bfloat16()
-    glu = "gate_up" in module
-    run = llama._glu if glu else llama._linear
-    monkeypatch.setattr(kl, "GEMM_ROWS", m - 1)
-    got = run(x, layer)
-    assert torch.equal(run(x, layer), got)
-    monkeypatch.setattr(kl, "GEMM_ROWS", 1 << 30)
-    today = run(x, layer)  # cuBLAS + kernels/lora.py
-    want = F.linear(x, layer.weight).float() + delta_torch(x, layer.lora).float()
-    if glu:
-        gate, up = want.chunk(2, -1)
-        want = F.silu(gate) * up
-    for out in (got, today):
-        err = ((out.float() - want).abs().max() / want.abs().max()).item()
-        assert err < 2e-2, f"relative error {err:.2e}"
-    plain = kl.lora_gemm(x, layer.weight, None, glu)
-    base = F.linear(x, layer.weight)
-    want = F.silu(base.chunk(2, -1)[0].float()) * base.chunk(2, -1)[1].float() if glu else base.float()
-    assert ((plain.float() - want).abs().max() / want.abs().max()).item() < 2e-2

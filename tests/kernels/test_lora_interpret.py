@@ -306,33 +306,3 @@ def test_gemv_without_lora_unchanged(wide, m, glu):
         h2, got = gemv.norm_gemv(x, d, nw, 1e-5, w, glu)
         _close(h2, h)
         _close(got, want)
-
-
-@interpreted
-@pytest.mark.parametrize("rows", ["ragged-sorted", "unsorted", "none"])
-@pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.1.self_attn.qkv_proj",
-                                    "backbone.layers.1.mlp.down_proj", "backbone.layers.0.mlp.gate_up_proj",
-                                    "decoder.layers.0.mlp.gate_up_proj"])
-@pytest.mark.parametrize("per", [1, 2])
-def test_lora_gemm(pool, monkeypatch, rows, module, per):
-    """lora_gemm (our GEMM, the deltas in its epilogue; gate_up: the SiLU*up too) == F.linear + the torch delta,
-    and without adapters == F.linear; 16-row x 16-column tiles (the decoder's k / v slices are 16 wide)."""
-    from csmserve.kernels import lora as kl
-
-    model, p = pool
-    monkeypatch.setattr(kl, "SHRINK_PIECE", 32)
-    layer = model.get_submodule(module)
-    lora = layer.lora
-    glu = "gate_up" in module
-    p.rows = torch.tensor(ROWS[rows], dtype=torch.int32)
-    x = _x(len(ROWS[rows]) * per, lora.target.k, 6).reshape(len(ROWS[rows]), per, -1)  # [B, rows_per, K]
-    base = F.linear(x, layer.weight)
-    want = base + delta_torch(x.reshape(-1, x.shape[-1]), lora).reshape(base.shape)
-    tile = (16, 16, 32, 1, 4)
-    for got, ref in ((kl.lora_gemm(x, layer.weight, lora, glu, tile), want),
-                     (kl.lora_gemm(x, layer.weight, None, glu, tile), base)):
-        if glu:
-            gate, up = ref.chunk(2, -1)
-            ref = F.silu(gate) * up
-        assert got.shape == ref.shape
-        _close(got, ref)
