@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from csmserve.apps.bench import engine as bench_engine
+from csmserve.apps.bench.engine import short_prompt
 from csmserve.config import EngineConfig
 from csmserve.engine.engine import build_engine
 from csmserve.engine.outputs import CLIENT_SHIFT
@@ -55,7 +55,6 @@ def run(args: argparse.Namespace) -> dict:
     cfg = EngineConfig(max_slots=args.streams + args.spare, max_seq_len=args.max_seq_len, max_waiting=100_000,
                        prefill_token_budget=args.prefill_budget)
     csm = CSM(args.model, device=device, dtype=args.dtype, codec_dtype=args.codec_dtype, engine_config=cfg)
-    bench_engine.TEXT_VOCAB[0] = csm.model.cfg.text_vocab_size
     probe = _Probe()
     emit_clients = 4
     t0 = time.perf_counter()
@@ -66,8 +65,8 @@ def run(args: argparse.Namespace) -> dict:
 
     def make(frames: int, prompt: int) -> Request:
         nonlocal n
-        r = Request(*bench_engine.short_prompt(prompt), SamplingParams(temperature=0.9, top_k=50, seed=n,
-                                                           max_audio_length_ms=80 * frames))
+        r = Request(*short_prompt(prompt, csm.model.cfg.text_vocab_size),
+                    SamplingParams(temperature=0.9, top_k=50, seed=n, max_audio_length_ms=80 * frames))
         r.handle = ((n % emit_clients) << CLIENT_SHIFT) | n
         n += 1
         return r

@@ -68,13 +68,11 @@ def step_table(model, args) -> list[tuple]:
 def one_stream(model, args) -> list[tuple]:
     """One stream through the engine (frames/s after its first chunk): the base, and an adapter of each rank with
     max(adapters) adapters loaded in the pool."""
-    from csmserve.apps.bench import engine as bench_engine
     from csmserve.apps.bench.engine import one_stream as measure
     from csmserve.config import EngineConfig
     from csmserve.engine.engine import build_engine
     from csmserve.models.lora import random_adapter
 
-    bench_engine.TEXT_VOCAB[0] = model.cfg.text_vocab_size
     out = []
     for rank, merge in [(None, True)] + [(int(r), m) for r in args.ranks.split(",") for m in (True, False)]:
         n = max(int(a) for a in args.adapters.split(","))
@@ -84,8 +82,7 @@ def one_stream(model, args) -> list[tuple]:
         if rank:
             for i in range(n):
                 engine.load_adapter(f"a{i}", random_adapter(model.cfg, rank, seed=i).pin()).result()
-            _adapter_for(engine, "a0")
-        r = measure(engine, args.stream_frames)
+        r = measure(engine, args.stream_frames, adapter="a0" if rank else None)
         out.append(("base" if rank is None else f"r{rank} adapter" + ("" if merge else ", kernels"), r["fps"],
                     r["ttfa_p50_ms"]))
         print(f"| {out[-1][0]} | {r['fps']:.1f} | {r['ttfa_p50_ms']:.1f} |", flush=True)
@@ -126,17 +123,6 @@ def _free(model) -> None:
     detach(model)  # the pool goes with the runner
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def _adapter_for(engine, name: str) -> None:
-    """Every request the benchmark submits (apps/bench/engine.py's) speaks with adapter `name`."""
-    submit = engine.submit
-
-    def with_adapter(req, *a, **kw):
-        req.adapter = name
-        return submit(req, *a, **kw)
-
-    engine.submit = with_adapter
 
 
 def main() -> None:

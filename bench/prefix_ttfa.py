@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from csmserve.apps.bench.engine import TEXT_VOCAB, pct, submit
+from csmserve.apps.bench.engine import pct, submit
 
 FRAMES_PER_S = 12.5
 TEXT_FRAMES_PER_S = 4  # ~150 words per minute at ~1.5 tokens per word, plus the speaker tag
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     runner = ModelRunner(model, n_slots, args.max_seq_len, mimi=codec, max_prefill_tokens=cfg.prefill_token_budget)
     engine = Engine(runner, cfg)
     rng = np.random.default_rng(0)
-    vocab = TEXT_VOCAB[0] = model.cfg.text_vocab_size
+    vocab = model.cfg.text_vocab_size
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     lines = [f"device: {name}, torch {torch.__version__}, model {args.model}, {dtype}, slots {n_slots}, "
              f"max_seq_len {args.max_seq_len}, prefill budget {args.prefill_budget} positions per step, "

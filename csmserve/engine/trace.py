@@ -66,13 +66,6 @@ def start(directory: str, role: str, **meta) -> Tracer:
     return _tracer
 
 
-def stop() -> None:
-    global _tracer
-    t, _tracer = _tracer, None
-    if t is not None:
-        t.close()
-
-
 class Tracer:
     def __init__(self, directory: str, role: str, **meta) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -82,20 +82,24 @@ class Frontend:
     keep_alive_s: float = 5.0
     threads: int = field(default_factory=lambda: max(1, min(MAX_THREADS, os.cpu_count() or 1)))
     maxconn: int = field(default_factory=lambda: max_connections())
-    stats_socket: str | None = None
+
+
+def raise_fd_limit() -> int:
+    """The soft open-files limit, raised to the hard one first (child processes inherit it; unlimited: 1 << 20)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return want if soft == resource.RLIM_INFINITY else soft
 
 
 def max_connections() -> int:
-    """What the open-file limit allows (each connection is two sockets), the soft limit raised to the hard
-    one first (HAProxy inherits it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ValueError, OSError):
-            pass
-    return max(256, min(200_000, (soft - 256) // 2))
+    """What the open-file limit allows, raised first (HAProxy inherits it): each connection is two sockets."""
+    return max(256, min(200_000, (raise_fd_limit() - 256) // 2))
 
 
 _NAME = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -143,7 +147,6 @@ def render(f: Frontend, servers: Sequence[Server]) -> str:
         f"    maxconn {f.maxconn}",
         f"    tune.bufsize {f.body_bytes}",
         f"    hard-stop-after {HARD_STOP_S}s",
-        *( [f"    stats socket {f.stats_socket} mode 600 level admin"] if f.stats_socket else []),
         "",
         "defaults",
         "    mode http",

@@ -52,24 +52,23 @@ class Probe:
         return self.first - self.submit
 
 
-TEXT_VOCAB = [128_256]  # set by run() from the model: dummy-tiny's byte vocab is 258
-
-
-def short_prompt(n: int = 12) -> tuple[np.ndarray, np.ndarray]:
+def short_prompt(n: int = 12, vocab: int = 128_256) -> tuple[np.ndarray, np.ndarray]:
+    """n text frames ([n, 33] tokens and mask), tokens below `vocab` (the model's: dummy-tiny's bytes are 258)."""
     tokens, mask = np.zeros((n, 33), np.int64), np.zeros((n, 33), bool)
-    tokens[:, 32] = (np.arange(n) + 1000) % TEXT_VOCAB[0]
+    tokens[:, 32] = (np.arange(n) + 1000) % vocab
     mask[:, 32] = True
     return tokens, mask
 
 
 def submit(engine, frames: int, prompt_len: int = 12, prompt: tuple[np.ndarray, np.ndarray] | None = None,
-           prefix_len: int = 0) -> Probe:
+           prefix_len: int = 0, adapter: str | None = None) -> Probe:
     """A request for `frames` frames (its prompt: `prompt`, else short_prompt(prompt_len); its first `prefix_len`
-    frames a cacheable prefix) submitted -> its Probe."""
+    frames a cacheable prefix; spoken with LoRA `adapter`, None: the base) submitted -> its Probe."""
     from csmserve.engine.request import Request
     from csmserve.sampling import SamplingParams
 
-    req = Request(*(prompt or short_prompt(prompt_len)), prefix_len=prefix_len,
+    tokens, mask = prompt or short_prompt(prompt_len, engine.runner.cfg.text_vocab_size)
+    req = Request(tokens, mask, prefix_len=prefix_len, adapter=adapter,
                   params=SamplingParams(temperature=0.9, top_k=50, max_audio_length_ms=int(frames * 80)))
     p = Probe(request_id=req.request_id, submit=time.perf_counter())
     engine.submit(req, p)
@@ -80,14 +79,14 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
-def one_stream(engine, frames: int, probes: int = 5) -> dict:
-    submit(engine, 4).done.wait()  # warm
+def one_stream(engine, frames: int, probes: int = 5, adapter: str | None = None) -> dict:
+    submit(engine, 4, adapter=adapter).done.wait()  # warm
     ttfas = []
     for _ in range(probes):
-        p = submit(engine, 8)
+        p = submit(engine, 8, adapter=adapter)
         p.done.wait()
         ttfas.append(p.ttfa)
-    p = submit(engine, frames)
+    p = submit(engine, frames, adapter=adapter)
     p.done.wait()
     fps = (p.frames - 1) / max(p.last - p.first, 1e-9)
     return {"fps": fps, "rtf": fps * FRAME_S, "ttfa_p50_ms": pct(ttfas, 50) * 1e3, "frames": p.frames}
@@ -207,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
         lines.append(s)
 
     model, codec, hf_model = build(args, dtype)
-    TEXT_VOCAB[0] = model.cfg.text_vocab_size
     n_slots = max(args.sweep) + args.probes
     cfg = EngineConfig(max_slots=n_slots, max_seq_len=args.max_seq_len, max_waiting=4 * n_slots,
                        prefill_token_budget=2048, weights=args.weights, codec_stream=not args.no_codec_stream,

@@ -18,7 +18,6 @@ def test_real_time_stream_never_runs_dry():
     p = stream([(1 + 0.08 * k, 0.08 * (k + 1)) for k in range(50)])
     assert p.t_first == 1 and p.audio == pytest.approx(4.0)
     assert p.worst_lag == pytest.approx(0.0, abs=1e-9) and not ran_dry(p.worst_lag, 0.1)
-    assert p.rate == pytest.approx(1.0)
 
 
 def test_a_stall_runs_a_small_buffer_dry():
@@ -27,12 +26,11 @@ def test_a_stall_runs_a_small_buffer_dry():
     p = stream(arrivals)
     assert p.worst_lag == pytest.approx(0.5 - 0.32)
     assert ran_dry(p.worst_lag, 0.1) and not ran_dry(p.worst_lag, 0.3)
-    assert p.rate == pytest.approx((2.0 - 0.32) / 0.6)
 
 
 def test_slower_than_real_time_runs_any_buffer_dry_eventually():
     p = stream([(0.1 * k, 0.08 * (k + 1)) for k in range(100)])  # 0.8x real time
-    assert ran_dry(p.worst_lag, 0.3) and p.rate == pytest.approx(0.8)
+    assert ran_dry(p.worst_lag, 0.3)
 
 
 def test_scenario_specs():

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from csmserve.apps.bench.serve import report, server as srv
 from csmserve.apps.bench.serve.users import FORMATS, Scenario, parse_scenario
+from csmserve.apps.common import bearer
+from csmserve.ray.haproxy import raise_fd_limit
 
 # one sentence each, about 10 s spoken (what max_audio_length_ms 10000 allows), at most 25 words so that
 # the server's splitter (csmserve/prompt/segments.py) keeps it one segment
@@ -205,7 +207,7 @@ def settle(url: str, timeout: float = 30.0, patient: bool = False) -> tuple[floa
 class Bench:
     def __init__(self, args: argparse.Namespace, url: str, clients: Clients, server: srv.ServerProcess | None) -> None:
         self.args, self.url, self.clients, self.server = args, url, clients, server
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.headers = bearer(args.api_key)
         self.voices: list[str] = []
         self.adapters: list[str] = []
 
@@ -262,7 +264,7 @@ def session(args: argparse.Namespace, serve: Callable[[Path], list[str]], base: 
             env: dict[str, str] | None = None) -> Iterator[tuple[str, srv.ServerProcess | None, Clients]]:
     """`csmserve serve` with serve(a temp dir)'s flags started (or --url) and the client processes ready ->
     (its URL, the server started or None, the clients); all stopped after."""
-    srv.raise_fd_limit()
+    raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         server = clients = None
         try:

@@ -54,7 +54,7 @@ async def main_async() -> None:
 
 
 if __name__ == "__main__":
-    from csmserve.apps.bench.serve.server import raise_fd_limit
+    from csmserve.ray.haproxy import raise_fd_limit
 
     raise_fd_limit()
     try:

@@ -17,20 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from csmserve.ray.haproxy import raise_fd_limit
+
 VOICE_TRANSCRIPT = "This is the reference clip of a benchmark voice, read at an even pace."
-
-
-def raise_fd_limit() -> None:
-    """Thousands of sockets: lift the soft open-files limit to the hard one (the server inherits it)."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass
 
 
 def free_port() -> int:
@@ -52,7 +41,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float) -> str:
-        raise_fd_limit()
+        raise_fd_limit()  # thousands of sockets: the server inherits the limit
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         # a session of its own: stop() can end every process it starts (API workers, an engine process)

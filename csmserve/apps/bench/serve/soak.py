@@ -27,12 +27,12 @@ from csmserve.apps.bench.serve import report, server as srv
 from csmserve.apps.bench.serve.bench import SENTENCES, Clients, add_server_arguments, commit, out_base, session, settle
 from csmserve.apps.bench.serve.hostile import CASES, GOOD
 from csmserve.apps.bench.serve.report import I, f_, r_, ttfa_ms
-from csmserve.apps.bench.serve.users import SPEECH_PATH
+from csmserve.apps.bench.serve.users import FORMATS, SPEECH_PATH
+from csmserve.apps.common import bearer
 
 # short texts beside the 10 s sentences: several sentences make a long-form request (one slot, segments)
 TEXTS = SENTENCES + ("Hello there. How are you today? I hope the weather is kind to you.",
                      "Yes.", "One, two, three. Four, five, six.")
-FORMATS = ("pcm", "mp3", "opus", "wav")
 STORED_VOICES = 4  # made at the start, used by every user
 WINDOW_S = 30.0  # TTFA per window of this many seconds
 SPEECH_KINDS = ("speech-", "voice-use")
@@ -87,7 +87,7 @@ class Soak:
     def __init__(self, args: argparse.Namespace, url: str, clients: Clients, server: srv.ServerProcess | None,
                  tree: srv.ServerTree | None) -> None:
         self.args, self.url, self.clients, self.server, self.tree = args, url, clients, server, tree
-        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.headers = bearer(args.api_key)
         self.records: list[list] = []
         self.samples: list[dict] = []
         self.results: list[dict] = []

@@ -46,7 +46,6 @@ GC_SLOW_S = 0.010
 class Proc:
     role: str
     pid: int
-    client: int | None = None
     tables: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     requests: list[dict] = field(default_factory=list)
 
@@ -62,7 +61,7 @@ def load(directory: str | Path) -> list[Proc]:
                 continue
             k = rec.get("k")
             if k == "meta":
-                proc = Proc(rec["role"], rec["pid"], rec.get("client"))
+                proc = Proc(rec["role"], rec["pid"])
             elif k == "req":
                 (proc.requests if proc is not None else []).append(rec)
             elif "cols" in rec:

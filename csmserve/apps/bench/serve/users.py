@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from csmserve.apps.bench.serve.meters import PcmMeter, make_meter
+from csmserve.apps.common import bearer
 
 MODES = ("closed", "burst", "ws")
 FORMATS = ("pcm", "mp3", "opus", "wav")  # what meters.py reads
@@ -114,11 +115,10 @@ class Playback:
     audio received only rises at arrivals, so the worst moments are just before each: `worst_lag` = max over
     arrivals i of (t_i - first) - audio before i, and a buffer B runs dry iff worst_lag > B."""
 
-    __slots__ = ("t_first", "t_last", "audio", "first_audio", "worst_lag")
+    __slots__ = ("t_first", "audio", "first_audio", "worst_lag")
 
     def __init__(self) -> None:
         self.t_first: float | None = None  # the first audio's arrival
-        self.t_last: float | None = None  # the last new audio's arrival
         self.audio = 0.0  # seconds received
         self.first_audio = 0.0  # seconds in the first arrival
         self.worst_lag = 0.0
@@ -131,14 +131,7 @@ class Playback:
             self.t_first, self.first_audio = t, audio
         else:
             self.worst_lag = max(self.worst_lag, (t - self.t_first) - self.audio)
-        self.audio, self.t_last = audio, t
-
-    @property
-    def rate(self) -> float | None:
-        """Seconds of audio per wall second after the first arrival (None: it all came at once)."""
-        if self.t_first is None or self.t_last is None or self.t_last <= self.t_first:
-            return None
-        return (self.audio - self.first_audio) / (self.t_last - self.t_first)
+        self.audio = audio
 
 
 def ran_dry(worst_lag: float, buffer_s: float) -> bool:
@@ -198,9 +191,6 @@ class Run:
             self.drained = True
             self.on_drained()
 
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
 
 async def sleep_until(t: float) -> None:
     if (delay := t - now()) > 0:
@@ -214,7 +204,7 @@ def http_client(run: Run):
     transport = httpx.AsyncHTTPTransport(verify=run.ssl, limits=httpx.Limits(max_connections=1,
                                                                              max_keepalive_connections=1))
     timeout = httpx.Timeout(connect=30.0, read=120.0, write=30.0, pool=30.0)
-    return httpx.AsyncClient(base_url=run.url, transport=transport, timeout=timeout, headers=run.headers())
+    return httpx.AsyncClient(base_url=run.url, transport=transport, timeout=timeout, headers=bearer(run.api_key))
 
 
 def error_code(body: bytes) -> str:
@@ -273,7 +263,7 @@ def ws_connect(run: Run):
     from websockets.asyncio.client import connect
 
     url = run.url.replace("https://", "wss://", 1).replace("http://", "ws://", 1) + WS_PATH + "?binary=1"
-    return connect(url, additional_headers=run.headers(), max_size=None, ping_interval=None, open_timeout=60,
+    return connect(url, additional_headers=bearer(run.api_key), max_size=None, ping_interval=None, open_timeout=60,
                    close_timeout=5, compression=None)
 
 
