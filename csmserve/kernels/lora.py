@@ -551,4 +551,3 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     else:
         _expand(lora_shrink(x2, lora), h, lora, i, gu)
     return h.reshape(*gate_up.shape[:-1], i)
-

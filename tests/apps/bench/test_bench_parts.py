@@ -94,6 +94,9 @@ def test_summary_of_records():
     assert s["requests"] == {"counted": 4, "ok": 2, "cut": 1, "all": 5, "per_s": 0.2}
     assert s["ttfa_ms"]["n"] == 3 and s["ttfa_ms"]["p50"] == pytest.approx(100.0)
     assert s["dry"] == {"100ms": 1, "300ms": 0, "of": 2}
+    rates = sorted((10.0 - 0.08) / (t_end - t_first) for t_first, t_end in ((0.55, 5.0), (1.2, 6.0)))  # ok, counted
+    assert s["audio_rate"] == {"p1": round(rates[0] + 0.01 * (rates[1] - rates[0]), 2),
+                               "p50": round(sum(rates) / 2, 2)}
     assert s["errors"] == {"http 503 server_busy": 1}
     assert s["clients"]["cpu_per_proc_max"] == 0.1 and s["clients"]["loop_lag_p99_ms"] == 5.0
     assert "closed 2 pcm" in report.row(s) and "1 of 2" in report.row(s)
