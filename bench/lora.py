@@ -109,8 +109,8 @@ def _set(variant: str) -> None:
 def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
-    names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "SHRINK_ROWS", "SHRINK_PIECE",
-             "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS")
+    names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "SHRINK_ROWS", "SHRINK_WIDE_FROM",
+             "SHRINK_PIECE", "GLU_GROUPS", "GLU_ROWS", "EXPAND_ROWS")
     return {n: getattr(kl, n) for n in names}
 
 

@@ -40,7 +40,8 @@ def main() -> None:
     rows = {"ad": torch.tensor(spread(args.rows, args.adapters), dtype=torch.int32, device="cuda")}
     rows["none"] = torch.full_like(rows["ad"], -1)
     p.rows = rows["ad"].clone()
-    defaults = {n: getattr(kl, n) for n in ("GLU_ROWS", "GLU_GROUPS", "EXPAND_ROWS", "SHRINK_ROWS", "SHRINK_PIECE")}
+    defaults = {n: getattr(kl, n) for n in ("GLU_ROWS", "GLU_GROUPS", "EXPAND_ROWS", "SHRINK_ROWS", "SHRINK_WIDE_FROM",
+                                           "SHRINK_PIECE")}
 
     def t(fn, **consts) -> str:
         for n, v in {**defaults, **consts}.items():
@@ -71,7 +72,9 @@ def main() -> None:
                     out += [f"expand[{who} rows {a}] {t(lambda: kl._expand(xa, y, lora, n), EXPAND_ROWS=a)}"
                             for a in EXPAND_TILES]
             p.rows.copy_(rows["ad"])
-            out += [f"shrink[rows {a} piece {b}] {t(lambda: kl.lora_shrink(x, lora), SHRINK_ROWS=a, SHRINK_PIECE=b)}"
+            wide = 1 << 30  # the tile as given at any row count
+            out += [f"shrink[rows {a} piece {b}] "
+                    f"{t(lambda: kl.lora_shrink(x, lora), SHRINK_ROWS=a, SHRINK_PIECE=b, SHRINK_WIDE_FROM=wide)}"
                     for a, b in SHRINK_TILES if lora.target.k % b == 0]
             print(f"{part} {mod}:\n  " + "\n  ".join(out), flush=True)
     for n, v in defaults.items():

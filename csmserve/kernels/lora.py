@@ -38,6 +38,7 @@ from csmserve.kernels import pdl
 # past TICKET_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE (fp32 sums added in
 # order by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
 SHRINK_ROWS = 16
+SHRINK_WIDE_FROM = 2048  # from this many rows the shrink's row tiles are 2 x SHRINK_ROWS (adapters' runs are longer)
 SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past TICKET_ROWS the GLU's column groups
 GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
@@ -99,6 +100,19 @@ def row_tile(pid_m, AD, M, rows_per, BM: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
+def glu_block(g_rows, y_rows, rn, m2, N, dg, du, DELTA: tl.constexpr):
+    """y[:, rn] = silu(g + dg) * (u + du) for the rows in m2 [BM, BN]: g, u the gate_up's columns rn, N + rn."""
+    dt = y_rows.dtype.element_ty
+    g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0)
+    u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0)
+    if DELTA:
+        g = (g.to(tl.float32) + dg.to(tl.float32)).to(dt)
+        u = (u.to(tl.float32) + du.to(tl.float32)).to(dt)
+    g = g.to(tl.float32)
+    tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(dt), mask=m2)
+
+
+@triton.jit
 def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br, N0, N1,
                  S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
                  IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr):
@@ -140,21 +154,23 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, 
                 xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
         xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
         b_base = B + a_l * stride_bl
-        for nb in range(pid_g, n_blocks, G):
-            n0 = nb * BN
-            rn = n0 + tl.arange(0, BN)
-            m2 = sel[:, None] & (rn < N)[None, :]
-            if GLU:
-                g = tl.load(g_rows[:, None] + rn[None, :], mask=m2, other=0.0).to(tl.float32)
-                u = tl.load(g_rows[:, None] + N + rn[None, :], mask=m2, other=0.0).to(tl.float32)
-                if has:  # the deltas rounded to the model dtype before the add, as the torch path's
-                    g = g + expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(tl.float32)
-                    u = u + expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt).to(
-                        tl.float32)
-                g = g.to(dt).to(tl.float32)
-                u = u.to(dt).to(tl.float32)
-                tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m2)
+        if GLU:  # two loops, not a branch in one: the deltas' layout (the dot's) never reaches the plain rows' loads
+            if has:
+                for nb in range(pid_g, n_blocks, G):
+                    rn = nb * BN + tl.arange(0, BN)
+                    # the deltas rounded to the model dtype before the add, as the torch path's
+                    dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
+                    du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
+                    glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
             else:
+                for nb in range(pid_g, n_blocks, G):
+                    rn = nb * BN + tl.arange(0, BN)
+                    glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, 0.0, 0.0, False)
+        else:
+            for nb in range(pid_g, n_blocks, G):
+                n0 = nb * BN
+                rn = n0 + tl.arange(0, BN)
+                m2 = sel[:, None] & (rn < N)[None, :]
                 # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
                 s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
                 xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
@@ -410,19 +426,17 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
         rn = n0 + tl.arange(0, BN)
         if GLU:
             m2 = own[:, None] & (rn < N)[None, :]
-            g_ptr = GU + rm.to(tl.int64)[:, None] * stride_gm + rn[None, :]
-            g = tl.load(g_ptr, mask=m2, other=0.0).to(tl.float32)
-            u = tl.load(g_ptr + N, mask=m2, other=0.0).to(tl.float32)
-            if any_live:
+            g_rows = GU + rm.to(tl.int64) * stride_gm
+            y_rows = Y + rm.to(tl.int64) * stride_ym
+            if any_live:  # (glu_block in both branches: the plain rows' loads stay in their own layout)
                 lora_wait(CTR, NP)
-                g += lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
+                dg = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, 2 * N, N0, N1, stride_bl, stride_br, dt,
                                KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
-                u += lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
+                du = lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
                                dt, KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
-            g = g.to(dt).to(tl.float32)
-            u = u.to(dt).to(tl.float32)
-            tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dt),
-                     mask=m2)
+                glu_block(g_rows, y_rows, rn, m2, N, dg, du, True)
+            else:
+                glu_block(g_rows, y_rows, rn, m2, N, 0.0, 0.0, False)
         elif any_live:
             lora_wait(CTR, NP)
             d = lora_tile(WS, AD, B, RANKS, M, rows_per, n0, rn, N, N0, N1, stride_bl, stride_br, dt, KSPLIT, RB,
@@ -522,9 +536,10 @@ def lora_shrink(x: Tensor, lora) -> Tensor:
     rb = rank_block(lora)
     kp = shrink_piece(t.k)
     xa = torch.empty(t.k // kp, m, len(t.slices), rb, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, SHRINK_ROWS), t.k // kp)
+    bm = SHRINK_ROWS * (2 if m >= SHRINK_WIDE_FROM else 1)
+    grid = (triton.cdiv(m, bm), t.k // kp)
     _shrink_kernel[grid](x, xa, lora.a, lora.pool.ranks, lora.rows, m, t.k, m // lora.rows.shape[0], x.stride(0),
-                         lora.a.stride(0), lora.a.stride(1), S=len(t.slices), RB=rb, BM=SHRINK_ROWS,
+                         lora.a.stride(0), lora.a.stride(1), S=len(t.slices), RB=rb, BM=bm,
                          BK=min(64, kp), KP=kp, IEEE=x.dtype == torch.float32, num_warps=4, **pdl.opts())
     return xa
 

@@ -56,14 +56,15 @@ ROWS = {  # each batch row's adapter slot
 
 
 # the ticketed kernel (1-256 rows, 16-row tiles; split by adapter over ADAPTER_SPLIT // tiles, or not), and the
-# shrink and expand apart (past 256)
-MODES = ["ticketed", "ticketed unsplit", "split"]
+# shrink and expand apart (past 256; "wide": the shrink's row tiles of 2 x SHRINK_ROWS, as from SHRINK_WIDE_FROM)
+MODES = ["ticketed", "ticketed unsplit", "split", "split wide"]
 
 
 def _mode(kl, monkeypatch, mode: str) -> None:
     monkeypatch.setattr(kl, "TICKET_ROWS", 256 if mode.startswith("ticketed") else 0)
     if mode == "ticketed unsplit":
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 1)
+    monkeypatch.setattr(kl, "SHRINK_WIDE_FROM", 1 if mode == "split wide" else 1 << 30)
     monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
 
 
