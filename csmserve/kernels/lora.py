@@ -43,6 +43,9 @@ SHRINK_WIDE_FROM = 2048  # from this many rows the shrink's row tiles are 2 x SH
 SHRINK_PIECE = 256
 GLU_GROUPS = 8  # past TICKET_ROWS the GLU's column groups
 GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
+# past TICKET_ROWS the GLU's loops pipelined (gate and up copied ahead into shared memory): an A/B not yet run
+# (docs/benchmarks.md, "Issue 42, the fourteenth session"); None: Triton's default, which pipelines only B's loads
+GLU_STAGES = None
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
@@ -116,7 +119,7 @@ def glu_block(g_rows, y_rows, rn, m2, N, dg, du, DELTA: tl.constexpr):
 @triton.jit
 def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br, N0, N1,
                  S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr):
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr = None):
     # program (row tile, column group g of G): xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32), then y's
     # column blocks g, g + G, ... updated.
     # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
@@ -157,14 +160,14 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, 
         b_base = B + a_l * stride_bl
         if GLU:  # two loops, not a branch in one: the deltas' layout (the dot's) never reaches the plain rows' loads
             if has:
-                for nb in range(pid_g, n_blocks, G):
+                for nb in tl.range(pid_g, n_blocks, G, num_stages=STAGES):
                     rn = nb * BN + tl.arange(0, BN)
                     # the deltas rounded to the model dtype before the add, as the torch path's
                     dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
             else:
-                for nb in range(pid_g, n_blocks, G):
+                for nb in tl.range(pid_g, n_blocks, G, num_stages=STAGES):
                     rn = nb * BN + tl.arange(0, BN)
                     glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, 0.0, 0.0, False)
         else:
@@ -521,7 +524,7 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> No
     _lora_kernel[(triton.cdiv(m, bm), GLU_GROUPS if glu else triton.cdiv(n, bn))](
         gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
         lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
-        IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
+        IEEE=y.dtype == torch.float32, KS=xa.shape[0], STAGES=GLU_STAGES if glu else None, num_warps=4, **pdl.opts())
 
 
 def shrink_piece(k: int) -> int:
