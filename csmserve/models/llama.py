@@ -168,10 +168,10 @@ def _glu_gemv(x: Tensor, layer: nn.Module) -> Tensor:
 
 
 def _glu(x: Tensor, layer: nn.Module) -> Tensor:
-    lora = _lora(layer)
+    gate_up, lora = _base(x, layer), _lora(layer)
     if lora is None:
-        return silu_mul(_base(x, layer))
-    gate_up = _base(x, layer)  # the deltas go in before the SiLU: kernels/lora.py's lora_glu is silu_mul's kernel
+        return silu_mul(gate_up)
+    # the deltas go in before the SiLU: kernels/lora.py's lora_glu is silu_mul's kernel
     if gate_up.is_cuda and _lora_kernels().applies(x, lora):
         return _lora_kernels().lora_glu(gate_up, x, lora)
     from csmserve.models.lora import delta_torch
