@@ -1,8 +1,9 @@
 """Where a mixed batch's LoRA time goes past 256 rows (issue 42's 2,048-row gap): each kernel of kernels/lora.py alone,
 per projection of CSM-1B, at --rows rows over --adapters random rank --rank adapters in contiguous runs, us a call
 (CUDA graphs of 20 calls, best of 5), against the passes it rides on: y's copy, silu_mul (the GLU's base). The GLU and
-expand with every row's adapter and with none (the kernel's own structure), at several tiles (the GLU also pipelined,
-GLU_STAGES); the shrink at several tiles. A component table for finding the time, not a claim.
+expand with every row's adapter and with none (the kernel's own structure), at several tiles (the expand also with the
+shrink's pieces capped, SHRINK_PIECES); the shrink at several tiles. A component table for finding the time, not a
+claim.
 
 python bench/lora_kernels.py --rows 2048 --adapters 64 --rank 16
 """
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 
 from gpu_profile import dummy_model, graph_timed, spread
 
-GLU_TILES = [(16, 8), (16, 4), (16, 2), (32, 8), (32, 16), (32, 4), (64, 8), (64, 16)]  # (GLU_ROWS, GLU_GROUPS)
-GLU_STAGE_COUNTS = [2, 3]  # GLU_STAGES: gate and up copied ahead (the default tile)
+GLU_TILES = [(16, 8), (16, 16), (16, 32), (16, 64), (32, 8), (32, 16)]  # (GLU_ROWS, GLU_GROUPS)
+PIECE_CAPS = [8, 4]  # SHRINK_PIECES: the expand over fewer, longer pieces (the default tile)
 EXPAND_TILES = [16, 32, 64]  # EXPAND_ROWS
 SHRINK_TILES = [(16, 256), (32, 256), (64, 256), (16, 512), (32, 512), (16, 1024), (64, 1024)]  # ROWS, PIECE
 MODULES = ["mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"]
@@ -41,8 +42,8 @@ def main() -> None:
     rows = {"ad": torch.tensor(spread(args.rows, args.adapters), dtype=torch.int32, device="cuda")}
     rows["none"] = torch.full_like(rows["ad"], -1)
     p.rows = rows["ad"].clone()
-    defaults = {n: getattr(kl, n) for n in ("GLU_ROWS", "GLU_GROUPS", "GLU_STAGES", "EXPAND_ROWS", "SHRINK_ROWS",
-                                           "SHRINK_WIDE_FROM", "SHRINK_PIECE")}
+    defaults = {n: getattr(kl, n) for n in ("GLU_ROWS", "GLU_GROUPS", "EXPAND_ROWS", "SHRINK_ROWS", "SHRINK_WIDE_FROM",
+                                           "SHRINK_PIECE", "SHRINK_PIECES")}
 
     def t(fn, **consts) -> str:
         for n, v in {**defaults, **consts}.items():
@@ -69,10 +70,14 @@ def main() -> None:
 
                     out += [f"glu[{who} rows {a} groups {b}] {t(run_glu, GLU_ROWS=a, GLU_GROUPS=b)}"
                             for a, b in GLU_TILES]
-                    out += [f"glu[{who} stages {s}] {t(run_glu, GLU_STAGES=s)}" for s in GLU_STAGE_COUNTS]
                 else:
                     out += [f"expand[{who} rows {a}] {t(lambda: kl._expand(xa, y, lora, n), EXPAND_ROWS=a)}"
                             for a in EXPAND_TILES]
+                    for c in PIECE_CAPS:
+                        kl.SHRINK_PIECES = c
+                        xc = kl.lora_shrink(x, lora)
+                        out += [f"expand[{who} pieces {xc.shape[0]}] {t(lambda: kl._expand(xc, y, lora, n))}"]
+                    kl.SHRINK_PIECES = defaults["SHRINK_PIECES"]
             p.rows.copy_(rows["ad"])
             wide = 1 << 30  # the tile as given at any row count
             out += [f"shrink[rows {a} piece {b}] "

@@ -36,16 +36,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from csmserve.kernels import pdl
 
-# past TICKET_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE (fp32 sums added in
-# order by the expand): 2,048 rows of the K = 8,192 down projection are 4,096 programs of 4 chunks, not 64 of 128
+# past TICKET_ROWS the shrink's programs: row tiles of SHRINK_ROWS x K pieces of SHRINK_PIECE, at most SHRINK_PIECES
+# a K (fp32 sums added in order by the expand, whose every column block re-reads them all): 2,048 rows of the K =
+# 8,192 down projection are 512 programs of 16 chunks, not 64 of 128
 SHRINK_ROWS = 16
 SHRINK_WIDE_FROM = 2048  # from this many rows the shrink's row tiles are 2 x SHRINK_ROWS (adapters' runs are longer)
 SHRINK_PIECE = 256
-GLU_GROUPS = 8  # past TICKET_ROWS the GLU's column groups
+SHRINK_PIECES = 8  # K = 8,192 in pieces of 1,024 (32 of 256: 2,048 x 64 0.6 ms a frame slower)
 GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 rows: 32-row tiles left SMs idle)
-# past TICKET_ROWS the GLU's loops pipelined (gate and up copied ahead into shared memory): an A/B not yet run
-# (docs/benchmarks.md, "Issue 42, the fourteenth session"); None: Triton's default, which pipelines only B's loads
-GLU_STAGES = None
+# its column groups: at least GLU_GROUPS, raised until row tiles x groups reach GLU_PROGRAMS (512 rows: 32 groups;
+# 8 there left the GPU half idle, 1.0 ms a frame)
+GLU_GROUPS = 8
+GLU_PROGRAMS = 1024
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
@@ -119,9 +121,9 @@ def glu_block(g_rows, y_rows, rn, m2, N, dg, du, DELTA: tl.constexpr):
 @triton.jit
 def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br, N0, N1,
                  S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr = None):
+                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr):
     # program (row tile, column group g of G): xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32), then y's
-    # column blocks g, g + G, ... updated.
+    # column blocks g, g + G, ... updated (not GLU: G = the column blocks, one a program, and only its slice's xa).
     # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
     # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
     pid_g = tl.program_id(1)
@@ -137,6 +139,8 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, 
     xa_rows = XA + rm.to(tl.int64) * (S * RB)
     dt = Y.dtype.element_ty
     n_blocks = tl.cdiv(N, BN)
+    rn1 = pid_g * BN + tl.arange(0, BN)  # not GLU: the program's one column block, in slice s0
+    s0 = 0 if GLU else (pid_g * BN >= N0).to(tl.int32) + (pid_g * BN >= N1).to(tl.int32)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
         a = tl.min(tl.where(todo, ad, _BIG), axis=0)  # the tile's next adapter (rows sorted: usually one or two)
         sel = todo & (ad == a)
@@ -144,43 +148,38 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, 
         has = a >= 0
         a_l = tl.maximum(a, 0).to(tl.int64)
         rank = tl.load(RANKS + a_l) * has.to(tl.int32)  # 0 for rows without an adapter: nothing read past it
-        # the shrink's KS pieces added in order, rounded as PEFT's lora_A(x) is
+        # the shrink's KS pieces added in order, rounded as PEFT's lora_A(x) is: the GLU's gate and up (slices 0, 1),
+        # else the slice of this program's one column block (BN divides the slice bounds)
         mx = (sel & (ad >= 0))[:, None]  # not m2: the loop below makes its own [BM, BN] (a loop-carried name)
         xa0 = tl.zeros([BM, RB], dtype=tl.float32)
         xa1 = tl.zeros([BM, RB], dtype=tl.float32)
-        xa2 = tl.zeros([BM, RB], dtype=tl.float32)
         for p in range(KS):
-            piece = xa_rows[:, None] + p * M * (S * RB) + rr[None, :]
+            piece = xa_rows[:, None] + p * M * (S * RB) + s0 * RB + rr[None, :]
             xa0 += tl.load(piece, mask=mx, other=0.0)
-            if S > 1:
+            if GLU:
                 xa1 += tl.load(piece + RB, mask=mx, other=0.0)
-            if S > 2:
-                xa2 += tl.load(piece + 2 * RB, mask=mx, other=0.0)
-        xa0, xa1, xa2 = xa0.to(dt), xa1.to(dt), xa2.to(dt)
+        xa0, xa1 = xa0.to(dt), xa1.to(dt)
         b_base = B + a_l * stride_bl
-        if GLU:  # two loops, not a branch in one: the deltas' layout (the dot's) never reaches the plain rows' loads
+        # GLU: two loops, not a branch in one (the deltas' layout, the dot's, never reaches the plain rows' loads),
+        # each pipelined 3 deep: gate and up copied ahead into shared memory and read there in the dot's layout
+        # (Triton's default pipelines only B's loads: 3 layout conversions a block, 115 registers, not 1 and 96)
+        if GLU:
             if has:
-                for nb in tl.range(pid_g, n_blocks, G, num_stages=STAGES):
+                for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
                     rn = nb * BN + tl.arange(0, BN)
                     # the deltas rounded to the model dtype before the add, as the torch path's
                     dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
             else:
-                for nb in tl.range(pid_g, n_blocks, G, num_stages=STAGES):
+                for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
                     rn = nb * BN + tl.arange(0, BN)
                     glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, 0.0, 0.0, False)
         else:
-            for nb in range(pid_g, n_blocks, G):
-                n0 = nb * BN
-                rn = n0 + tl.arange(0, BN)
-                m2 = sel[:, None] & (rn < N)[None, :]
-                # a column block lies in one slice (BN divides the slice bounds): its xa by the block's start
-                s = (n0 >= N0).to(tl.int32) + (n0 >= N1).to(tl.int32)
-                xa = tl.where(s == 0, xa0, tl.where(s == 1, xa1, xa2))
-                d = expand_tile(xa, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
-                y = tl.load(y_rows[:, None] + rn[None, :], mask=m2, other=0.0)
-                tl.store(y_rows[:, None] + rn[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
+            m2 = sel[:, None] & (rn1 < N)[None, :]
+            d = expand_tile(xa0, b_base, stride_br, rank, rn1, N, RB, BM, BN, IEEE).to(dt)
+            y = tl.load(y_rows[:, None] + rn1[None, :], mask=m2, other=0.0)
+            tl.store(y_rows[:, None] + rn1[None, :], (y.to(tl.float32) + d.to(tl.float32)).to(dt), mask=m2)
 
 
 @triton.jit
@@ -521,15 +520,21 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> No
     bm, bn, rb = GLU_ROWS if glu else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
     rows = lora.rows
     t = lora.target
-    _lora_kernel[(triton.cdiv(m, bm), GLU_GROUPS if glu else triton.cdiv(n, bn))](
+    tiles = triton.cdiv(m, bm)
+    groups = min(max(GLU_GROUPS, triton.next_power_of_2(triton.cdiv(GLU_PROGRAMS, tiles))), triton.cdiv(n, bn))
+    _lora_kernel[(tiles, groups if glu else triton.cdiv(n, bn))](
         gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
         lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
-        IEEE=y.dtype == torch.float32, KS=xa.shape[0], STAGES=GLU_STAGES if glu else None, num_warps=4, **pdl.opts())
+        IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
 
 
 def shrink_piece(k: int) -> int:
-    """The K piece of one shrink program past TICKET_ROWS: SHRINK_PIECE where it divides K, else K."""
-    return SHRINK_PIECE if k % SHRINK_PIECE == 0 else k
+    """The K piece of one shrink program past TICKET_ROWS: SHRINK_PIECE where it divides K (else K), doubled while K
+    has more than SHRINK_PIECES of them (K's alone: a row's sums the same at every batch size)."""
+    kp = SHRINK_PIECE if k % SHRINK_PIECE == 0 else k
+    while k // kp > SHRINK_PIECES and k % (2 * kp) == 0:
+        kp *= 2
+    return kp
 
 
 def lora_shrink(x: Tensor, lora) -> Tensor:

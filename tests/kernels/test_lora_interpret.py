@@ -56,7 +56,8 @@ ROWS = {  # each batch row's adapter slot
 
 
 # the ticketed kernel (1-256 rows, 16-row tiles; split by adapter over ADAPTER_SPLIT // tiles, or not), and the
-# shrink and expand apart (past 256; "wide": the shrink's row tiles of 2 x SHRINK_ROWS, as from SHRINK_WIDE_FROM)
+# shrink and expand apart (past 256; "wide": the shrink's row tiles of 2 x SHRINK_ROWS, as from SHRINK_WIDE_FROM, and
+# its pieces capped at 2 a K: K = 128 in 2 of 64)
 MODES = ["ticketed", "ticketed unsplit", "split", "split wide"]
 
 
@@ -66,6 +67,15 @@ def _mode(kl, monkeypatch, mode: str) -> None:
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 1)
     monkeypatch.setattr(kl, "SHRINK_WIDE_FROM", 1 if mode == "split wide" else 1 << 30)
     monkeypatch.setattr(kl, "SHRINK_PIECE", 32)  # dummy-tiny's K of 64 and 128 in 2 and 4 pieces
+    monkeypatch.setattr(kl, "SHRINK_PIECES", 2 if mode == "split wide" else 8)
+
+
+def test_shrink_piece(monkeypatch):
+    from csmserve.kernels import lora as kl
+
+    monkeypatch.setattr(kl, "SHRINK_PIECE", 256)
+    monkeypatch.setattr(kl, "SHRINK_PIECES", 8)
+    assert [kl.shrink_piece(k) for k in (8192, 2048, 1024, 256, 100, 3072)] == [1024, 256, 256, 256, 100, 512]
 
 
 def _x(m: int, k: int, seed: int) -> torch.Tensor:
