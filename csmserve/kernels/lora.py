@@ -20,11 +20,11 @@ models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
-merged, both at the base's step. A mixed batch over 64 adapters (`91cdcc8`; 512 and 2,048 rows at `8c59f69`): 64 rows
-27.6 ms against the base's 8.4, 128 rows 28.6 (9.4), 256 rows 31.0 (11.2); 512 rows 27.7 (15.8), 1,024 38.2 (27.7);
-2,048 rows 62.0 against 51.1 (+21.5%: the GLU 56 us a call where silu_mul's pass alone needs 36, the down's shrink 20
-us, the expands ~20 us a layer over their y passes, the rest ~1,000 short launches). At a few rows each call is ~20
-us of chained latency (shrink, tickets, expand).
+merged, both at the base's step. A mixed batch over 64 adapters (`91cdcc8`; 512 rows and more at `0a05861`): 64 rows
+27.6 ms against the base's 8.4, 128 rows 28.6 (9.4), 256 rows 31.0 (11.2); 512 rows 27.1 (16.0), 1,024 36.8 (27.7);
+2,048 rows 61.5 against 51.9 (+18.5%: the GLU 51 us a call where silu_mul's pass alone needs 36, the down's shrink
+21 us, the expands ~13 us a layer, the other shrinks ~11, the rest ~1,000 short launches). At a few rows each call is
+~20 us of chained latency (shrink, tickets, expand).
 """
 from __future__ import annotations
 
