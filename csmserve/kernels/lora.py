@@ -20,11 +20,11 @@ models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
-merged, both at the base's step. A mixed batch over 64 adapters (`91cdcc8`; 512 rows and more at `0a05861`): 64 rows
-27.6 ms against the base's 8.4, 128 rows 28.6 (9.4), 256 rows 31.0 (11.2); 512 rows 27.1 (16.0), 1,024 36.8 (27.7);
-2,048 rows 61.5 against 51.9 (+18.5%: the GLU 51 us a call where silu_mul's pass alone needs 36, the down's shrink
-21 us, the expands ~13 us a layer, the other shrinks ~11, the rest ~1,000 short launches). At a few rows each call is
-~20 us of chained latency (shrink, tickets, expand).
+merged, both at the base's step. A mixed batch over 64 adapters (64-256 rows with ADAPTER_SPLIT 32, 512 rows and more
+at `0a05861`): 64 rows 22.7 ms against the base's 8.4, 128 rows 23.6 (9.4), 256 rows 25.8 (11.2); 512 rows 27.1
+(16.0), 1,024 36.8 (27.7); 2,048 rows 61.5 against 51.9 (+18.5%: the GLU 51 us a call where silu_mul's pass alone
+needs 36, the down's shrink 21 us, the expands ~13 us a layer, the other shrinks ~11, the rest ~1,000 short
+launches). At a few rows each call is ~20 us of chained latency (shrink, tickets, expand).
 """
 from __future__ import annotations
 
@@ -232,7 +232,9 @@ def _shrink_kernel(X, XA, A, RANKS, AD, M, K, rows_per, stride_xm, stride_al, st
 TICKET_ROWS = 256  # lora_add_ / lora_glu run the ticketed kernel up to here; past it lora_shrink + _expand
 TICKET_TILE = 16  # its row tile (the GEMV's rows)
 PIECE_K = 512  # K per shrink piece ([16, 512] of x and [512, R] of A per adapter)
-ADAPTER_SPLIT = 16  # up to TICKET_ROWS each piece and column block in this many programs, by pool slot % split
+# up to TICKET_ROWS each piece and column block in ADAPTER_SPLIT // tiles programs, by pool slot % that (at 1-16 rows
+# at most the rows' count: 32 and 16 alike there); 16: 5.0-5.5 ms a frame slower at 64-256 rows over 64 adapters
+ADAPTER_SPLIT = 32
 
 
 @triton.jit

@@ -93,6 +93,55 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
     assert torch.equal(bits["by adapter"], bits["ticketed"])
 
 
+@pytest.fixture(scope="module")
+def many():
+    """64 rank-16 slots (the pool above has 8: ADAPTER_SPLIT's programs past 8 a tile are run here)."""
+    from csmserve.models.loader import load_csm
+    from csmserve.models.lora import LoraPool
+
+    model, cfg, _ = load_csm("dummy", "cuda", torch.bfloat16)
+    p = LoraPool(model, max_loras=64, max_rank=16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for slot in range(64):
+        p.weights[slot] = (torch.randn(16, p.layout.width, generator=g, device="cuda") * 0.02).bfloat16()
+        p.ranks[slot] = 16
+    yield model, p
+    p.rows = None
+
+
+@cuda
+@pytest.mark.parametrize("module", MODULES[:4])
+@pytest.mark.parametrize("m", [32, 64, 200])
+def test_lora_many_adapters(many, monkeypatch, module, m):
+    """m rows over 64 adapters in runs (~16 a tile at 64 rows): split by adapter (ADAPTER_SPLIT 32: 16
+    programs a piece and column block at 32 rows, 8 at 64) == unsplit, same bits; against the reference."""
+    from csmserve.kernels import lora as kl
+    from csmserve.models.lora import delta_torch
+
+    model, p = many
+    layer = model.get_submodule(module).lora
+    i = torch.arange(m, device="cuda")
+    p.rows = torch.where(i % 9 == 0, -1, i * 64 // m).to(torch.int32)  # runs of each adapter, a few rows without one
+    t = layer.target
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, t.k, generator=g, device="cuda").bfloat16()
+    y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
+    delta = delta_torch(x, layer).float()
+    bits = {}
+    for split in (32, 1):
+        monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
+        if "gate_up" in module:
+            bits[split] = got = kl.lora_glu(y0, x, layer)
+            a, b = (y0.float() + delta).bfloat16().float().chunk(2, -1)
+            want = F.silu(a) * b
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        else:
+            bits[split] = got = kl.lora_add_(x, y0.clone(), layer)
+            err = _delta_err(got, y0, delta)
+        assert err < 2e-2, f"split {split}: relative error {err:.2e}"
+    assert torch.equal(bits[32], bits[1])
+
+
 @cuda
 @pytest.mark.parametrize("m", [1, 16, 64, 200, 512])  # 200: the ticketed kernel in 13 row tiles
 def test_lora_in_a_cuda_graph(pool, m):

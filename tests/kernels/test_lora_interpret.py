@@ -184,6 +184,52 @@ def test_ticketed_pieces_split_over_k(pool, monkeypatch, rows, module, piece_k, 
             assert layer._scratch[1].tolist() == [0, 0, 0, 0]
 
 
+@pytest.fixture(scope="module")
+def many():
+    """A pool of 40 slots: a tile of 16 rows holds 16 adapters, so ADAPTER_SPLIT's programs each take one or two."""
+    model, cfg, _ = load_csm("dummy-tiny")
+    p = LoraPool(model, max_loras=40, max_rank=16)
+    g = torch.Generator().manual_seed(2)
+    for slot in range(40):
+        r = (16, 4, 8)[slot % 3]
+        p.weights[slot, :r] = torch.randn(r, p.layout.width, generator=g) * 0.3
+        p.ranks[slot] = r
+    return model, p
+
+
+MANY = {"32 rows": [i - 1 for i in range(32)], "64 rows": sorted(i % 41 - 1 for i in range(64))}
+
+
+@interpreted
+@pytest.mark.parametrize("rows", list(MANY))
+@pytest.mark.parametrize("module", ["backbone.layers.0.self_attn.qkv_proj", "decoder.layers.0.mlp.gate_up_proj"])
+def test_ticketed_many_adapters(many, monkeypatch, rows, module):
+    """32 and 64 rows over up to 40 adapters: split by adapter over ADAPTER_SPLIT 32 (16 programs a piece and column
+    block at 2 tiles, 8 at 4) == unsplit == the reference."""
+    from csmserve.kernels import lora as kl
+
+    model, p = many
+    layer = model.get_submodule(module).lora
+    _mode(kl, monkeypatch, "ticketed")
+    p.rows = torch.tensor(MANY[rows], dtype=torch.int32)
+    m = len(MANY[rows])
+    x, y0 = _x(m, layer.target.k, 8), _x(m, layer.target.n, 9)
+    want = y0 + delta_torch(x, layer)
+    got = {}
+    for split in (32, 1):
+        monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
+        aj = max(1, kl.adapter_split(layer) // (m // kl.TICKET_TILE))  # _small's programs per piece and block
+        assert aj == {32: 16 * 32 // m, 1: 1}[split]
+        if "gate_up" in module:
+            g, u = want.chunk(2, -1)
+            got[split] = kl.lora_glu(y0, x, layer)
+            _close(got[split], F.silu(g) * u)
+        else:
+            got[split] = kl.lora_add_(x, y0.clone(), layer)
+            _close(got[split], want)
+    assert torch.equal(got[32], got[1])  # each row's pieces summed in one order, whichever program walks it
+
+
 # ---- the LoRA inside kernels/gemv.py (1-16 rows): a model of dims >= 128 (the GEMV's smallest K)
 
 @pytest.fixture(scope="module")
