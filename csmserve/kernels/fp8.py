@@ -47,8 +47,11 @@ def _weight_only_mm_kernel(X, W, S, Y, M, N, K, stride_x, stride_w, stride_y,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k_per = K // SPLIT_K  # a multiple of BLOCK_K (the wrapper checks)
-    x_ptr = X + rm[:, None].to(tl.int64) * stride_x + (pid_k * k_per + rk)[None, :]  # [BM, BK]
-    w_ptr = W + rn[None, :].to(tl.int64) * stride_w + (pid_k * k_per + rk)[:, None]  # [BK, BN]
+    # told to the compiler: K // SPLIT_K has no known factor past 16 // SPLIT_K, so at 8 splits (the down
+    # projections) the e4m3 weights would load 2 bytes at a time (sm_90 PTX, Triton 3.6)
+    k_lo = tl.multiple_of(pid_k * k_per, BLOCK_K)
+    x_ptr = X + rm[:, None].to(tl.int64) * stride_x + (k_lo + rk)[None, :]  # [BM, BK]
+    w_ptr = W + rn[None, :].to(tl.int64) * stride_w + (k_lo + rk)[:, None]  # [BK, BN]
     xm, wm = rm[:, None] < M, rn[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per, BLOCK_K):

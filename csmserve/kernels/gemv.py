@@ -274,7 +274,9 @@ def _mma_columns(pid, pid_k, X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_y
                  AD, LB, LRANKS, LWS, LCTR, l_per, l_sbl, l_sbr, L_N0, L_N1, n_pieces, LKSPLIT: tl.constexpr,
                  LRB: tl.constexpr):
     k_per = K // SPLIT  # a multiple of BLOCK_K (mma_split() checks)
-    k_lo = pid_k * k_per
+    # told to the compiler: K // SPLIT has no known factor past 16 // SPLIT, so the weights' chunks would load 8 bytes
+    # at a time at 4 splits, 4 at 8 (sm_90 PTX, Triton 3.6), not 16
+    k_lo = tl.multiple_of(pid_k * k_per, BLOCK_K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     mn = rn < N
     rm = tl.arange(0, BLOCK_M)  # [BM] rows, >= M masked

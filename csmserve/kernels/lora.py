@@ -303,6 +303,9 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
             rstd = norm_rstd(x_rows, d_rows, mm & todo, K, eps, dt, HAS_DELTA, BK)
     acc = tl.zeros([BM, RB], dtype=tl.float32)
     k_per = K // KSPLIT
+    # the piece's start a multiple of BK (piece_block divides K // KSPLIT), told to the compiler: unknown, x's and A's
+    # chunks load 2 bytes at a time and unpipelined (K = 8,192 in 16 pieces: K // 16 has no known factor)
+    k_lo = tl.multiple_of(kp * k_per, BK)
     while tl.max(todo.to(tl.int32), axis=0) > 0:
         a = tl.min(tl.where(todo, ad, _BIG), axis=0)
         sel = todo & (ad == a)
@@ -310,7 +313,7 @@ def lora_piece(t, X, DELTA, NW, IDX, AD, A, RANKS, WS, CTR, M, K, rows_per, stri
         a_l = a.to(tl.int64)
         rank = tl.load(RANKS + a_l)
         a_cols = A + a_l * stride_al + rr.to(tl.int64)[None, :] * stride_ar + s * K  # [1, RB]
-        for k0 in range(kp * k_per, (kp + 1) * k_per, BK):
+        for k0 in range(k_lo, k_lo + k_per, BK):
             rk = k0 + tl.arange(0, BK)
             x = x_chunk(x_rows, d_rows, NW, rk, sel[:, None] & (rk < K)[None, :], rstd, dt, NORM, HAS_DELTA)
             w = tl.load(a_cols + rk[:, None], mask=(rr < rank)[None, :] & (rk < K)[:, None], other=0.0)  # [BK, RB]
