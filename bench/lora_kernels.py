@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gpu_profile import dummy_model, graph_timed, spread
 
 GLU_TILES = [(16, 8), (16, 16), (16, 32), (16, 64), (32, 8), (32, 16)]  # (GLU_ROWS, GLU_GROUPS)
-PIECE_CAPS = [8, 4]  # SHRINK_PIECES: the expand over fewer, longer pieces (the default tile)
+PIECE_CAPS = [32, 4]  # SHRINK_PIECES: the expand over more or fewer pieces than the default's (the default tile)
 EXPAND_TILES = [16, 32, 64]  # EXPAND_ROWS
 SHRINK_TILES = [(16, 256), (32, 256), (64, 256), (16, 512), (32, 512), (16, 1024), (64, 1024)]  # ROWS, PIECE
 MODULES = ["mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"]
@@ -76,7 +76,8 @@ def main() -> None:
                     for c in PIECE_CAPS:
                         kl.SHRINK_PIECES = c
                         xc = kl.lora_shrink(x, lora)
-                        out += [f"expand[{who} pieces {xc.shape[0]}] {t(lambda: kl._expand(xc, y, lora, n))}"]
+                        if xc.shape[0] != xa.shape[0]:  # not the default's pieces again
+                            out += [f"expand[{who} pieces {xc.shape[0]}] {t(lambda: kl._expand(xc, y, lora, n))}"]
                     kl.SHRINK_PIECES = defaults["SHRINK_PIECES"]
             p.rows.copy_(rows["ad"])
             wide = 1 << 30  # the tile as given at any row count

@@ -481,13 +481,19 @@ def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
     gu = y if gu is None else gu
     bm = TICKET_TILE
     tiles = triton.cdiv(m, bm)  # tiles * bm <= the scratch's rows: TICKET_ROWS in whole tiles (LoraLayer.scratch)
-    aj = max(1, adapter_split(lora) // tiles)  # programs ~ one tile's at any number of tiles
+    aj = adapter_programs(lora, m)
     grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
     _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
                              m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
                              lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
                              KSPLIT=ksplit, RB=rb, BM=bm, BK=bk, BN=bn, GLU=gu is not y,
                              IEEE=x.dtype == torch.float32, AJ=aj, TILES=tiles, num_warps=4, **pdl.opts())
+
+
+def adapter_programs(lora, m: int) -> int:
+    """The ticketed kernel's programs per piece and column block at m rows: adapter_split's, divided over the row
+    tiles (programs ~ one tile's at any number of tiles)."""
+    return max(1, adapter_split(lora) // triton.cdiv(m, TICKET_TILE))
 
 
 def adapter_split(lora) -> int:
@@ -525,9 +531,10 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> No
     bm, bn, rb = GLU_ROWS if glu else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
     rows = lora.rows
     t = lora.target
-    tiles = triton.cdiv(m, bm)
-    groups = min(max(GLU_GROUPS, triton.next_power_of_2(triton.cdiv(GLU_PROGRAMS, tiles))), triton.cdiv(n, bn))
-    _lora_kernel[(tiles, groups if glu else triton.cdiv(n, bn))](
+    tiles, cols = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    if glu:  # column groups
+        cols = min(max(GLU_GROUPS, triton.next_power_of_2(triton.cdiv(GLU_PROGRAMS, tiles))), cols)
+    _lora_kernel[(tiles, cols)](
         gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
         lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
         IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())

@@ -18,13 +18,18 @@ MODULES = ["backbone.layers.0.self_attn.qkv_proj", "backbone.layers.3.self_attn.
 
 @pytest.fixture(scope="module")
 def pool():
+    yield from _pool([16, 64, 16, 8, 32, 16, 64, 16], seed=0)
+
+
+def _pool(ranks: list[int], seed: int):
+    """The dummy model with a pool of len(ranks) slots of random LoRA weights (max rank: the largest)."""
     from csmserve.models.loader import load_csm
     from csmserve.models.lora import LoraPool
 
     model, cfg, _ = load_csm("dummy", "cuda", torch.bfloat16)
-    p = LoraPool(model, max_loras=8, max_rank=64)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for slot, r in enumerate([16, 64, 16, 8, 32, 16, 64, 16]):
+    p = LoraPool(model, max_loras=len(ranks), max_rank=max(ranks))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for slot, r in enumerate(ranks):
         p.weights[slot, :r] = (torch.randn(r, p.layout.width, generator=g, device="cuda") * 0.02).bfloat16()
         p.ranks[slot] = r
     yield model, p
@@ -52,6 +57,18 @@ def _delta_err(got, y0, delta) -> float:
     return (over.max() / delta.float().abs().max().clamp(min=1e-6)).item()
 
 
+def _apply(kl, module: str, layer, x, y0, delta) -> tuple[torch.Tensor, float]:
+    """kernels/lora.py's y0 + the rows' deltas of x (gate_up: the GLU of it), and its error against the reference
+    (delta: the torch path's, fp32)."""
+    if "gate_up" in module:
+        got = kl.lora_glu(y0, x, layer)
+        a, b = (y0.float() + delta).bfloat16().float().chunk(2, -1)
+        want = F.silu(a) * b
+        return got, ((got.float() - want).abs().max() / want.abs().max()).item()
+    got = kl.lora_add_(x, y0.clone(), layer)
+    return got, _delta_err(got, y0, delta)
+
+
 @cuda
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("m, kind", [(1, "sorted"), (2, "mixed"), (7, "mixed"), (16, "sorted"), (40, "mixed"),
@@ -68,25 +85,18 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
     x = torch.randn(m, t.k, generator=g, device="cuda").bfloat16()
     y0 = torch.randn(m, t.n, generator=g, device="cuda").bfloat16()
     delta = delta_torch(x, layer).float()  # [m, n]
-    ref = (y0.float() + delta).bfloat16()
     # by adapter: ADAPTER_SPLIT 8; split: the shrink and expand apart (the path past TICKET_ROWS); the ticketed
     # kernel at every m here (its 16-row tiles at 2,048 too)
     bits = {}
     for mode in ["ticketed", "by adapter", "split"]:
         monkeypatch.setattr(kl, "TICKET_ROWS", 0 if mode == "split" else 2048)
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", 8 if mode == "by adapter" else 1)
-        if "gate_up" in module:
-            got = kl.lora_glu(y0, x, layer)
-            a, b = ref.float().chunk(2, -1)
-            want = F.silu(a) * b
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-        else:
-            got = kl.lora_add_(x, y0.clone(), layer)
-            err = _delta_err(got, y0, delta)
+        got, err = _apply(kl, module, layer, x, y0, delta)
+        if "gate_up" not in module:
             none = (p.rows < 0).repeat_interleave(m // len(p.rows))
             assert torch.equal(got[none], y0[none]), mode  # rows without an adapter untouched
         assert err < 2e-2, f"{mode}: relative error {err:.2e}"
-        again = kl.lora_glu(y0, x, layer) if "gate_up" in module else kl.lora_add_(x, y0.clone(), layer)
+        again = _apply(kl, module, layer, x, y0, delta)[0]
         assert torch.equal(again, got), f"{mode}: not the same bits twice"
         bits[mode] = got
     # each row's pieces summed in the same order, whichever program walks its adapter
@@ -96,17 +106,7 @@ def test_lora_matches_reference(pool, monkeypatch, module, m, kind):
 @pytest.fixture(scope="module")
 def many():
     """64 rank-16 slots (the pool above has 8: ADAPTER_SPLIT's programs past 8 a tile are run here)."""
-    from csmserve.models.loader import load_csm
-    from csmserve.models.lora import LoraPool
-
-    model, cfg, _ = load_csm("dummy", "cuda", torch.bfloat16)
-    p = LoraPool(model, max_loras=64, max_rank=16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for slot in range(64):
-        p.weights[slot] = (torch.randn(16, p.layout.width, generator=g, device="cuda") * 0.02).bfloat16()
-        p.ranks[slot] = 16
-    yield model, p
-    p.rows = None
+    yield from _pool([16] * 64, seed=1)
 
 
 @cuda
@@ -130,14 +130,7 @@ def test_lora_many_adapters(many, monkeypatch, module, m):
     bits = {}
     for split in (32, 1):
         monkeypatch.setattr(kl, "ADAPTER_SPLIT", split)
-        if "gate_up" in module:
-            bits[split] = got = kl.lora_glu(y0, x, layer)
-            a, b = (y0.float() + delta).bfloat16().float().chunk(2, -1)
-            want = F.silu(a) * b
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-        else:
-            bits[split] = got = kl.lora_add_(x, y0.clone(), layer)
-            err = _delta_err(got, y0, delta)
+        bits[split], err = _apply(kl, module, layer, x, y0, delta)
         assert err < 2e-2, f"split {split}: relative error {err:.2e}"
     assert torch.equal(bits[32], bits[1])
 
