@@ -51,6 +51,10 @@ GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 ro
 GLU_GROUPS = 8
 GLU_PROGRAMS = 1024
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
+# A/B (this session's call): the down's shrink in the GLU past TICKET_ROWS (0 no, 1 in its loop, 2 a second loop over
+# h from L2) and up to it (0 / 1)
+GLU_DOWN = 2
+GLU_DOWN_TICKETED = 1
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -179,10 +183,17 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, DA, XD, M, N, rows_per, stride_gm, str
                     dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     h = glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
-                    if DOWN:  # h [BM, BN] (other rows 0) @ A_down^T [BN, RB]
+                    if DOWN == 1:  # h [BM, BN] (other rows 0) @ A_down^T [BN, RB]
                         w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
                         xd = _dot(h, w, xd, IEEE)
-                if DOWN:
+                if DOWN == 2:  # a second pass over this program's blocks of h, from L2 (stored above: the barrier)
+                    tl.debug_barrier()
+                    for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
+                        rn = nb * BN + tl.arange(0, BN)
+                        h = tl.load(y_rows[:, None] + rn[None, :], mask=sel[:, None] & (rn < N)[None, :], other=0.0)
+                        w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
+                        xd = _dot(h, w, xd, IEEE)
+                if DOWN > 0:
                     xd_ptr = XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :]
                     tl.store(xd_ptr, xd, mask=sel[:, None])
             else:
@@ -582,7 +593,7 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None, down=
         gu, y, xa, lora.b, lora.pool.ranks, rows, da, xa if xd is None else xd, m, n, m // rows.shape[0],
         gu.stride(0), y.stride(0), lora.b.stride(0), lora.b.stride(1), da.stride(0), da.stride(1), *t.bounds,
         S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu, IEEE=y.dtype == torch.float32, KS=xa.shape[0],
-        DOWN=xd is not None, num_warps=4, **pdl.opts())
+        DOWN=0 if xd is None else GLU_DOWN, num_warps=4, **pdl.opts())
     return xd
 
 
@@ -641,8 +652,10 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     # the down's shrink of h here too, while h is in registers (lora_add_ of the down takes it: _shrunk)
     down = lora.down if lora.down is not None and applies(h, lora.down) else None
     if m <= TICKET_ROWS:
+        down = down if GLU_DOWN_TICKETED else None
         xd = _small(x2, h, lora, gu, down=down)
     else:
+        down = down if GLU_DOWN else None
         xd = _expand(lora_shrink(x2, lora), h, lora, i, gu, down)
     if down is not None:
         down.shrunk = (h, xd)
