@@ -512,8 +512,7 @@ class Engine:
     def _fail_all(self, error: Exception) -> None:
         """After a failed step: every request it may have touched (each holding a slot) ends with the
         error; the ones still queued were not in it and stay queued (after a lost device they are refused)."""
-        queued = {r.request_id for r in self.scheduler.waiting} if self.fatal is None and not device_lost(error) \
-            else set()
+        queued = self.scheduler.queued_ids() if self.fatal is None and not device_lost(error) else set()
         payload = error_payload(RuntimeError(f"engine step failed: {error}"))
         for client, rids in list(self._live.items()):
             for rid in list(rids):

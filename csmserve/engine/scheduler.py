@@ -341,15 +341,22 @@ class Scheduler:
                 a.waiting += 1
         return out
 
+    def queued_ids(self) -> set[str]:
+        """The requests not admitted yet (the queue's and the parked): none of them is in a step."""
+        return {r.request_id for r in self.waiting} | {r.request_id for q in self._parked.values() for r in q}
+
     @property
     def num_parked(self) -> int:
         """Queued requests waiting for their adapter's pool slot."""
         return self._n_parked
 
     def overdue_parked(self, before: float) -> list[Request]:
-        """The parked requests that began to wait before `before` (perf_counter), oldest of each adapter first,
-        aborted here (their adapters' waits released): the engine ends them with AdapterPoolFullError."""
-        late = [r for q in self._parked.values() for r in itertools.takewhile(lambda r: r.parked_at < before, q)]
+        """The parked requests that began to wait before `before` (perf_counter) for an adapter that still has no
+        pool slot, oldest of each adapter first, aborted here (their adapters' waits released): the engine ends them
+        with AdapterPoolFullError. Those whose adapter has its slot (copying or ready) wait for an engine slot as
+        any queued request does."""
+        late = [r for a, q in self._parked.items() if a.slot < 0
+                for r in itertools.takewhile(lambda r: r.parked_at < before, q)]
         for req in late:
             self.abort(req.request_id)
         return late

@@ -44,6 +44,8 @@ _UNSUPPORTED = {"use_dora": "DoRA (use_dora)", "lora_bias": "a LoRA bias (lora_b
                 "layer_replication": "layer_replication", "trainable_token_indices": "trainable tokens",
                 "modules_to_save": "modules_to_save (full copies of modules)", "target_parameters": "target_parameters",
                 "fan_in_fan_out": "fan_in_fan_out", "use_bdlora": "BD-LoRA (use_bdlora)"}
+# init_lora_weights that leave the base weights as they are (PEFT's others rewrite them to W - B0 A0, or quantize them)
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")
 # transformers modules we know but do not adapt -> what they are
 _HEADS = {"lm_head": "the codebook-0 head (lm_head)", "embed_text_tokens": "the text embedding",
           "backbone_model.embed_tokens.embed_audio_tokens": "the audio embedding",
@@ -130,7 +132,7 @@ class LoraAdapter:
     modules: int  # transformers modules it adapts
     alpha: float  # lora_alpha (the config's; patterns may differ per module)
     rslora: bool
-    dropped_codec: int = 0  # all-zero codec_model deltas dropped
+    dropped_codec: int = 0  # zero codec_model deltas dropped
     info: dict = field(default_factory=dict)  # base_model_name_or_path, target_modules (for listings)
 
     @property
@@ -204,12 +206,24 @@ def _read_config(path: str | Path) -> tuple[Path, dict]:
     for key, what in _UNSUPPORTED.items():
         if c.get(key):
             raise LoraError(f"{d}: {what} is not supported")
+    init = c.get("init_lora_weights", True)
+    if not (isinstance(init, bool) or init in _PLAIN_INITS):
+        raise LoraError(f"{d}: init_lora_weights={init!r} is not supported: PiSSA, OLoRA, CorDA, LoRA-GA and LoftQ "
+                        f"adapters apply to base weights their initialisation rewrote, not to the base model (save "
+                        f"one with path_initial_model_for_weight_conversion= to make it a plain LoRA)")
     if c.get("bias", "none") != "none":
         raise LoraError(f"{d}: bias={c['bias']!r} is not supported (only bias='none': base biases stay untrained)")
     for key in ("r", "lora_alpha"):
         if not isinstance(c.get(key), (int, float)) or c[key] <= 0:
             raise LoraError(f"{path}: {key} must be a positive number, got {c.get(key)!r}")
     return d, c
+
+
+def _zero_delta(a: Tensor, b: Tensor) -> bool:
+    """B A is zero, to float32 rounding: untrained (B = 0), or a PiSSA / OLoRA save converted to a plain LoRA, whose
+    untouched layers hold [A; A0] and [B, -B0] (|BA| ~1e-7 of |B| |A|, where a trained delta is ~r^-1/2 of it)."""
+    a, b = a.float(), b.float()
+    return bool(torch.linalg.norm(b @ a) <= 1e-5 * torch.linalg.norm(b) * torch.linalg.norm(a))
 
 
 def _read_tensors(d: Path) -> dict[str, Tensor]:
@@ -280,7 +294,7 @@ def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
                 or not b.is_floating_point():
             raise LoraError(f"{d}: {mod} lora_A {list(a.shape)} and lora_B {list(b.shape)} are not a LoRA pair")
         if mod.startswith("codec_model."):
-            if torch.count_nonzero(b) and torch.count_nonzero(a) and torch.count_nonzero(b.float() @ a.float()):
+            if not _zero_delta(a, b):
                 raise LoraError(f"{d}: {mod} is a non-zero LoRA on Mimi's transformer (codec_model); codec LoRA "
                                 f"is not supported")
             codec_zero += 1
@@ -299,7 +313,7 @@ def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
         alpha = float(_pattern(alphas, mod, c["lora_alpha"]))
         chosen.append((mod, a, b, alpha / (math.sqrt(r) if rslora else r)))
     if codec_zero:
-        log.info("adapter %s: %d all-zero LoRA deltas on Mimi's transformer (codec_model) dropped", d, codec_zero)
+        log.info("adapter %s: %d zero LoRA deltas on Mimi's transformer (codec_model) dropped", d, codec_zero)
     if not chosen:
         raise LoraError(f"{d}: no LoRA weights for this model's backbone or depth decoder")
     rank = max(a.shape[0] for _, a, _, _ in chosen)
@@ -313,8 +327,10 @@ def read_adapter(path: str | Path, cfg, dtype: torch.dtype = torch.float32,
         w[:r, t.a_off + s * t.k:t.a_off + (s + 1) * t.k] = a.float()
         col = t.b_off + sum(t.slices[:s])
         w[:r, col:col + t.slices[s]] = (b.float() * scale).T
+    if not torch.isfinite(w := w.to(dtype)).all():
+        raise LoraError(f"{d}: its weights hold NaN or infinite values (a diverged fine-tune?)")
     info = {"base_model": c.get("base_model_name_or_path"), "target_modules": c.get("target_modules")}
-    return LoraAdapter(str(d), rank, w.to(dtype), len(chosen), float(c["lora_alpha"]), rslora, codec_zero, info)
+    return LoraAdapter(str(d), rank, w, len(chosen), float(c["lora_alpha"]), rslora, codec_zero, info)
 
 
 def _what(module: str) -> str:
@@ -462,7 +478,7 @@ def shrink_torch(x: Tensor, lora: LoraLayer) -> Tensor:
     else:
         xa = torch.einsum("mk,lrsk->mlsr", x.float(), a.float())  # [M, L, S, R]
         xa = xa[torch.arange(x.shape[0], device=x.device), ad.clamp(min=0)]  # [M, S, R]
-    return (xa * (ad >= 0)[:, None, None]).to(x.dtype)
+    return torch.where((ad >= 0)[:, None, None], xa, 0.0).to(x.dtype)
 
 
 def expand_torch(xa: Tensor, lora: LoraLayer) -> Tensor:

@@ -250,3 +250,27 @@ def test_a_request_parked_past_the_wait_limit_is_taken_out():
     assert late == [b1] and b1.status is S.FINISHED_ABORTED and s.num_parked == 1 and b2.status is S.WAITING
     assert s.adapters.get("bob").waiting == 1 and a.status is S.RUNNING
     assert s.overdue_parked(time.perf_counter()) == [b2] and s.num_parked == 0 and s.num_waiting == 0
+
+
+def test_a_parked_request_whose_adapter_got_its_slot_waits_for_an_engine_slot():
+    """ann's request is parked, its copy then done (a free pool slot left), but the engine slots were taken by base
+    requests behind it: past the wait limit it is not taken out (it waits for a slot as a base request does), and
+    the first slot that frees is its."""
+    import time
+
+    s = sched(max_loras=2, max_slots=2)
+    r1 = req("r1")
+    s.add(r1)
+    s.schedule()
+    a, r2, r3 = req("a", "ann"), req("r2"), req("r3")
+    for r in (a, r2, r3):
+        s.add(r)
+    s.schedule()  # ann not resident: a parked (its copy asked for); r2 takes the last engine slot, r3 queued
+    assert a.status is S.WAITING and r2.status is not S.WAITING and s.num_parked == 1
+    load_all(s)
+    assert s.adapters.get("ann").ready and s.adapters.slots.count(None) == 1
+    s.schedule()
+    assert s.overdue_parked(time.perf_counter()) == [] and a.status is S.WAITING
+    s.abort("r1")
+    s.schedule()
+    assert a.status is not S.WAITING and r3.status is S.WAITING

@@ -289,3 +289,39 @@ def test_a_step_of_first_frames_is_done_before_the_next_launch(model):
         assert log.index(("launch", nxt)) < log.index(("wait", later))
     for r in (a, b):
         np.testing.assert_array_equal(col.codes(r.request_id), reference.generate(model, r.tokens, r.mask, greedy).codes)
+
+
+def test_a_failed_step_leaves_a_request_parked_for_its_adapter_queued(model, tmp_path):
+    """One pool slot, held by a's adapter: b is parked for bob's slot (queued, in no step). A failed step fails a,
+    not b, which then gets the slot and runs to its end."""
+    from csmserve.models.loader import tiny_config
+    from csmserve.models.lora import read_adapter, write_adapter
+
+    cfg = EngineConfig(max_slots=4, max_seq_len=256, prefill_token_budget=16, max_loras=1, max_lora_rank=8)
+    engine = Engine(ModelRunner(model, 4, 256, max_loras=1, max_lora_rank=8), cfg, start=False)
+    engine.register_adapters({n: read_adapter(write_adapter(tmp_path / n, tiny_config(), rank=4, seed=i),
+                                              tiny_config()) for i, n in enumerate(["ann", "bob"])})
+    params = SamplingParams(temperature=0.0, max_audio_length_ms=200 * 80)
+    a = Request(*prompt(4, 1), params=params, adapter="ann")
+    b = Request(*prompt(4, 2), params=SamplingParams(temperature=0.0, max_audio_length_ms=4 * 80), adapter="bob")
+    got: dict = {}
+    engine.submit(a, sink=lambda item: got.setdefault("a", []).append(item))
+    for _ in range(3):
+        engine.run_once()
+    engine.submit(b, sink=lambda item: got.setdefault("b", []).append(item))
+    engine.run_once()
+    assert engine.scheduler.num_parked == 1
+    step = engine.runner.step
+
+    def failing(*args):
+        raise RuntimeError("boom")
+
+    engine.runner.step = failing
+    engine.run_once()
+    engine.runner.step = step
+    assert isinstance(got["a"][-1], RuntimeError)
+    for _ in range(40):
+        if got.get("b") and (isinstance(got["b"][-1], BaseException) or got["b"][-1].final):
+            break
+        engine.run_once()
+    assert not any(isinstance(x, BaseException) for x in got["b"]) and got["b"][-1].final

@@ -4,6 +4,7 @@ PEFT's (scales: alpha / r, rsLoRA, rank_pattern / alpha_pattern); a merged fine-
 as a model; what cannot be served right is refused in one line."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -104,7 +105,7 @@ def test_codec_deltas_zero_dropped_nonzero_refused(base, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="csmserve.lora"):
         a = read_adapter(tmp_path / "zero", cfg)
     assert a.dropped_codec == 16  # 2 encoder + 2 decoder layers x q, k, v, o
-    assert any("all-zero" in r.getMessage() and "codec_model" in r.getMessage() for r in caplog.records)
+    assert any("zero LoRA deltas" in r.getMessage() and "codec_model" in r.getMessage() for r in caplog.records)
     peft_adapter(hf, tmp_path / "nonzero", codec_std=0.1)
     with pytest.raises(LoraError, match="non-zero LoRA on Mimi's transformer"):
         read_adapter(tmp_path / "nonzero", cfg)
@@ -144,6 +145,8 @@ def _refused(path, cfg, match: str, **kw) -> None:
     ({"targets": ["embed_text_tokens"]}, "text embedding"),
     ({"targets": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "lora_only"}, "bias"),
+    ({"targets": ["q_proj"], "init_lora_weights": "pissa"}, "init_lora_weights='pissa'.*rewrote"),
+    ({"targets": ["q_proj"], "init_lora_weights": "olora"}, "init_lora_weights='olora'.*rewrote"),
 ])
 def test_refused_configs(base, tmp_path, case, match):
     d, hf, model, cfg = base
@@ -185,3 +188,53 @@ def test_refused_files(base, tmp_path):
     _refused(tmp_path / "ad", cfg, "no adapter_config.json")
     Path(tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3", "r": 4, "lora_alpha": 8}))
     _refused(tmp_path / "ad", cfg, "not LoRA")
+
+
+def test_pissa_converted_equals_peft(base, tmp_path):
+    """A PiSSA adapter saved with path_initial_model_for_weight_conversion (the way the refusal above names) is a plain
+    LoRA against the original base (rank 2r, [A; A0] and [B, -B0]): read, it equals PEFT's change to the original
+    base's output; its untouched Mimi layers' deltas are zero only to rounding, and are dropped as zero."""
+    from peft import LoraConfig, get_peft_model
+
+    d, hf, model, cfg = base
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"],
+                                                      init_lora_weights="pissa"))
+    pm.save_pretrained(str(tmp_path / "init"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # "training": Mimi's layers stay as they were
+        for name, p in pm.named_parameters():
+            if (".lora_A." in name or ".lora_B." in name) and "codec_model." not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(str(tmp_path / "ad"), path_initial_model_for_weight_conversion=str(tmp_path / "init"))
+    adapter = read_adapter(tmp_path / "ad", cfg, max_rank=8)
+    assert adapter.rank == 8 and adapter.dropped_codec > 0
+    name = "backbone_model.layers.0.self_attn.q_proj"
+    pool = LoraPool(model, max_loras=1, max_rank=8)
+    try:
+        pool.write(0, adapter)
+        t_i, s = pool.layout.hf[name]
+        t = pool.layout.targets[t_i]
+        x = torch.randn(2, t.k, generator=g)
+        with torch.no_grad():
+            want = pm.get_submodule("base_model.model." + name)(x) - hf.get_submodule(name)(x)
+        pool.rows = torch.tensor([0, 0], dtype=torch.int32)
+        got = delta_torch(x, model.get_submodule(t.module).lora)[:, :t.slices[0]]
+        assert want.abs().max() > 0.1
+        assert (got - want).abs().max() / want.abs().max() < 1e-5
+    finally:
+        detach(model)
+
+
+def test_refused_nonfinite(base, tmp_path):
+    """A NaN or an infinity in the weights (a diverged fine-tune) is refused: in a mixed batch it would reach other
+    requests' rows too."""
+    from safetensors.torch import load_file, save_file
+
+    d, hf, model, cfg = base
+    for bad in (float("nan"), float("inf")):
+        peft_adapter(hf, tmp_path / "ad", targets=["q_proj"])
+        f = tmp_path / "ad" / "adapter_model.safetensors"
+        sd = load_file(str(f))
+        sd[next(k for k in sd if k.endswith("lora_B.weight") and "codec_model" not in k)][0, 0] = bad
+        save_file(sd, str(f))
+        _refused(tmp_path / "ad", cfg, "NaN or infinite")
