@@ -34,7 +34,10 @@ def adapter_path(config: ServerConfig, lora_path: str) -> str:
     root = Path(config.lora_dir).expanduser().resolve()
     if "\0" in lora_path:
         raise bad_request("'lora_path' has a NUL character", "lora_path", "invalid_path")
-    path = (root / Path(lora_path).expanduser()).resolve()  # an absolute lora_path stays itself
+    try:
+        path = (root / lora_path).resolve()  # an absolute lora_path stays itself; `~` is a name like any other
+    except (OSError, RuntimeError) as e:  # a link loop, a name too long
+        raise bad_request(f"lora_path {lora_path!r} cannot be resolved ({e})", "lora_path", "invalid_path") from None
     if not path.is_relative_to(root):
         raise APIError(403, f"lora_path {lora_path!r} is outside the server's --lora-dir", "path_not_allowed",
                        "lora_path")
@@ -69,7 +72,8 @@ async def load_lora_adapter(http: Request) -> dict:
         raise APIError(409, str(e), "adapter_exists", "lora_name") from None
     except AdapterLimitError as e:  # --max-cpu-loras
         raise APIError(409, f"{e} (--max-cpu-loras)", "too_many_adapters", "lora_name") from None
-    except ValueError as e:  # LoraError: another base, missing / corrupt files, DoRA, a rank over the pool's ...
+    except (ValueError, OSError) as e:  # LoraError: another base, missing / corrupt files, DoRA, a rank over the
+        # pool's ...; OSError: a path the system refuses (a name too long)
         raise bad_request(" ".join(str(e).split()), "lora_path", "invalid_adapter") from None
     except FutureTimeout:
         raise APIError(504, "the engine did not finish loading the adapter in time", "engine_timeout") from None

@@ -22,26 +22,44 @@ import time
 
 log = logging.getLogger("csmserve.server")
 REPORT_S = 0.02  # how often a worker writes its open-connection count
-_RECEIVED, _OPEN, _READY = 0, 1, 2
+_RECEIVED, _OPEN, _READY, _ACTIVE = 0, 1, 2, 3
+_FIELDS = 4
 SERVING, ATTACHED = 1, 2  # values of _READY (0: not ready)
 
 
 class Counters:
-    """[n, 3] int64 in shared memory: per worker (received, open, ready); a Process argument of the workers."""
+    """[n, 4] int64 in shared memory: per worker (received, open, ready, generations in flight); a Process argument
+    of the workers. The generations are counted under a lock: --max-concurrent-requests holds for the server, not
+    per worker."""
 
     def __init__(self, n: int, ctx=None) -> None:
         self.n = n
-        self.a = (ctx or multiprocessing).Array("q", 3 * n, lock=False)
+        ctx = ctx or multiprocessing
+        self.a = ctx.Array("q", _FIELDS * n, lock=False)
+        self.lock = ctx.Lock()
 
     def get(self, i: int, field: int) -> int:
-        return self.a[3 * i + field]
+        return self.a[_FIELDS * i + field]
 
     def set(self, i: int, field: int, value: int) -> None:
-        self.a[3 * i + field] = value
+        self.a[_FIELDS * i + field] = value
 
     def reset(self, i: int) -> None:
-        for f in (_RECEIVED, _OPEN, _READY):
-            self.set(i, f, 0)
+        with self.lock:  # a restarted worker's generations ended with it
+            for f in (_RECEIVED, _OPEN, _READY, _ACTIVE):
+                self.set(i, f, 0)
+
+    def admit(self, i: int, limit: int) -> bool:
+        """One generation more for worker i, unless the workers' together are at `limit` already."""
+        with self.lock:
+            if sum(self.a[_FIELDS * j + _ACTIVE] for j in range(self.n)) >= limit:
+                return False
+            self.a[_FIELDS * i + _ACTIVE] += 1
+            return True
+
+    def release(self, i: int) -> None:
+        with self.lock:
+            self.a[_FIELDS * i + _ACTIVE] -= 1
 
 
 class Dispatcher:

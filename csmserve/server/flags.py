@@ -55,7 +55,7 @@ _HELP = {
                          "(speech is ~15 characters/s)",
     "max_segment_ms": "cap on each sentence of a long input or a WebSocket turn, unless the request sets "
                       "max_segment_length_ms",
-    "max_concurrent_requests": "generations in flight, HTTP and WebSocket; past it 429",
+    "max_concurrent_requests": "generations in flight, HTTP and WebSocket, all API workers together; past it 429",
     # audio encoding
     "mp3_compression_level": "LAME's quality: 0 (best, slowest) .. 9",
     "opus_complexity": "libopus' complexity: 0 .. 10 (most CPU)",

@@ -101,6 +101,7 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
     config = uvicorn_config(app, spec.server, log_level=spec.log_level.lower(), ws="websockets-sansio")
     freeze_gc()  # torch and the app imported: a full collection no longer walks them
     state = app.state.server
+    state.workers = (counters, spec.index)  # --max-concurrent-requests counts every worker's generations
     DispatchedServer(config, link, counters, spec.index, attached=lambda: state.ready).run()
 
 

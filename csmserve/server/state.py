@@ -34,11 +34,16 @@ from csmserve.server.sessions import Session, Sessions
 
 if TYPE_CHECKING:
     from csmserve.api import CSM, Segment, TextFeed
+    from csmserve.server.dispatch import Counters
 
 log = logging.getLogger("csmserve.server")
 # a speech input up to this long (and no context turns) is tokenized on the event loop: tens of microseconds,
 # where a thread's result waits for a busy loop to come back to it (a loaded worker's TTFA)
 INLINE_CHARS = 2000
+# a preset name (`alloy`) is looked up in the voice store at most once a second a worker: a stored voice of that name
+# takes the preset over (made through another worker or replica: within this long), while the presets' requests
+# otherwise read no store and hop to no thread
+ALIAS_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ class ServerState:
                  sessions_path: str | None = None) -> None:
         self.csm, self.config, self.store = csm, config, store
         self.active = 0  # generations in flight, HTTP and WebSocket
+        self.workers: tuple[Counters, int] | None = None  # the server's API workers' counts and this one's index
+        self._not_stored: dict[str, float] = {}  # preset name -> when the store last had no voice of that name
         self.headers: list[tuple[bytes, bytes]] = []  # on every response: which worker (and Ray replica) served it
         self.last_prompt: tuple[np.ndarray, np.ndarray] | None = None  # tokens, mask last submitted (tests)
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
@@ -314,13 +321,21 @@ class ServerState:
     # ---- voices and context
     async def _resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
         key = voice.id if isinstance(voice, VoiceRef) else voice
-        if isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES:
-            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # a preset: no store read, no thread
+        preset = isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES
+        if preset and time.monotonic() - self._not_stored.get(key, -ALIAS_RECHECK_S) < ALIAS_RECHECK_S:
+            return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # no store read, no thread
         try:
-            return await asyncio.to_thread(self.store.resolve, key)
+            got = await asyncio.to_thread(self.store.resolve, key)
         except VoiceNotFoundError:
             raise APIError(404, f"voice {key!r} not found; GET /v1/audio/voices lists the voices",
                            "voice_not_found", param) from None
+        if preset and got.voice is None:
+            self._not_stored[key] = time.monotonic()
+        return got
+
+    def voices_changed(self) -> None:
+        """A voice was stored or deleted through this worker: the presets are looked up again."""
+        self._not_stored.clear()
 
     async def encode_clip(self, data: bytes, param: str) -> np.ndarray:
         """Audio file bytes -> Mimi codes [T, 32] (decode, downmix, resample to 24 kHz, encode)."""
@@ -374,7 +389,8 @@ class ServerState:
         """The engine's chunks within the concurrency limit, with metrics; closing it early aborts the request."""
         csm = self.require_ready()
         limit = self.config.max_concurrent_requests
-        if limit is not None and self.active >= limit:
+        if limit is not None and not (self.workers[0].admit(self.workers[1], limit) if self.workers
+                                      else self.active < limit):
             raise APIError(429, f"too many concurrent requests ({self.config.max_concurrent_requests}); retry later",
                            "too_many_requests")
         self.active += 1
@@ -407,6 +423,8 @@ class ServerState:
         finally:
             await agen.aclose()  # GeneratorExit at the engine's queue: abort, slot freed at the next frame
             self.active -= 1
+            if limit is not None and self.workers:
+                self.workers[0].release(self.workers[1])
             if tr is not None:  # still pending: it ended before a route wrote its first chunk
                 tr.done(request.request_id, end=reason)
             wall = time.perf_counter() - arrival

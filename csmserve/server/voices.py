@@ -56,6 +56,7 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
     data = await audio_sample.read(state.config.max_upload_bytes + 1)
     codes = await state.encode_clip(data, "audio_sample")
     voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter)
+    state.voices_changed()
     return voice_object(voice)
 
 
@@ -82,4 +83,5 @@ async def delete_voice(voice_id: str, http: Request) -> dict:
     state: ServerState = http.app.state.server
     if not await asyncio.to_thread(state.store.delete, voice_id):
         raise APIError(404, f"voice {voice_id!r} not found", "voice_not_found", "voice_id")
+    state.voices_changed()
     return {"id": voice_id, "object": "audio.voice", "deleted": True}

@@ -54,6 +54,7 @@ class Utterance:
         self.spans: list[tuple[int, int]] = []  # each segment's [start, end) in `received`
         self.queued = False  # in the connection's jobs (it had a complete segment)
         self.cancelled = False
+        self.finished = False  # generated and kept in the session: only its flush_done is left to send
         self.idle_timeout = False  # ended by the server: no text for ws_turn_idle_s
         self.last_text = time.monotonic()
         # while it generates: its request, speaker and codes so far per segment (a cancel may keep some)
@@ -113,8 +114,8 @@ class Connection:
                 await self.error(APIError(400, "binary messages are not part of the protocol; send JSON as text",
                                           "invalid_message"))
                 continue
-            if len(raw) > limit:
-                await self.error(APIError(400, f"the message is {len(raw)} characters; the limit is {limit} "
+            if len(raw) * 4 > limit and (size := len(raw.encode("utf-8", "surrogatepass"))) > limit:  # UTF-8 bytes
+                await self.error(APIError(400, f"the message is {size} bytes; the limit is {limit} "
                                           "(--max-ws-message-bytes)", "message_too_large"), _context_id(raw[:4096]))
                 continue
             try:
@@ -216,6 +217,9 @@ class Connection:
         if self.current is None or self.current[0].context_id != cid:
             return {}
         running, task = self.current
+        if running.finished:  # the cancel crossed the turn's end: it stops nothing, flush_done goes out first
+            await asyncio.wait([task])
+            return {}
         task.cancel()
         await asyncio.wait([task])  # its codes are final, and the next message sees the session as cut
         if audio_end_ms is None:  # nothing kept: the turn is dropped
@@ -308,6 +312,7 @@ class Connection:
         finally:
             turn.text_feed.stop()
             session.busy -= 1
+        turn.finished = True
         if codes:  # this turn (each segment as it was spoken: its text and codes) is context for the next
             self.state.sessions.add_turn(session, SessionTurn("assistant", [
                 Segment(speaker, turn.texts[i], codes=np.concatenate(c)) for i, c in sorted(codes.items())],

@@ -215,6 +215,8 @@ def test_every_bad_load_is_refused_while_a_stream_runs(lserver, lcsm, root, tmp_
         ({"lora_name": "tts-1", "lora_path": "cat"}, 400, "invalid_adapter_name", "base model"),
         ({"lora_name": "a b", "lora_path": "cat"}, 400, "invalid_adapter_name", "letters, digits"),
         ({"lora_name": "x"}, 400, "missing_required_parameter", "lora_path"),
+        ({"lora_name": "x", "lora_path": "~nosuchuser/cat"}, 400, "invalid_adapter", "no such adapter directory"),
+        ({"lora_name": "x", "lora_path": "x" * 300}, 400, "invalid_adapter", "x" * 300),
     ]
     for body, status, code, words in cases:
         r = post(lserver, "/v1/load_lora_adapter", body)

@@ -156,3 +156,15 @@ def test_connections_go_to_attached_workers_while_any_is_and_to_a_serving_one_ot
     alone.d.start()
     alone.connect(2)  # no worker attached yet: the serving one answers (its /health, /ready 503)
     assert _wait(lambda: len(only.socks) == 2)
+
+
+def test_generations_are_counted_for_all_workers_together():
+    from csmserve.server.dispatch import Counters
+
+    c = Counters(3)
+    assert c.admit(0, 2) and c.admit(2, 2)
+    assert not c.admit(1, 2) and not c.admit(0, 2)  # two in flight: the limit, whichever worker asks
+    c.release(2)
+    assert c.admit(1, 2) and not c.admit(2, 2)
+    c.reset(1)  # worker 1 restarted: its generations ended with it
+    assert c.admit(2, 2) and not c.admit(0, 2)

@@ -327,3 +327,29 @@ def test_a_taken_port_is_one_line_naming_it():
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*pick another --port"):
             bind("127.0.0.1", port)
     bind("127.0.0.1", port).close()  # free again
+
+
+def test_max_concurrent_requests_holds_for_the_server_not_each_worker(procs):
+    """--max-concurrent-requests 1 over two API workers: while one generation streams on one, a new request is 429
+    on the other too (new connections go to the worker with the fewest open: the idle one); once it ends, the next
+    is served."""
+    server = procs(max_concurrent_requests=1)
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": 30000},
+                      timeout=60) as held:
+        assert held.status_code == 200
+        body = held.iter_raw()  # kept: dropping it closes the connection
+        next(body)
+        other = {"0": "1", "1": "0"}[held.headers["x-csmserve-worker"]]
+        seen: dict[str, int] = {}
+        for _ in range(20):
+            r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": 160}, timeout=60)
+            seen[r.headers["x-csmserve-worker"]] = r.status_code
+            if other in seen:
+                break
+        assert seen.get(other) == 429 and set(seen.values()) == {429}, seen
+    for _ in range(50):  # the closed stream's abort reaches its worker's count
+        r = httpx.post(f"{server.url}/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": 160}, timeout=60)
+        if r.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text

@@ -162,12 +162,14 @@ def test_websocket_survives_binary_deep_and_huge_messages(serve):
         ws.send('{"context_id": "s", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
         ws.send("[" * 100_000)  # not even closed
         ws.send(json.dumps({"context_id": "s", "text": "x" * ((1 << 20) + 1)}))
+        # the limit is in bytes: half as many characters, each two bytes of UTF-8
+        ws.send(json.dumps({"context_id": "s", "text": "\u00e9" * ((1 << 19) + 1)}, ensure_ascii=False))
         codes = []
-        while len(codes) < 3:
+        while len(codes) < 4:
             m = recv_json(ws)
             if m["type"] == "error":
                 codes.append((m["error"]["code"], m["context_id"]))
-        assert codes == [("invalid_json", "s"), ("invalid_json", None), ("message_too_large", "s")]
+        assert codes == [("invalid_json", "s"), ("invalid_json", None)] + [("message_too_large", "s")] * 2
         assert all(set(m["error"]) == {"message", "type", "param", "code"} for m in [m])
         ws.send(json.dumps({"context_id": "s", "text": " then more.", "flush": True}))
         msgs = until(ws, "flush_done")

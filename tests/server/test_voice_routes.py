@@ -79,6 +79,38 @@ def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, voices_db)
     assert audio_rows(*second.state.last_prompt).size == 0
 
 
+@pytest.mark.inproc
+def test_a_stored_voice_named_like_a_preset_takes_it_over(server, monkeypatch):
+    """`alloy` is a preset (no clip) until a voice named `alloy` is stored: through this worker at once, through
+    another worker (the store written directly) once ALIAS_RECHECK_S has passed; deleted, the preset again. In
+    between, the preset's requests read no store."""
+    from csmserve.server import state as state_mod
+
+    def rows() -> int:
+        server.state.last_prompt = None
+        r = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+            "model": "tts-1", "voice": "alloy", "input": "Say this.", "response_format": "pcm",
+            "max_audio_length_ms": 160})
+        assert r.status_code == 200, r.text
+        return audio_rows(*server.state.last_prompt).shape[0]
+
+    monkeypatch.setattr(state_mod, "ALIAS_RECHECK_S", 60.0)
+    store, reads = server.state.store, []
+    resolve = store.resolve
+    monkeypatch.setattr(store, "resolve", lambda key: reads.append(key) or resolve(key))
+    assert rows() == 0 and rows() == 0 and reads == ["alloy"]  # looked up once, then not again
+    v = create(server.url, name="alloy").json()
+    assert rows() == store.get(v["id"]).num_frames + 1  # at once: its clip and the turn's EOS frame
+    assert httpx.delete(f"{server.url}/v1/audio/voices/{v['id']}").status_code == 200
+    assert rows() == 0
+    other = store.create("alloy", "Made through another worker.", np.ones((5, 32), np.int64), 0)
+    try:
+        server.state._not_stored["alloy"] -= 60.0  # ALIAS_RECHECK_S later
+        assert rows() == 5 + 1
+    finally:
+        store.delete(other.id)
+
+
 def _segment(v, codes):
     from csmserve.api import Segment
 

@@ -85,3 +85,33 @@ def test_truncate_cuts_a_finished_turn(server):
         assert err["type"] == "error" and err["error"]["param"] == "request_id"
         ws.send(json.dumps({"context_id": "tr", "truncate": True, "audio_end_ms": -1}))
         assert recv_json(ws)["error"]["param"] == "audio_end_ms"
+
+
+def test_a_cancel_that_crosses_the_turn_s_end_stops_nothing(server, monkeypatch):
+    """The turn is generated and kept while its flush_done is still being written (a slow socket: 0.5 s here); a
+    cancel with audio_end_ms arriving then keeps the whole turn once (no cut copy beside it), flush_done first."""
+    import asyncio
+
+    from csmserve.server import ws as ws_mod
+
+    send = ws_mod.Connection.send
+
+    async def slow_flush_done(self, payload):
+        if isinstance(payload, dict) and payload.get("type") == "flush_done":
+            await asyncio.sleep(0.5)
+        await send(self, payload)
+
+    monkeypatch.setattr(ws_mod.Connection, "send", slow_flush_done)
+    with connect(ws_url(server)) as ws:
+        ws.send(json.dumps({"context_id": "c", "text": "Hello there.", "flush": True, "max_audio_length_ms": 400,
+                            "max_segment_length_ms": 400, **GREEDY}))
+        frames = 0
+        while frames < 5:  # all 400 ms (random weights never end a sentence early)
+            m = recv_json(ws)
+            assert m["type"] == "audio", m
+            frames += m["num_frames"]
+        ws.send(json.dumps({"context_id": "c", "cancel": True, "audio_end_ms": 160}))
+        kinds = [recv_json(ws)["type"] for _ in range(2)]
+    assert kinds == ["flush_done", "cancelled"]
+    turns = [t for t in server.state.sessions.get("c").turns if t.role == "assistant"]
+    assert len(turns) == 1 and sum(len(s.codes) for s in turns[0].segments) == 5
