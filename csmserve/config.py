@@ -213,6 +213,8 @@ class ServerConfig:
                               "body_timeout_s keep_alive_s")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port must be in 0..65535, got {self.port}")
         if self.default_audio_length_ms is not None and \
                 not 80 <= self.default_audio_length_ms <= self.max_audio_length_ms:
             raise ValueError("ServerConfig needs 80 <= default_audio_length_ms <= max_audio_length_ms")

@@ -99,6 +99,8 @@ def read_script(text: str, voices: Sequence[str | None] = ()) -> list[Line]:
         except ValueError:
             data = None
         if isinstance(data, list):
+            if not data:
+                raise ValueError("the script has no text")
             return [_line(d, i) for i, d in enumerate(data)]
     return parse_tagged(text, voices)
 

@@ -2,6 +2,7 @@
 shared by every replica; else an SQLite path: VoiceStore). Records and the interface: backend.py."""
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from csmserve.voices.backend import (ALIASES, VOICE_ID_PREFIX, CODEBOOK_SIZE, NUM_CODEBOOKS, OPENAI_VOICES, ResolvedVoice, Voice,
@@ -19,4 +20,7 @@ def open_voice_store(where: str | Path | None = None) -> VoiceBackend:
         from csmserve.voices.postgres import PostgresVoiceStore
 
         return PostgresVoiceStore(where)
-    return VoiceStore(where)
+    try:
+        return VoiceStore(where)
+    except (sqlite3.Error, OSError) as e:  # not a database, a directory, no permission: one line
+        raise RuntimeError(f"cannot open the voices DB {str(where)!r} ({type(e).__name__}: {e})") from None

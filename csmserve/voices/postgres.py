@@ -43,10 +43,14 @@ class PostgresVoiceStore(VoiceBackend):
         self._psycopg, self._url, self._timeout = psycopg, url, connect_timeout
         self.path = display_url(url)
         self._lock = threading.Lock()
-        self._conn = self._connect()
-        with self._lock, self._conn.transaction():
-            self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            self._conn.execute(_SCHEMA)
+        try:
+            self._conn = self._connect()
+            with self._lock, self._conn.transaction():
+                self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                self._conn.execute(_SCHEMA)
+        except psycopg.Error as e:  # refused, no such database, bad credentials: one line
+            first = " ".join(str(e).split())[:300]
+            raise RuntimeError(f"cannot open the voices DB {self.path!r} ({type(e).__name__}: {first})") from None
 
     def _connect(self):
         return self._psycopg.connect(self._url, autocommit=True, connect_timeout=int(self._timeout))

@@ -178,6 +178,39 @@ def test_bad_flags_and_unreadable_files(tmp_path):
     _one_line_error(_run("nonsense"), "invalid choice")
 
 
+def test_a_failed_run_leaves_an_existing_output_and_a_fifo_alone(tmp_path):
+    """A run that fails before any audio (a wrong --model) leaves an existing -o file as it was and a FIFO in
+    place; a new file it made is removed; a WAV into a FIFO (not seekable) keeps its streaming header, exit 0."""
+    keep = tmp_path / "keep.wav"
+    keep.write_bytes(b"precious")
+    _one_line_error(_run("speak", "hi", "--model", str(tmp_path / "nowhere"), "-o", str(keep)), "nowhere")
+    assert keep.read_bytes() == b"precious"
+    _one_line_error(_run("speak", "hi", "--model", str(tmp_path / "nowhere"), "-o", str(tmp_path / "new.wav")))
+    assert not (tmp_path / "new.wav").exists()
+    fifo = tmp_path / "out.fifo"
+    for model, rc in ((str(tmp_path / "nowhere"), 2), ("dummy-tiny", 0)):
+        os.mkfifo(fifo)
+        reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+        r = _run("speak", "Hello there.", "--model", model, "--device", "cpu", "--format", "wav", "-o", str(fifo))
+        data = reader.communicate(timeout=60)[0]
+        assert r.returncode == rc and fifo.is_fifo(), r.stderr
+        if rc == 0:
+            assert _wav_seconds(data) > 0.5
+        fifo.unlink()
+
+
+def test_a_bad_voices_db_port_or_script_is_one_line(tmp_path):
+    (tmp_path / "notadb").write_text("not a database file, not even close to one")
+    _one_line_error(_run("speak", "hi", *TINY, "--voice", "ann", "--voices-db", str(tmp_path / "notadb"), "-o",
+                         str(tmp_path / "x.wav")), "cannot open the voices DB", "not a database")
+    _one_line_error(_run("serve", *TINY, "--voices-db", str(tmp_path / "notadb"), "--port", "0"),
+                    "cannot open the voices DB")
+    _one_line_error(_run("serve", *TINY, "--port", "99999"), "port must be in 0..65535")
+    (tmp_path / "empty.json").write_text("[]")
+    _one_line_error(_run("speak", "--script", str(tmp_path / "empty.json"), *TINY, "-o", str(tmp_path / "x.wav")),
+                    "no text")
+
+
 def test_offline_hub_id_names_dummy(tmp_path):
     r = _run("speak", "hi", "--model", "sesame/csm-1b", "-o", str(tmp_path / "x.npy"),
              env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})

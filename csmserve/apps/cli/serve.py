@@ -15,6 +15,10 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = configs(args)
     adapters = lora_adapters(args)
+    from csmserve.voices import open_voice_store
+
+    with open_voice_store(server_config.voices_db):  # a bad --voices-db: one line now, not every worker failing
+        pass
     if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it
         from csmserve.server.processes import serve_processes
 

@@ -147,9 +147,8 @@ def speak(args: argparse.Namespace) -> int:
         progress.finish(out.seconds)
         if ok:
             out.close()
-        elif args.output != "-":  # no half-written file left behind
-            out.file.close()
-            Path(args.output).unlink(missing_ok=True)
+        else:
+            out.discard()
     if not args.quiet:
         wall = time.perf_counter() - progress.start
         ttfa = f", first audio after {progress.first - progress.start:.2f} s" if progress.first else ""
