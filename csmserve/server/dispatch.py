@@ -22,6 +22,7 @@ import time
 
 log = logging.getLogger("csmserve.server")
 REPORT_S = 0.02  # how often a worker writes its open-connection count
+LOCK_WAIT_S = 1.0  # the generations' lock is held for microseconds; past this its holder was killed in it
 _RECEIVED, _OPEN, _READY, _ACTIVE = 0, 1, 2, 3
 _FIELDS = 4
 SERVING, ATTACHED = 1, 2  # values of _READY (0: not ready)
@@ -45,21 +46,34 @@ class Counters:
         self.a[_FIELDS * i + field] = value
 
     def reset(self, i: int) -> None:
-        with self.lock:  # a restarted worker's generations ended with it
+        """Before worker i (re)starts: its counts 0 (its generations ended with it). A lock still held after
+        LOCK_WAIT_S is the dead worker's (killed inside admit or release): released here."""
+        if not self.lock.acquire(timeout=LOCK_WAIT_S):
+            self.lock.release()
+            self.lock.acquire()
+        try:
             for f in (_RECEIVED, _OPEN, _READY, _ACTIVE):
                 self.set(i, f, 0)
+        finally:
+            self.lock.release()
 
     def admit(self, i: int, limit: int) -> bool:
         """One generation more for worker i, unless the workers' together are at `limit` already."""
-        with self.lock:
+        locked = self.lock.acquire(timeout=LOCK_WAIT_S)  # held by a worker killed in it: counted without it
+        try:
             if sum(self.a[_FIELDS * j + _ACTIVE] for j in range(self.n)) >= limit:
                 return False
             self.a[_FIELDS * i + _ACTIVE] += 1
             return True
+        finally:
+            if locked:
+                self.lock.release()
 
     def release(self, i: int) -> None:
-        with self.lock:
-            self.a[_FIELDS * i + _ACTIVE] -= 1
+        locked = self.lock.acquire(timeout=LOCK_WAIT_S)
+        self.a[_FIELDS * i + _ACTIVE] -= 1
+        if locked:
+            self.lock.release()
 
 
 class Dispatcher:

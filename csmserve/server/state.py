@@ -322,7 +322,7 @@ class ServerState:
     async def _resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
         key = voice.id if isinstance(voice, VoiceRef) else voice
         preset = isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES
-        if preset and time.monotonic() - self._not_stored.get(key, -ALIAS_RECHECK_S) < ALIAS_RECHECK_S:
+        if preset and time.monotonic() - self._not_stored.get(key, float("-inf")) < ALIAS_RECHECK_S:
             return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # no store read, no thread
         try:
             got = await asyncio.to_thread(self.store.resolve, key)

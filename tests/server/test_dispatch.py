@@ -168,3 +168,7 @@ def test_generations_are_counted_for_all_workers_together():
     assert c.admit(1, 2) and not c.admit(2, 2)
     c.reset(1)  # worker 1 restarted: its generations ended with it
     assert c.admit(2, 2) and not c.admit(0, 2)
+    c.lock.acquire()  # a worker killed while it held the lock: the restart's reset frees it
+    c.reset(0)
+    assert c.lock.acquire(timeout=0.1)
+    c.lock.release()
