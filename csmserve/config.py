@@ -256,8 +256,11 @@ class RayConfig:
     ingress_body_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        _require(self, ">= 1", "num_replicas max_replicas ingress_replicas affinity_load_factor")
-        _require(self, ">= 0", "min_replicas gpus_per_replica ingress_cpus")
+        _require(self, ">= 1", "num_replicas min_replicas max_replicas ingress_replicas")
+        _require(self, ">= 0", "gpus_per_replica ingress_cpus")
+        if not round(self.affinity_load_factor * 100) > 100:  # HAProxy's hash-balance-factor: 0 or more than 100
+            raise ValueError(f"RayConfig.affinity_load_factor must be at least 1.01 (HAProxy's hash-balance-factor "
+                             f"over 100), got {self.affinity_load_factor}")
         _require(self, "> 0", "target_ongoing_requests cpus_per_replica health_check_period_s health_check_timeout_s "
                               "report_interval_s")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:

@@ -273,11 +273,18 @@ class Conversation:
                         fut.set_result(m)
                     break
             return
-        if kind == "error" and self._waiters and not self.replies:
-            _, fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_exception(ConversationError(m.get("error", {}).get("message", str(m))))
-            return
+        if kind == "error" and self._waiters:
+            err = m.get("error", {})
+            # a refused truncate names its request_id or audio_end_ms (a reply may be generating meanwhile: not its
+            # error); any other error with no reply running is the oldest waiter's
+            i = (next((i for i, (k, _) in enumerate(self._waiters) if k == "truncated"), None)
+                 if err.get("param") in ("request_id", "audio_end_ms") else None if self.replies else 0)
+            if i is not None:
+                _, fut = self._waiters[i]
+                del self._waiters[i]
+                if not fut.done():
+                    fut.set_exception(ConversationError(err.get("message", str(m))))
+                return
         if self._dropping and kind == "flush_done" and self._cancelled:  # finished before the cancel came
             r = self._cancelled.popleft()
             r.done, r.request_id, r.finish_reason = True, m.get("request_id"), m.get("finish_reason")

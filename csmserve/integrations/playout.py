@@ -1,6 +1,6 @@
 """When each reply's audio plays, for frameworks whose TTS does not hear back from the player (Pipecat):
-in real time from when the reply's first audio was handed on, each reply after the one before it (an
-output transport plays what it is given at once, at 1x). `played_ms(key)` at an interruption is how
+in real time from when each piece of a reply's audio was handed on, after what plays already (an output
+transport plays what it is given at once, at 1x: audio that comes after the player ran dry plays from then). `played_ms(key)` at an interruption is how
 much of that reply was heard, in whole 80 ms frames.
 
     clock = Playout()
@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from csmserve.config import FRAME_MS
 
 
 @dataclass
 class _Run:
-    start: float  # when its first frame started playing
-    frames: int = 0  # frames handed on
+    # (when it starts playing, frames) per stretch handed on: audio pushed after the player ran dry plays from
+    # when it came, not from where the reply's last audio ended
+    pieces: list[list] = field(default_factory=list)
+
+    @property
+    def frames(self) -> int:
+        return sum(n for _, n in self.pieces)
 
 
 class Playout:
@@ -30,11 +35,13 @@ class Playout:
 
     def pushed(self, key: str, frames: int) -> None:
         """`frames` more frames of reply `key` were handed to the player."""
-        run = self._runs.get(key)
-        if run is None:
-            run = self._runs[key] = _Run(max(self.clock(), self._end))
-        run.frames += frames
-        self._end = max(self._end, run.start + run.frames * FRAME_MS / 1000)
+        run = self._runs.setdefault(key, _Run())
+        start = max(self.clock(), self._end)  # after what plays already
+        if run.pieces and start == self._end and run.pieces[-1][0] + run.pieces[-1][1] * FRAME_MS / 1000 == start:
+            run.pieces[-1][1] += frames  # right after its own last piece: one stretch
+        else:
+            run.pieces.append([start, frames])
+        self._end = start + frames * FRAME_MS / 1000
 
     def played_ms(self, key: str, now: float | None = None) -> int:
         """How much of reply `key` has played by now: whole frames, at most what was handed on."""
@@ -42,8 +49,7 @@ class Playout:
         if run is None:
             return 0
         now = self.clock() if now is None else now
-        frames = max(0, min(run.frames, int((now - run.start) * 1000 // FRAME_MS)))
-        return frames * FRAME_MS
+        return sum(max(0, min(n, int((now - t) * 1000 // FRAME_MS))) for t, n in run.pieces) * FRAME_MS
 
     def finished(self, key: str, now: float | None = None) -> bool:
         run = self._runs.get(key)

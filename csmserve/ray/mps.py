@@ -68,7 +68,12 @@ class MpsDaemon:
         for d in self.env.values():
             os.makedirs(d, exist_ok=True)
         env = {**os.environ, **self.env}
-        r = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        try:
+            r = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        except (subprocess.TimeoutExpired, OSError) as e:  # a daemon that hangs or cannot be run: as a failure
+            if isinstance(e, subprocess.TimeoutExpired):
+                self.control = control  # it may have started: stop() asks it to quit
+            raise MpsError(f"{CONTROL} -d failed: {type(e).__name__}: {e}"[:300]) from None
         if r.returncode != 0:
             raise MpsError(f"{CONTROL} -d failed: {(r.stderr or r.stdout).strip()[:200]}")
         self.control = control
@@ -77,7 +82,7 @@ class MpsDaemon:
         try:
             c = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True,
                                timeout=CHECK_S)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, OSError):
             raise MpsError(f"a CUDA context under MPS failed: none in {CHECK_S} s") from None
         if c.returncode != 0:
             why = (c.stderr.strip().splitlines() or ["no output"])[-1][:200]
@@ -88,8 +93,8 @@ class MpsDaemon:
             try:
                 subprocess.run([self.control], input="quit\n", env={**os.environ, **self.env}, capture_output=True,
                                text=True, timeout=30)
-            except subprocess.TimeoutExpired:
-                log.warning("NVIDIA MPS: the daemon did not quit in 30 s")
+            except (subprocess.TimeoutExpired, OSError) as e:
+                log.warning("NVIDIA MPS: the daemon did not quit (%s)", type(e).__name__)
             self.control = None
         for key, value in self.env.items():
             if os.environ.get(key) == value:

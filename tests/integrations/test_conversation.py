@@ -3,6 +3,7 @@ on: a reply's events, user turns as context, errors as one line, a server that g
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -99,3 +100,51 @@ def test_a_reply_the_server_finished_before_the_cancel_came_keeps_its_request_id
     assert reply.finish_reason == server.built[0].reason == "length"
     assert truncated["num_frames"] == 1
     settle(csm)
+
+
+class _FakeWS:
+    """The server's side of one WebSocket: what the Conversation sends, and messages put in `inbox`."""
+
+    def __init__(self):
+        self.sent, self.inbox = [], asyncio.Queue()
+
+    async def send(self, data):
+        self.sent.append(json.loads(data))
+
+    async def close(self):
+        await self.inbox.put(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        m = await self.inbox.get()
+        if m is None:
+            raise StopAsyncIteration
+        return json.dumps(m)
+
+
+def test_a_refused_truncate_fails_the_truncate_not_the_reply_generating():
+    """LiveKit cuts an earlier reply (truncate by its request_id) while the next one generates; the server refuses
+    it (the turn is gone: another replica, an idle expiry): truncate() raises at once, the reply goes on."""
+    async def main():
+        conv = Conversation("http://x", context_id="c1")
+        ws = conv._ws = _FakeWS()
+        conv._reader = asyncio.get_running_loop().create_task(conv._read(ws))
+        reply = await conv.say("Hello there. ", key="turn-2")
+        await ws.inbox.put({"type": "audio", "context_id": "c1", "audio": "AAAA", "frame_start": 0, "num_frames": 1,
+                            "segment": 0, "text": "Hello there."})
+        trunc = asyncio.create_task(conv.truncate("req-old", 160))
+        await asyncio.sleep(0.05)
+        await ws.inbox.put({"type": "error", "context_id": "c1", "error": {
+            "message": "context 'c1' has no assistant turn from request 'req-old' to truncate",
+            "type": "invalid_request_error", "param": "request_id", "code": "invalid_value"}})
+        await asyncio.sleep(0.05)
+        assert trunc.done() and isinstance(trunc.exception(), ConversationError)
+        assert not reply.done and reply.error is None
+        await ws.inbox.put({"type": "flush_done", "context_id": "c1", "request_id": "req-2", "num_frames": 1})
+        await asyncio.sleep(0.05)
+        assert reply.done and reply.error is None and reply.request_id == "req-2"
+        await conv.close()
+
+    asyncio.run(main())

@@ -193,3 +193,11 @@ def test_playout_model():
     assert p.played_ms("a") == 400 and p.finished("a") and p.played_ms("b") == 80 and not p.finished("b")
     t[0] = 20.0
     assert p.played_ms("b") == 240 and p.finished("b")  # never more than was handed on
+    p.pushed("c", 3)  # plays 20.0-20.24
+    t[0] = 21.0
+    p.pushed("c", 3)  # the next sentence came late: the player ran dry, it plays 21.0-21.24, not 20.24-20.48
+    t[0] = 21.1
+    assert p.played_ms("c") == 320 and not p.finished("c")
+    p.pushed("c", 2)  # queued right after: 21.24-21.40
+    t[0] = 21.3
+    assert p.played_ms("c") == 80 * (3 + 3 + 0) and len(p._runs["c"].pieces) == 2

@@ -126,3 +126,15 @@ def test_lora_adapters_reach_every_replica_and_the_ingress_knows_the_base_names(
         status, ctype, body = asyncio.run(respond(None, "POST", path))
         err = json.loads(body)["error"]
         assert status == 501 and err["code"] == "not_supported_with_ray" and "--lora" in err["message"]
+
+
+def test_options_no_app_could_run_with_are_refused():
+    """--affinity-load-factor under 1.01 renders a hash-balance-factor HAProxy refuses (0 or more than 100);
+    --min-replicas 0 leaves an app nothing wakes (requests never pass Serve's handles)."""
+    from csmserve.config import RayConfig
+
+    with pytest.raises(ValueError, match="affinity_load_factor must be at least 1.01"):
+        RayConfig(affinity_load_factor=1.0)
+    with pytest.raises(ValueError, match="min_replicas"):
+        RayConfig(min_replicas=0, max_replicas=4)
+    assert RayConfig(affinity_load_factor=1.01, min_replicas=1, max_replicas=4).affinity_load_factor == 1.01

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,23 @@ def test_a_failed_start_leaves_no_folder(control, monkeypatch):
     with pytest.raises(mps.MpsError):
         d.start(check=False)
     assert not Path(d.root).exists() and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_a_daemon_that_hangs_at_start_falls_back_under_auto_and_leaves_nothing(control, monkeypatch):
+    """`nvidia-cuda-mps-control -d` that does not return: --mps auto goes on without MPS (one line), asks the
+    daemon to quit and leaves no folder; --mps on is an MpsError."""
+    run = subprocess.run
+
+    def hangs_at_start(cmd, **kw):
+        if cmd[1:] == ["-d"]:
+            raise subprocess.TimeoutExpired(cmd, kw.get("timeout"))
+        return run(cmd, **kw)
+
+    monkeypatch.setattr(mps.subprocess, "run", hangs_at_start)
+    roots = []
+    mkdtemp = mps.tempfile.mkdtemp
+    monkeypatch.setattr(mps.tempfile, "mkdtemp", lambda **k: roots.append(mkdtemp(**k)) or roots[-1])
+    assert mps.start_for("auto", 0.5, True, None) is None
+    assert roots and not Path(roots[0]).exists() and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    with pytest.raises(mps.MpsError, match="TimeoutExpired"):
+        mps.start_for("on", 0.5, True, None)
