@@ -104,7 +104,9 @@ class CSM:
         self.engine_config = engine_config
         self._engine = None
         self._client = None
-        self._pending: dict = {}  # adapters read before the engine starts: registered when it does
+        # the adapters served (name -> LoraAdapter read at construction, or the path load_adapter read): registered
+        # with each engine this CSM starts (a first use, or one after close())
+        self._pending: dict = {}
         # paced: no model, a stand-in engine paced at the GPU's measured step times (engine/paced.py)
         self.paced = model == PACED_MODEL
         if self.paced:
@@ -170,7 +172,7 @@ class CSM:
                     client = EngineClient(engine)
                     for name, adapter in self._pending.items():  # served before any request can reach it
                         client.load_adapter(name, adapter)
-                    self._engine, self._pending = engine, {}
+                    self._engine = engine
                     self._client = client
         return self._client
 
@@ -220,18 +222,23 @@ class CSM:
         """Serve the PEFT / unsloth adapter directory `path` as `name` (other streams go on) -> its info.
         LoraError: it cannot be served right; ValueError: the name is taken, or no adapter pool (max_loras 0)."""
         self._need_engine()
-        return self.client.load_adapter(name, str(path))
+        info = self.client.load_adapter(name, str(path))
+        self._pending[name] = str(path)
+        return info
 
     def unload_adapter(self, name: str) -> dict:
         """Stop serving `name`: new requests are refused (UnknownAdapterError), those in flight finish with it."""
         self._need_engine()
-        return self.client.unload_adapter(name)
+        info = self.client.unload_adapter(name)
+        self._pending.pop(name, None)
+        return info
 
     @property
     def adapters(self) -> dict[str, dict]:
         """name -> info (rank, bytes, resident, running, queued, requests, loads, load_s) of each adapter served."""
         if self._client is None:
-            return {n: {"name": n, "rank": a.rank, "bytes": a.nbytes, "path": a.path, "resident": False}
+            return {n: {"name": n, "path": a, "resident": False} if isinstance(a, str) else
+                    {"name": n, "rank": a.rank, "bytes": a.nbytes, "path": a.path, "resident": False}
                     for n, a in self._pending.items()}
         return self._client.adapters()
 

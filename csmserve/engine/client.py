@@ -118,14 +118,35 @@ class ClientBase:
                 self.abort(request_id)  # it, so free its slot; raising here would fail the step for every row
         return sink
 
+    # run()'s requests in flight at once, where the engine's own bound is not known here (its queue, past its slots,
+    # refuses more: SchedulerBusy)
+    RUN_WINDOW = 256
+
+    @property
+    def run_window(self) -> int:
+        return self.RUN_WINDOW
+
     def run(self, requests: list[Request]) -> list[list[AudioChunk]]:
-        """Submit all, wait for all; chunks per request in order."""
-        queues = []
-        for r in requests:
+        """Submit all, at most run_window in flight (the next as the oldest ends), wait for all; chunks per request
+        in order. ValueError: a request twice (it runs once)."""
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("the same request is in the list twice: a Request runs once (build one per text)")
+        queues: list[queue.SimpleQueue] = []
+
+        def start(r: Request) -> None:
             q: queue.SimpleQueue = queue.SimpleQueue()
             self._start(r, q.put)
             queues.append(q)
-        return [list(_until_final(q)) for q in queues]
+
+        w = max(1, self.run_window)
+        for r in requests[:w]:
+            start(r)
+        out = []
+        for i in range(len(requests)):
+            out.append(list(_until_final(queues[i])))
+            if i + w < len(requests):
+                start(requests[i + w])
+        return out
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step (running, waiting, prefix-cache hits, fatal)."""
@@ -144,6 +165,12 @@ class EngineClient(ClientBase):
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine.router)
         self.engine = engine
+
+    @property
+    def run_window(self) -> int:
+        """Twice the engine's slots, within what its queue takes (other callers may queue beside run's)."""
+        slots = self.engine.scheduler.max_slots
+        return min(2 * slots, slots + self.engine.config.max_waiting)
 
     def _start(self, request: Request, sink: Callable, max_lag_s: float | None = None,
                progress: Progress | None = None) -> None:

@@ -175,10 +175,24 @@ class Engine:
         return self._adapter_info
 
     def shutdown(self) -> None:
+        """Stop the loop; then every request submitted, queued or running ends with an error (a reader of its
+        chunks would otherwise wait for a loop that is gone), every adapter call too."""
         self._stop.set()
         self.inbox.put((WAKE, None, None))
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            return
+        why = "the engine was shut down"
+        self._refuse(False, why)
+        payload = error_payload(RuntimeError(why))
+        for rids in self._live.values():
+            for rid in list(rids):
+                req = self.scheduler.abort(rid)
+                rids.discard(rid)
+                if req is not None:
+                    self._event(req.handle, EV_ERROR, payload)
+        self._emit_events()
 
     @property
     def idle(self) -> bool:
@@ -222,9 +236,10 @@ class Engine:
         if self.tracer is not None:
             self.tracer.maybe_flush()
 
-    def _refuse(self, block: bool) -> None:
-        """After a lost device: answer every new request (and adapter call) with the reason at once (never a hang)."""
-        down = f"the engine is down after a device error ({self.fatal}); the process must be restarted"
+    def _refuse(self, block: bool, down: str | None = None) -> None:
+        """After a lost device (or a shutdown: `down`): answer every new request (and adapter call) with the reason
+        at once (never a hang)."""
+        down = down or f"the engine is down after a device error ({self.fatal}); the process must be restarted"
         for kind, a, b in self.inbox.get(block):
             if kind == ADD:
                 if b is not None:

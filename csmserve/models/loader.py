@@ -278,6 +278,11 @@ def hf_view(src: Source, cfg: CSMConfig) -> dict[str, Callable[[], Tensor]]:
     missing = [hf_to_orig_name(n) if original else n for n in expected if n not in seen]
     problems = [f"{what}: {', '.join(items)}" for what, items in
                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+    if (not original and not tied_only and HF_AUDIO_TIED in names and HF_AUDIO in view
+            and (src.shape(HF_AUDIO_TIED) != src.shape(HF_AUDIO) or not torch.equal(src.get(HF_AUDIO_TIED),
+                                                                                    src.get(HF_AUDIO)))):
+        problems.append(f"untied codebook embeddings: {HF_AUDIO_TIED} is not {HF_AUDIO} (a model saved with "
+                        f"tie_codebooks_embeddings=false; CSM's depth decoder reads the backbone's table)")
     if problems:
         raise ValueError("checkpoint does not match the model config; " + "; ".join(problems))
     return view

@@ -103,6 +103,24 @@ def test_bad_checkpoint_names_the_tensor(hf_dir, tmp_path, kind, name):
         load_csm(str(d))
 
 
+def test_untied_codebook_embeddings_are_refused_tied_copies_load(hf_dir, tmp_path):
+    """A checkpoint holding the depth decoder's audio table beside the backbone's loads when it is a copy (a tied
+    save that kept both) and is refused when it differs (tie_codebooks_embeddings=false): one table is served."""
+    audio, tied = "backbone_model.embed_tokens.embed_audio_tokens.weight", "depth_decoder.model.embed_tokens.weight"
+
+    def copy(sd):  # the tiny save keeps one of the two names: both, equal
+        t = sd.get(audio, sd.get(tied))
+        sd[audio], sd[tied] = t.clone(), t.clone()
+
+    def untie(sd):
+        copy(sd)
+        sd[tied] = sd[tied] + 0.5
+
+    load_csm(str(_bad_checkpoint(hf_dir, tmp_path / "copy", copy)))
+    with pytest.raises(ValueError, match="untied codebook embeddings"):
+        load_csm(str(_bad_checkpoint(hf_dir, tmp_path / "untied", untie)))
+
+
 def test_bad_original_checkpoint_uses_original_names(hf_dir, tmp_path):
     sd = load_file(str(hf_dir / "model.safetensors"))
     d = _copy_dir(hf_dir, tmp_path / "orig")
