@@ -106,7 +106,7 @@ class CSM:
         self._client = None
         # the adapters served (name -> LoraAdapter read at construction, or the path load_adapter read): registered
         # with each engine this CSM starts (a first use, or one after close())
-        self._pending: dict = {}
+        self._served: dict = {}
         # paced: no model, a stand-in engine paced at the GPU's measured step times (engine/paced.py)
         self.paced = model == PACED_MODEL
         if self.paced:
@@ -146,7 +146,7 @@ class CSM:
         self.frame_size, self.sample_rate = info.frame_size, SAMPLE_RATE
         self.use_engine, self.engine_config = True, info.engine
         self._engine, self._client = None, client
-        self._pending = {}
+        self._served = {}
         self.has_codec, self.paced = info.has_codec, False
         return self
 
@@ -170,7 +170,7 @@ class CSM:
 
                     engine = self.build_engine(self.engine_config or EngineConfig())
                     client = EngineClient(engine)
-                    for name, adapter in self._pending.items():  # served before any request can reach it
+                    for name, adapter in self._served.items():  # served before any request can reach it
                         client.load_adapter(name, adapter)
                     self._engine = engine
                     self._client = client
@@ -211,26 +211,26 @@ class CSM:
             cfg = dataclasses.replace(cfg, max_loras=len(read),
                                       max_lora_rank=max(cfg.max_lora_rank, *(a.rank for a in read.values())))
         self.engine_config = cfg
-        self._pending = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
+        self._served = {n: a.pin() if self.device.type == "cuda" else a for n, a in read.items()}
 
     def take_adapters(self) -> dict:
         """The adapters read at construction, not served yet (name -> LoraAdapter), handed over once."""
-        pending, self._pending = self._pending, {}
-        return pending
+        served, self._served = self._served, {}
+        return served
 
     def load_adapter(self, name: str, path: str | Path) -> dict:
         """Serve the PEFT / unsloth adapter directory `path` as `name` (other streams go on) -> its info.
         LoraError: it cannot be served right; ValueError: the name is taken, or no adapter pool (max_loras 0)."""
         self._need_engine()
         info = self.client.load_adapter(name, str(path))
-        self._pending[name] = str(path)
+        self._served[name] = str(path)
         return info
 
     def unload_adapter(self, name: str) -> dict:
         """Stop serving `name`: new requests are refused (UnknownAdapterError), those in flight finish with it."""
         self._need_engine()
         info = self.client.unload_adapter(name)
-        self._pending.pop(name, None)
+        self._served.pop(name, None)
         return info
 
     @property
@@ -239,7 +239,7 @@ class CSM:
         if self._client is None:
             return {n: {"name": n, "path": a, "resident": False} if isinstance(a, str) else
                     {"name": n, "rank": a.rank, "bytes": a.nbytes, "path": a.path, "resident": False}
-                    for n, a in self._pending.items()}
+                    for n, a in self._served.items()}
         return self._client.adapters()
 
     def _need_engine(self) -> None:
@@ -250,7 +250,7 @@ class CSM:
         if name is None:
             return
         self._need_engine()
-        known = self._pending if self._client is None else (self._engine.adapters() if self._engine is not None
+        known = self._served if self._client is None else (self._engine.adapters() if self._engine is not None
                                                              else None)
         if known is not None and name not in known:
             raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {', '.join(sorted(known)) or 'none'})")
