@@ -251,3 +251,66 @@ def test_three_turns_through_a_csmserve_server(csm, tmp_path):
     # the third turn's prompt held the earlier turns' audio: user 1, assistant 1, (typed: none), assistant 2
     audio = int(mask[:, :32].all(1).sum())
     assert audio >= s.turns[0].frames + turns[0].frames + turns[1].frames + s.turns[4].frames
+
+
+def _llm_app(*events: str | float) -> FastAPI:
+    """A chat endpoint streaming `events` as they are (str) with pauses (float seconds) between them."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        async def gen():
+            for e in events:
+                if isinstance(e, float):
+                    await asyncio.sleep(e)
+                else:
+                    yield e
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def _piece(text: str) -> str:
+    return "data: " + json.dumps({"choices": [{"delta": {"content": text}}]}) + "\n\n"
+
+
+def test_an_interrupt_while_the_llm_is_slow_stops_the_reply_there(csm):
+    """The user barges in while CSM waits for the LLM's next sentence (3 s away): turn() returns at once, nothing
+    after the interrupt is played, and only the sentence heard joins the history."""
+    import threading
+
+    server = Server(_llm_app(_piece("Hello there, friend."), _piece(" I am"), 3.0, _piece(" doing well today."),
+                             "data: [DONE]\n\n")).start()
+    calls, t_interrupt = [], []
+
+    def on_audio(turn, pcm):
+        calls.append(time.perf_counter())
+        if len(calls) == 1:
+            def later():
+                time.sleep(0.3)
+                t_interrupt.append(time.perf_counter())
+                session.interrupt()
+            threading.Thread(target=later, daemon=True).start()
+
+    try:
+        session = TalkSession(csm, llm_url=server.url, temperature=0.0, max_audio_length_ms=SENT_MS,
+                              on_audio=on_audio)
+        turn = session.turn(text="How are you?")
+        returned = time.perf_counter()
+    finally:
+        server.stop()
+    assert turn.interrupted and turn.error is None
+    assert not [t for t in calls if t > t_interrupt[0]] and returned - t_interrupt[0] < 1.5
+    assert turn.reply_text == "Hello there, friend." == session.history[-1]["content"]
+
+
+def test_llm_events_as_the_sse_spec_writes_them():
+    """Comments, an event's JSON over two data lines (joined with a newline), then [DONE]."""
+    from csmserve.apps.talk.llm import LLMStream
+
+    server = Server(_llm_app(": keep-alive\n\n", 'data: {"choices": [{"delta":\ndata:  {"content": "Hi"}}]}\n\n',
+                             _piece(" there."), "data: [DONE]\n\n")).start()
+    try:
+        assert "".join(LLMStream(server.url, "m", [{"role": "user", "content": "hi"}])) == "Hi there."
+    finally:
+        server.stop()

@@ -78,6 +78,12 @@ def test_talk_mode_three_turns_barge_in_and_errors(servers, tmp_path):
             speak_turn(page, 4)
             page.wait_for_function("csm.talk.turns[4].finish && !csm.talk.busy()")
             last = page.evaluate("csm.talk.turns[4]")
+            # the server refuses a reply (a voice that is not there): the Talk panel says so, not "replied"
+            page.evaluate("""() => { const s = document.querySelector('#voice-select');
+                s.add(new Option('gone', 'voice_gone')); s.value = 'voice_gone'; }""")
+            speak_turn(page, 5)
+            page.wait_for_function("csm.talk.errors.length > 1 && !csm.talk.busy()")
+            refused = (page.inner_text("#talk-status"), page.evaluate("csm.talk.turns[5]"))
         finally:
             context.close()
     assert not problems
@@ -90,6 +96,9 @@ def test_talk_mode_three_turns_barge_in_and_errors(servers, tmp_path):
     # barge-in: turn 2's reply was cut at what was played
     cut = turns[1]
     assert cut["interrupted"] and 0 < cut["playedSamples"] <= cut["receivedSamples"] and cut["playedSamples"] % 1920 == 0
+    # its text: the sentences whose audio began to play (the server's segment messages), the same in the next
+    # reply's context (and the LLM's history)
+    assert cut["heard"] and REPLY.startswith(cut["heard"]) and turns[2]["sentContext"][3]["text"] == cut["heard"]
     # each reply's context: both sides' earlier audio, with their speaker ids; the cut reply as played
     assert [c["speaker"] for c in turns[0]["sentContext"]] == [1]
     assert [c["speaker"] for c in turns[1]["sentContext"]] == [1, 0, 1]
@@ -99,3 +108,5 @@ def test_talk_mode_three_turns_barge_in_and_errors(servers, tmp_path):
     assert turns[2]["sentContext"][1]["text"] == REPLY
     assert "LLM endpoint" in error and "unreachable" in error and "goes on" in error
     assert last.get("error") is None and last["firstAudioAt"] and len(last["sentContext"]) == 8
+    status, rec = refused
+    assert "not found" in status and "replied" not in status and rec["finish"] == "error" and "not found" in rec["error"]

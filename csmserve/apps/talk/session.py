@@ -117,12 +117,16 @@ class TalkSession:
         self.on_audio = on_audio
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self._interrupt = threading.Event()
+        self._llm: LLMStream | None = None  # the reply's LLM stream while it plays
         self._speaking = threading.Event()
 
     # ---- barge-in
     def interrupt(self) -> None:
         """The user started speaking: the assistant's audio in progress stops (its turn cut at what was played)."""
         self._interrupt.set()
+        llm = self._llm
+        if llm is not None:  # no more text: a reply waiting for the LLM's next sentence ends now
+            llm.abort()
 
     @property
     def speaking(self) -> bool:
@@ -185,12 +189,14 @@ class TalkSession:
         played = _Played()
         error: Exception | None = None
         self._speaking.set()
+        self._llm = llm
         try:
             self._play(turn, llm, self.speech.reply(llm, context), played, limit)
         except (TalkError, OSError, ValueError, RuntimeError) as e:
             error = e
         finally:
             self._speaking.clear()
+            self._llm = None
         self._keep(turn, llm, played)
         if isinstance(error, ValueError) and "no text to speak" in str(error):
             raise TalkError("the LLM's reply was empty")
@@ -203,6 +209,9 @@ class TalkSession:
         frame_size = self.speech.frame_size
         try:
             for chunk in stream:
+                if self._interrupt.is_set():  # nothing that comes after the barge-in is played
+                    turn.interrupted = True
+                    break
                 n = len(chunk.codes) if chunk.codes is not None else len(chunk.audio) // frame_size
                 if limit is not None and played.frames + n >= limit:  # the user speaks again here
                     n = limit - played.frames

@@ -206,7 +206,7 @@ function connect() {
   if (ws && ws.readyState <= 1) return wsReady;
   const proto = location.protocol === "https:" ? "wss" : "ws";
   const key = apiKey() ? `&api_key=${encodeURIComponent(apiKey())}` : "";
-  ws = new WebSocket(`${proto}://${location.host}/v1/audio/speech/stream?binary=1${key}`);
+  ws = new WebSocket(`${proto}://${location.host}/v1/audio/speech/stream?binary=1&progress=1${key}`);
   ws.binaryType = "arraybuffer";
   wsReady = new Promise((ok, err) => {
     ws.onopen = () => { setConn("connected"); ok(); };
@@ -223,12 +223,16 @@ function connect() {
     if (m.type === "flush_done") finishUtterance(m.finish_reason, m);
     else if (m.type === "error") {
       fail("status", new Error(m.error.message));
-      if (current && (m.context_id === contextId || m.context_id == null)) finishUtterance("error");
+      if (current && (m.context_id === contextId || m.context_id == null)) finishUtterance("error", m);
     } else if (m.type === "cancelled") { if (current) finishUtterance("cancelled"); }
+    else if (m.type === "segment") onSegment(m);
   };
   return wsReady;
 }
 function setConn(s) { $("conn").textContent = s; $("conn").className = "pill " + (s === "connected" ? "on" : ""); }
+
+// a segment's first frame and text (progress=1), before its audio (the Talk panel keeps what was heard)
+function onSegment(m) {} // eslint-disable-line no-unused-vars
 
 function onAudio(samples) {
   if (!current) return;

@@ -44,7 +44,7 @@ async function* llmPieces(messages, signal, rec) {
   }
   if (!r.ok) throw new Error(`LLM endpoint ${url} failed: HTTP ${r.status}: ${(await r.text()).slice(0, 200)}`);
   const reader = r.body.getReader(), dec = new TextDecoder();
-  let buf = "";
+  let buf = "", event = []; // an event's data lines, joined with "\n" (the SSE spec)
   try {
     for (;;) {
       const { value, done } = await reader.read();
@@ -53,10 +53,17 @@ async function* llmPieces(messages, signal, rec) {
       let i;
       while ((i = buf.indexOf("\n")) >= 0) {
         const line = buf.slice(0, i).trim(); buf = buf.slice(i + 1);
-        if (!line.startsWith("data:")) continue;
-        const data = line.slice(5).trim();
+        if (!line.startsWith("data:")) {
+          if (!line && event.length) throw new Error(`LLM endpoint ${url} sent an event that is not JSON`);
+          continue;
+        }
+        event.push(line.slice(5).trim());
+        const data = event.join("\n");
         if (data === "[DONE]") return;
-        const piece = JSON.parse(data).choices?.[0]?.delta?.content || "";
+        let msg;
+        try { msg = JSON.parse(data); } catch { continue; } // its JSON goes on in the next data line
+        event = [];
+        const piece = msg.choices?.[0]?.delta?.content || "";
         if (piece) { const now = performance.now(); rec.firstTokenAt ??= now; rec.lastTokenAt = now; yield piece; }
       }
     }
@@ -75,7 +82,10 @@ function bargeIn() {
   talking = null;
   t.abort.abort();
   const received = t.turn.pcm.reduce((a, c) => a + c.length, 0);
-  const keep = Math.min(received, Math.round(talkPlayed(t) * SR / 1920) * 1920); // whole frames played
+  const keep = Math.min(received, Math.floor(talkPlayed(t) * SR / 1920) * 1920); // whole frames played
+  // the sentences heard: those whose first frame played (the server's segment messages), else all that came
+  const heard = t.segments.length ? t.segments.filter((g) => g.frame < keep / 1920).map((g) => g.text).join(" ")
+    : t.textSoFar;
   if (current && current.turn === t.turn) { // still generating: stop it; later audio is dropped
     if (ws) ws.send(JSON.stringify({ context_id: contextId, cancel: true }));
     current = null; csm.busy = false; $("speak").disabled = false; $("stop").disabled = true;
@@ -85,10 +95,12 @@ function bargeIn() {
   const all = new Float32Array(received);
   let o = 0; for (const c of t.turn.pcm) { all.set(c, o); o += c.length; }
   t.turn.pcm = keep ? [all.slice(0, keep)] : [];
-  t.turn.text = t.textSoFar; t.turn.done = true; t.turn.finish = "barge-in";
-  t.rec.interrupted = true; t.rec.playedSamples = keep; t.rec.receivedSamples = received;
+  t.turn.text = heard; t.turn.done = true; t.turn.finish = "barge-in";
+  t.rec.interrupted = true; t.rec.playedSamples = keep; t.rec.receivedSamples = received; t.rec.heard = heard;
+  // the LLM's history: only what was heard (the whole reply went in if the LLM had finished)
+  if (t.historyEntry) csm.talk.history = csm.talk.history.filter((x) => x !== t.historyEntry);
   if (!keep) { csm.turns = csm.turns.filter((x) => x !== t.turn); t.turn.el?.remove(); }
-  else if (!t.historyDone) csm.talk.history.push({ role: "assistant", content: t.textSoFar });
+  else csm.talk.history.push({ role: "assistant", content: heard });
   renderTurn(t.turn);
 }
 
@@ -112,7 +124,7 @@ async function talkTurn(blob) {
   addTurn({ role: "you", text, speaker: 1, blob, done: true, pcm: [] });
   csm.talk.history.push({ role: "user", content: text });
   const turn = { role: "csm", text: "", speaker: voiceSpeaker(), pcm: [], done: false, ttfaMs: null, rtf: null };
-  const t = { rec, turn, abort: new AbortController(), firstPlayAt: null, textSoFar: "" };
+  const t = { rec, turn, abort: new AbortController(), firstPlayAt: null, textSoFar: "", segments: [] };
   talking = t;
   setStatus("talk-status", "thinking…");
   try {
@@ -138,8 +150,8 @@ async function talkTurn(blob) {
     if (!started) throw new Error("the LLM's reply was empty");
     turn.text = t.textSoFar;
     ws.send(JSON.stringify({ context_id: contextId, flush: true }));
-    csm.talk.history.push({ role: "assistant", content: t.textSoFar });
-    t.historyDone = true;
+    t.historyEntry = { role: "assistant", content: t.textSoFar };
+    csm.talk.history.push(t.historyEntry);
     setStatus("talk-status", "speaking… (speak again to interrupt)");
   } catch (e) {
     if (talking === t) talking = null;
@@ -162,6 +174,10 @@ onAudio = function (samples) { // eslint-disable-line no-func-assign
     showLatency(rec);
   }
 };
+onSegment = function (m) { // eslint-disable-line no-func-assign
+  const c = current;
+  if (c && c.talk && m.context_id === contextId) c.talk.segments.push({ frame: m.frame_start, text: m.text });
+};
 const talkFinish = finishUtterance;
 finishUtterance = function (reason, m) { // eslint-disable-line no-func-assign
   const c = current;
@@ -169,7 +185,11 @@ finishUtterance = function (reason, m) { // eslint-disable-line no-func-assign
   if (c && c.talk) {
     c.talk.rec.finish = reason;
     if (talking === c.talk && reason !== "eos" && reason !== "length") talking = null;
-    if (!c.talk.rec.interrupted) setStatus("talk-status", `replied: ${(c.samples / SR).toFixed(2)} s of audio`, "ok");
+    if (reason === "error") { // the server refused the reply (its message went to the Speak panel's status too)
+      const error = (m && m.error && m.error.message) || "the server refused the reply";
+      c.talk.rec.error = error; csm.talk.errors.push(error);
+      setStatus("talk-status", error + " — the conversation goes on", "err");
+    } else if (!c.talk.rec.interrupted) setStatus("talk-status", `replied: ${(c.samples / SR).toFixed(2)} s of audio`, "ok");
   }
 };
 // the reply is "in progress" until its audio has played: a new recording then barges in
