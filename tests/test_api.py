@@ -82,3 +82,30 @@ def test_the_adapters_served_outlive_close(tmp_path):
         assert set(csm.adapters) == {"ann", "bob"}
     finally:
         csm.close()
+
+
+def test_a_segment_after_an_eos_starts_a_fresh_mimi_row():
+    """Long-form: a segment that ended on EOS had its all-zero EOS frame and the step in flight behind it decoded
+    into the slot's Mimi row (neither heard); the next segment's audio is the fresh decode of its own codes (it was
+    a full-scale burst), and the first segment's the decode of its codes."""
+    import torch
+
+    csm = CSM("dummy-tiny", device="cpu", dtype="float32", engine_config=EngineConfig(max_slots=2, max_seq_len=512))
+    inner = csm.model.decode_frame
+
+    def decode_frame(*a, **kw):  # an EOS now and then (tests/engine/test_longform.py's rule)
+        codes = inner(*a, **kw)
+        return torch.where(codes[:, :1] % 13 == 0, torch.zeros_like(codes), codes)
+
+    csm.model.decode_frame = decode_frame
+    try:
+        chunks = list(csm.speak("Hello there, friend. How are you doing today?", temperature=0.0,
+                                max_segment_length_ms=12 * 80))
+        ends = [c.segment_end for c in chunks if c.segment == 0 and c.segment_end]
+        assert ends == ["eos"], ends  # the case under test (the rule and the seedless greedy run make it so)
+        for seg in (0, 1):
+            mine = [c for c in chunks if c.segment == seg]
+            codes, audio = np.concatenate([c.codes for c in mine]), np.concatenate([c.audio for c in mine])
+            assert len(codes) and np.abs(audio - csm.decode(codes)).max() < 1e-4, seg
+    finally:
+        csm.close()

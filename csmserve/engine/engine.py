@@ -229,6 +229,7 @@ class Engine:
             log.exception("engine step failed")
             self._prev = None
             self._fail_all(e)
+            self._reconcile_prefixes()
             if device_lost(e):
                 self.fatal = f"{type(e).__name__}: {e}".splitlines()[0]
                 log.critical("the device is lost (%s); restart the process", self.fatal)
@@ -523,6 +524,20 @@ class Engine:
             from csmserve.engine.scheduler import empty_rows
 
             self._emit_rows(empty_rows(0, self.num_codebooks), None)
+
+    def _reconcile_prefixes(self) -> None:
+        """After a failed step: the prefix cache's index and the runner's stored KV agree again (a key the step
+        reserved but never stored would be a hit whose copy fails every later step that takes it; entries it
+        evicted but never dropped would hold their memory)."""
+        pc, stored = self.prefix_cache, getattr(self.runner, "prefix_kv", None)
+        if pc is None or stored is None:
+            return
+        for key in pc.keys():
+            if key not in stored:
+                pc.discard(key)
+        for key in [k for k in stored if k not in pc]:
+            del stored[key]
+        pc.take_evicted()
 
     def _fail_all(self, error: Exception) -> None:
         """After a failed step: every request it may have touched (each holding a slot) ends with the

@@ -110,6 +110,12 @@ class PrefixCache:
         self.stats["stores"] += 1
         return True
 
+    def discard(self, key: bytes) -> None:
+        """Drop `key` from the index (its store never ran: a failed step)."""
+        n = self._entries.pop(key, None)
+        if n is not None:
+            self.used_bytes -= self.nbytes(n)
+
     def take_evicted(self) -> list[bytes]:
         """Keys evicted since the last call; the runner drops their tensors."""
         out, self._evicted = self._evicted, []

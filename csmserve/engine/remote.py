@@ -180,12 +180,21 @@ class RemoteEngineClient(ClientBase):
             if self.ring["header"][r] != step.step:  # overwritten meanwhile: this worker fell too far behind
                 err = error_payload(RuntimeError("this API worker fell behind the engine; the stream was lost"))
                 step.events = step.events + [Event(int(h), EV_ERROR, err) for h in step.handles]
+                self._on_loop(self._let_go, step.handles.copy())  # before the errors end the streams
                 step.handles = np.full_like(step.handles, -1)
             self.ring["acks"][self._ack] = step.step  # read: the engine may reuse the buffer
         if self.tracer is not None and step.step >= 0:  # not a heartbeat
             self._on_loop(self._traced_deliver, step, codes, pcm, t_recv)
             return
         self._on_loop(self.router.deliver, step, codes, pcm)
+
+    def _let_go(self, handles: np.ndarray) -> None:
+        """The requests of rows this worker lost: aborted at the engine too (a consumer whose stream raised does
+        not abort it, and an open long-form request would hold its slot)."""
+        for h in handles:
+            st = self.router.streams.get(int(h))
+            if st is not None:
+                self.abort(st.request_id)
 
     def _traced_deliver(self, step: EngineStep, codes, pcm, t_recv: float) -> None:
         self.tracer.row("recv", step.step, t_recv, time.perf_counter(), len(step.rows))

@@ -128,6 +128,7 @@ class Admission:
     seed: int
     prefix_hit: bytes | None = None  # prefix-cache key whose KV is copied into the slot's first positions
     adapter: int = -1  # the LoRA pool slot its rows read; -1: none
+    fresh_codec: bool = False  # a resume whose Mimi row starts anew (its segment before ended on EOS)
 
 
 @dataclass(frozen=True)

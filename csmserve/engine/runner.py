@@ -207,11 +207,14 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.prefix_kv.values())
 
     def resume(self, resumes: list[Admission]) -> None:
-        """Long-form continuations: the same loads, but the codec row (the audio runs on without a seam)
-        and the frame counter (the sampling noise stream) carry over."""
-        self._load(resumes, reset=False)
+        """Long-form continuations: the same loads, but the codec row (the audio runs on without a seam) and the
+        frame counter (the sampling noise stream) carry over; a fresh_codec one's codec row starts anew."""
+        fresh = [a for a in resumes if a.fresh_codec]
+        self._load(fresh + [a for a in resumes if not a.fresh_codec], reset=False, codec_rows=len(fresh))
 
-    def _load(self, admissions: list[Admission], reset: bool) -> None:
+    def _load(self, admissions: list[Admission], reset: bool, codec_rows: int | None = None) -> None:
+        """reset: the rows' frame counters and codec rows start anew; codec_rows: only the first this many rows'
+        codec rows (one staged load either way: no second copy in the step)."""
         if not admissions:
             return
         W, n = self.cfg.frame_width, len(admissions)
@@ -237,11 +240,13 @@ class ModelRunner:
             s.adapter.index_copy_(0, slots, d[:, c + _ADAPTER])
         if reset:
             s.frame.index_fill_(0, slots, 0)
+        k = n if codec_rows is None else codec_rows
+        if k:
             if self.codec_stream is not None:  # after the decode of the slot's last stream, before its next
                 with torch.cuda.stream(self.codec_stream):
-                    self.codec.reset(self.codec_resets.put(ints[:, c + _SLOT:c + _SLOT + 1])[:, 0])
+                    self.codec.reset(self.codec_resets.put(ints[:k, c + _SLOT:c + _SLOT + 1])[:, 0])
             elif self.codec is not None:
-                self.codec.reset(slots)
+                self.codec.reset(slots[:k])
 
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> None:

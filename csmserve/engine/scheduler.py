@@ -610,7 +610,9 @@ class Scheduler:
         req.prompt_start, req.num_prefilled = start, 0
         req.seg_start_pos = start + req.prompt_len - 1
         req.num_frames = req.seg_first_frame = int(self._num_frames[req.slot])
-        self._resumes.append(self._start_prompt(req))
+        # after an EOS the Mimi row decoded the all-zero EOS frame and the step in flight behind it, neither heard:
+        # the next segment starts a fresh row (after its length, the audio runs on without a seam)
+        self._resumes.append(dataclasses.replace(self._start_prompt(req), fresh_codec=hist.last_reason == "eos"))
 
     def _rebuild(self, hist: _History, room: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Context frames for a prefill from position 0 in at most `room` positions: the newest whole

@@ -69,6 +69,10 @@ class SentenceSplitter:
     def _drain(self, final: bool) -> list[str]:
         out: list[str] = []
         while True:
+            if self._long:  # a paragraph break right after the clauses given out already ends their sentence
+                m = _PARA.match(self._buf)
+                if m is not None and (m.end() < len(self._buf) or final):
+                    self._buf, self._long = self._buf[m.end():], False
             end = self._sentence_end(self._buf, final)
             if end is None:
                 break
@@ -85,7 +89,8 @@ class SentenceSplitter:
             pieces = self._clauses(words[:complete_words], complete=False)
             if pieces:  # the buffer from after their words
                 out += pieces
-                m = re.match(r"\s*(?:\S+\s+){%d}" % sum(len(p.split()) for p in pieces), self._buf)
+                # the whitespace after their last word stays (a paragraph break there ends the sentence)
+                m = re.match(r"\s*(?:\S+\s+){%d}\S+" % (sum(len(p.split()) for p in pieces) - 1), self._buf)
                 self._buf = self._buf[m.end():] if m else ""
         return out
 

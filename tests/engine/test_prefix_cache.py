@@ -267,3 +267,39 @@ def test_growing_conversation_hits_the_previous_turns_and_equals_the_reference(m
         else:  # the previous request's context (k-1 turns) was cached: only the newest turn and the text
             assert cache.stats["hits"] == hits + 1 and engine.prefilled == req.prompt_len - 1 - 10 * (k - 1)
     assert len(cache) == 3  # each request stored its whole context
+
+
+def test_a_failed_step_leaves_no_entry_it_never_stored():
+    """The prefill of a step that reserved a prefix entry raises (an out-of-memory, say): the request fails, the
+    index drops the key the runner never stored, and the next request with that voice / context is a miss that
+    runs as the reference (it was a hit whose copy failed every step that took it)."""
+    model = load_csm("dummy-tiny")[0]
+    cfg = EngineConfig(max_slots=2, max_seq_len=128, prefill_token_budget=64, prefix_cache_bytes=None)
+    engine = Engine(ModelRunner(model, cfg.max_slots, cfg.max_seq_len), cfg, start=False)
+    prefill, calls = engine.runner.prefill, []
+
+    def fails_once(chunks):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (a stand-in)")
+        return prefill(chunks)
+
+    engine.runner.prefill = fails_once
+    ctx, got = context(7, 6, 14), {}
+
+    def run(r):
+        got[r.request_id] = []
+        engine.submit(r, got[r.request_id].append)
+        for _ in range(200):
+            engine.run_once()
+            if got[r.request_id] and (isinstance(got[r.request_id][-1], BaseException) or got[r.request_id][-1].final):
+                return got[r.request_id]
+        raise AssertionError("did not finish")
+
+    assert isinstance(run(request(ctx, 1))[-1], RuntimeError)
+    assert set(engine.prefix_cache.keys()) == set(engine.runner.prefix_kv)
+    b = request(ctx, 2)
+    items = run(b)
+    assert not any(isinstance(x, BaseException) for x in items), items
+    np.testing.assert_array_equal(np.concatenate([c.codes for c in items]),
+                                  reference.generate(model, b.tokens, b.mask, b.params).codes)

@@ -1,5 +1,6 @@
 """Sentence and clause segmentation (csmserve/prompt/segments.py)."""
 import random
+import re
 
 import pytest
 
@@ -58,6 +59,19 @@ def test_streamed_pieces_give_the_same_segments():
             i += n
         out += s.flush()
         assert out == want
+
+
+def test_a_paragraph_break_after_a_long_sentence_s_clauses_ends_it_streamed_too():
+    """A long sentence whose clauses went out while it streamed, then a blank line (an LLM's "...the box:\n\n"):
+    the break ends it, as in the whole text, so the next short sentence is not cut into clauses."""
+    text = ("Before you start, make sure that you have gathered every one of the tools and all of the materials, "
+            "and then read the instructions printed on the inside of the lid of the box:\n\n"
+            "First, open the big box and take out all of the parts, then lay them out on the table in front of you.")
+    s, out = SentenceSplitter(), []
+    for token in re.findall(r"\S+|\s+", text):  # an LLM's tokens: words and the whitespace between them
+        out += s.feed(token)
+    assert out + s.flush() == split_sentences(text)
+    assert split_sentences(text)[-1].startswith("First, open the big box") and split_sentences(text)[-1].endswith("you.")
 
 
 def test_streamed_first_sentence_is_emitted_before_the_end():

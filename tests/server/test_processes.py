@@ -315,6 +315,53 @@ def test_a_csm_attached_to_an_engine_process_generates_audio():
         shutil.rmtree(rundir, ignore_errors=True)
 
 
+def test_a_worker_that_fell_behind_lets_its_requests_go_at_the_engine():
+    """A worker busy past --reader-wait-s (its ring rows overwritten) ends its streams with "fell behind" and
+    aborts their requests at the engine: an open long-form request (a WebSocket turn, speak() with text still
+    coming) would otherwise hold its engine slot for good."""
+    import shutil
+
+    from csmserve.config import EngineConfig
+    from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
+
+    rundir = new_rundir()
+    spec = engine_spec("dummy-tiny", "cpu", None, None, None, EngineConfig(max_slots=2, max_seq_len=256,
+                                                                          reader_wait_s=0.1), "warning", rundir)
+    proc = EngineProcess(spec, load_engine_model)
+    proc.start()
+    csm = None
+    try:
+        proc.wait_ready()
+        csm = attach_engine(spec.address, spec.authkey, 7, timeout=60)
+        client = csm.client
+        read, slept = client._step, []
+
+        def busy_then_read(step, t_recv=0.0):  # the worker busy until the engine reused the buffer
+            if step.step >= 0 and len(step.rows) and not slept:
+                slept.append(1)
+                end = time.time() + 30
+                while client.ring["header"][step.ring] == step.step and time.time() < end:
+                    time.sleep(0.05)
+            read(step, t_recv)
+
+        client._step = busy_then_read
+        req = csm.long_request(["Hello there, this is a test."], open=True, temperature=0.0,
+                               max_audio_length_ms=None, max_segment_length_ms=60 * 80)
+        with pytest.raises(RuntimeError, match="fell behind"):
+            for _ in client.stream(req):
+                pass
+        deadline = time.time() + 20
+        while time.time() < deadline and (st := client.stats()).free_slots != st.max_slots:
+            time.sleep(0.1)
+        st = client.stats()
+        assert (st.free_slots, st.running, st.idle) == (st.max_slots, 0, 0), st
+    finally:
+        if csm is not None:
+            csm.close()
+        proc.stop()
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
 def test_a_taken_port_is_one_line_naming_it():
     """`csmserve serve` and `serve --ray` (before Ray starts) bind through processes.bind: a port in use is
     an OSError naming it and the flag, not errno text alone."""
