@@ -17,7 +17,9 @@ class Encoder:
 
     def __init__(self, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> None:
         self.sample_rate = sample_rate
-        self.stretch = TimeStretch(sample_rate, speed) if check_speed(speed) != 1.0 else None
+        self.speed = check_speed(speed)
+        self.stretch = TimeStretch(sample_rate, speed) if self.speed != 1.0 else None
+        self.stretched = 0  # samples out of the stretch so far
         self.closed = False
 
     def write(self, pcm: np.ndarray) -> bytes:
@@ -31,13 +33,20 @@ class Encoder:
         pcm = np.ascontiguousarray(pcm, dtype=np.float32)
         if self.stretch is not None:
             pcm = self.stretch.write(pcm)
+            self.stretched += pcm.size
         return self._encode(pcm) if pcm.size else b""
 
     def close(self) -> bytes:
         if self.closed:
             return b""
         self.closed = True
-        tail = self._encode(self.stretch.flush()) if self.stretch is not None else b""
+        tail = b""
+        if self.stretch is not None:
+            # atempo's output is only about input / speed long: its tail cut or padded (zeros) so the whole is
+            # exactly round(input / speed), the length the timestamps and the usage count say
+            pcm, want = self.stretch.flush(), max(0, round(self.stretch.num_in / self.speed) - self.stretched)
+            pcm = pcm[:want] if pcm.size >= want else np.concatenate([pcm, np.zeros(want - pcm.size, np.float32)])
+            tail = self._encode(pcm) if pcm.size else b""
         return tail + self._finish()
 
     def _encode(self, pcm: np.ndarray) -> bytes:  # pcm: [n>0] float32

@@ -53,6 +53,16 @@ def test_speed_scales_the_timestamps(server):
     assert seg["audio_end_ms"] == seg["num_frames"] * 80 / 2
 
 
+def test_at_any_speed_the_audio_sent_ends_where_the_last_segment_does(server):
+    """pcm has no codec delay: the samples sent are the last audio_end_ms exactly (atempo alone was ~30 ms short
+    at 0.5 and ~100 ms at 0.25)."""
+    for speed in (0.25, 0.5):
+        events = sse(server, {**BODY, "speed": speed})
+        segs = [e for e in events if e["type"] == "speech.audio.segment"]
+        sent = sum(len(base64.b64decode(e["audio"])) for e in events if e["type"] == "speech.audio.delta") // 2
+        assert sent == round(segs[-1]["audio_end_ms"] * 24), (speed, sent, segs[-1]["audio_end_ms"])
+
+
 def test_ws_segment_done_equals_the_audio_frames_of_each_segment(server):
     with connect(ws_url(server)) as ws:
         ws.send(json.dumps({"context_id": "ts", "text": TEXT, "flush": True, "temperature": 0,
