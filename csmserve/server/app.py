@@ -188,7 +188,8 @@ class GuardMiddleware:
     async def _reject(self, send: Send, error: APIError) -> None:
         self.on_error(error.status)
         body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *self.headers]  # which worker (and replica) refused it, as on every other response
         if error.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         if error.status in (408, 413):  # the rest of the body is not read: the connection cannot be reused

@@ -72,4 +72,6 @@ def build(app: FastAPI) -> dict[str, Any]:
                     "application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+    if (metrics := doc.get("paths", {}).get("/metrics", {}).get("get")) is not None:  # Prometheus' text, not JSON
+        metrics["responses"]["200"]["content"] = {"text/plain; version=0.0.4": {"schema": {"type": "string"}}}
     return doc

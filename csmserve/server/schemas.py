@@ -22,6 +22,16 @@ def _integral(v: object) -> object:
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
 
+
+def _bounded(**bounds) -> object:
+    """Int with its bounds inside the annotation: `X | None` then keeps them as JSON Schema's minimum / maximum
+    (a Field(ge=...) beside an Annotated union leaves pydantic's own `ge` in /openapi.json, which clients ignore)."""
+    return Annotated[StrictInt, Field(**bounds), BeforeValidator(_integral)]
+
+
+Speaker, Seed, AtLeastFrame, NonNegative = (_bounded(ge=0, le=255), _bounded(ge=0, lt=2**63), _bounded(ge=80),
+                                            _bounded(ge=0))
+
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
@@ -50,13 +60,13 @@ class SamplingFields(BaseModel):
     """CSM extensions shared by HTTP and WebSocket requests."""
 
     model_config = ConfigDict(extra="ignore")
-    speaker: Int | None = Field(None, ge=0, le=255)  # default: the voice's speaker (0 for aliases)
+    speaker: Speaker | None = None  # default: the voice's speaker (0 for aliases)
     temperature: float = Field(0.9, ge=0.0, le=2.0, allow_inf_nan=False)  # 0 (and < 1e-5) = greedy
     top_k: Int = Field(50, ge=0, le=2051)  # 0 disables
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: Int | None = Field(None, ge=0, lt=2**63)
-    max_audio_length_ms: Int | None = Field(None, ge=80)  # the whole response (all sentences)
-    max_segment_length_ms: Int | None = Field(None, ge=80)  # one sentence of a long input / WebSocket turn
+    seed: Seed | None = None
+    max_audio_length_ms: AtLeastFrame | None = None  # the whole response (all sentences)
+    max_segment_length_ms: AtLeastFrame | None = None  # one sentence of a long input / WebSocket turn
 
 
 class DialogueLine(BaseModel):
@@ -104,7 +114,7 @@ class WsRequest(SamplingFields):
     # with `cancel`: keep the first audio_end_ms of the cancelled turn (what was played; whole 80 ms frames)
     # in the session; with `truncate`: cut an assistant turn already in the session there
     truncate: bool = False
-    audio_end_ms: Int | None = Field(None, ge=0)
+    audio_end_ms: NonNegative | None = None
     request_id: StrictStr | None = None  # the turn `truncate` cuts (default: the newest assistant turn)
 
 

@@ -399,6 +399,7 @@ class ServerState:
             tr.stamp(request.request_id, received=arrival)
         agen = csm.client.astream(request, on_submit=on_submit, max_lag_s=self.config.max_reader_lag_s)
         frames, reason, first = 0, "abort", None
+        refused: APIError | None = None  # the engine refused it: an error answer, no generation to count
         try:
             async for chunk in agen:
                 if first is None and len(chunk.codes):
@@ -413,13 +414,17 @@ class ServerState:
                     reason = chunk.finish_reason or "eos"
                 yield chunk
         except SchedulerBusy as e:
-            raise APIError(503, str(e), "server_busy") from None
+            refused = APIError(503, str(e), "server_busy")
+            raise refused from None
         except AdapterPoolFullError as e:  # waited --max-lora-wait-s for a pool slot
-            raise APIError(503, str(e), "adapter_pool_full") from None
+            refused = APIError(503, str(e), "adapter_pool_full")
+            raise refused from None
         except UnknownAdapterError:  # unloaded (or never loaded): the engine refused it at submit
-            raise self.model_not_found(request.adapter) from None
+            refused = self.model_not_found(request.adapter)
+            raise refused from None
         except ValueError as e:  # the engine refused the prompt
-            raise bad_request(str(e), "input", "invalid_prompt") from None
+            refused = bad_request(str(e), "input", "invalid_prompt")
+            raise refused from None
         finally:
             await agen.aclose()  # GeneratorExit at the engine's queue: abort, slot freed at the next frame
             self.active -= 1
@@ -430,8 +435,9 @@ class ServerState:
             wall = time.perf_counter() - arrival
             self.metrics.frames.inc(frames)
             self.metrics.audio_seconds.inc(frames * FRAME_MS / 1000)
-            self.metrics.e2e.observe(wall)
-            self.metrics.finished(reason)
+            if refused is None:  # a refusal is an error answer (request_errors), no finished generation
+                self.metrics.e2e.observe(wall)
+                self.metrics.finished(reason)
             if frames:
                 self.metrics.rtf.observe(wall / (frames * FRAME_MS / 1000))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import re
@@ -386,7 +387,7 @@ async def speech_stream(ws: WebSocket) -> None:
     await ws.accept(headers=state.headers or None)
     key, refused = state.config.api_key, None
     if key and not (check_bearer(ws.headers.get("authorization", ""), key) or
-                    ws.query_params.get("api_key") == key):
+                    hmac.compare_digest(ws.query_params.get("api_key", "").encode(), key.encode())):
         refused = APIError(401, "invalid or missing API key (Authorization: Bearer <key>, or ?api_key=)",
                            "invalid_api_key"), 1008
     elif not state.ready:

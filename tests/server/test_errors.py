@@ -234,3 +234,97 @@ def test_error_after_streaming_began(serve, csm, caplog):
     assert wait_slots_free(csm) == csm.client.stats().max_slots
     normal = serve()
     still_serving(normal)
+
+
+# ---- what operators read: the guard's answers, the WebSocket key, the schema, the counts of refusals
+def _app_server(tmp_path, **kw):
+    from server_helpers import Server
+
+    from csmserve.config import ServerConfig
+    from csmserve.server import create_app
+
+    worker = kw.pop("worker", None)
+    return Server(create_app(None, ServerConfig(voices_db=str(tmp_path / "v.db"), **kw), worker=worker)).start()
+
+
+def test_the_guard_s_own_refusals_say_which_worker(tmp_path):
+    """401 and 413 answered by the guard carry x-csmserve-worker, as every other response does."""
+    import socket
+
+    server = _app_server(tmp_path, api_key="secret", worker=3)
+    try:
+        assert httpx.get(f"{server.url}/v1/models").headers.get("x-csmserve-worker") == "3"  # 401
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer secret\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 999999999999\r\n\r\n")
+        s.settimeout(5)
+        head = s.recv(65536).split(b"\r\n\r\n")[0].decode().lower()
+        s.close()
+        assert head.startswith("http/1.1 413") and "x-csmserve-worker: 3" in head, head
+    finally:
+        server.stop()
+
+
+def test_the_websocket_s_query_key_is_compared_in_constant_time(tmp_path, monkeypatch):
+    import hmac
+
+    from starlette.testclient import TestClient
+
+    from csmserve.config import ServerConfig
+    from csmserve.server import create_app
+
+    seen, real = [], hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: seen.append(b) or real(a, b))
+    app = create_app(None, ServerConfig(api_key="secret-key", voices_db=str(tmp_path / "v.db")))
+    with TestClient(app) as c, c.websocket_connect("/v1/audio/speech/stream?api_key=wrong") as ws:
+        assert ws.receive_json()["error"]["code"] == "invalid_api_key"
+    assert b"secret-key" in seen
+
+
+def test_openapi_states_the_bounds_clients_read(tmp_path):
+    """Optional integers' bounds are JSON Schema's minimum / maximum (pydantic's own ge / le are ignored by
+    generated clients and schemathesis); /metrics is text, not JSON."""
+    from csmserve.config import ServerConfig
+    from csmserve.server import create_app
+
+    doc = create_app(None, ServerConfig(voices_db=str(tmp_path / "v.db"))).openapi()
+    speaker = doc["components"]["schemas"]["SpeechRequest"]["properties"]["speaker"]["anyOf"][0]
+    assert (speaker.get("minimum"), speaker.get("maximum")) == (0, 255) and "ge" not in speaker
+
+    def keys(node, path=""):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield path, k
+                yield from keys(v, f"{path}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from keys(v, f"{path}[{i}]")
+
+    assert not [f"{p}.{k}" for p, k in keys(doc["components"]["schemas"]) if k in ("ge", "le", "gt", "lt")]
+    assert "application/json" not in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_a_request_the_engine_refuses_is_no_finished_generation(serve, small_csm):
+    """A 503 server_busy (the engine's queue full) adds to request_errors, not to request_success_total or the
+    end-to-end latency (whose fast refusals would make an overloaded server look quick)."""
+    def counts():  # every label's sample summed; 0 where the series has none yet
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+        return [sum(float(ln.rsplit(" ", 1)[1]) for ln in text if ln.startswith(name)) for name in
+                ("csmserve:e2e_request_latency_seconds_count", "csmserve:request_success_total")]
+
+    server = serve(csm_=small_csm)  # 1 slot, 1 place in the queue
+    before = counts()
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60,
+                      json={**SPEECH, "max_audio_length_ms": 30000}) as held:
+        body = held.iter_raw()
+        next(body)
+        queued = threading.Thread(target=post, args=(server, SPEECH))
+        queued.start()
+        deadline = time.monotonic() + 30
+        while small_csm.client.engine.scheduler.num_waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        refused = post(server, SPEECH)
+        assert refused.status_code == 503 and error_of(refused)["code"] == "server_busy"
+        assert counts() == before
+    queued.join(60)
+    wait_slots_free(small_csm)
