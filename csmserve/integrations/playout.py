@@ -1,7 +1,7 @@
 """When each reply's audio plays, for frameworks whose TTS does not hear back from the player (Pipecat):
 in real time from when each piece of a reply's audio was handed on, after what plays already (an output
-transport plays what it is given at once, at 1x: audio that comes after the player ran dry plays from then). `played_ms(key)` at an interruption is how
-much of that reply was heard, in whole 80 ms frames.
+transport plays what it is given at once, at 1x: audio that comes after the player ran dry plays from
+then). `played_ms(key)` at an interruption is how much of that reply was heard, in whole 80 ms frames.
 
     clock = Playout()
     clock.pushed("turn-1", frames=3)      # audio handed downstream: 3 frames of 80 ms

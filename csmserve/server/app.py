@@ -78,7 +78,8 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     app.add_middleware(OriginMiddleware, allowed=config.cors_origins)  # inside the guard: its 403s are counted
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_error=state.metrics.error, body_timeout_s=config.body_timeout_s,
-                       body_min_rate=config.body_min_rate, headers=state.headers)
+                       body_min_rate=config.body_min_rate, headers=state.headers,
+                       max_header_bytes=config.max_header_bytes)
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -118,19 +119,28 @@ _PROBES = ("/health", "/ready")  # their 503 is the server's state (loading, eng
 
 
 class GuardMiddleware:
-    """API key on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (body_timeout_s
-    + 1 s per body_min_rate bytes, else 408), error counts; `headers` added to every response."""
+    """The request head's size (max_header_bytes: h11 holds it only for a head that comes in several reads), API key
+    on /v1 (HTTP; the WebSocket route checks its own), request body size and deadline (body_timeout_s + 1 s per
+    body_min_rate bytes, else 408), error counts; `headers` added to every response."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None],
                  body_timeout_s: float | None = None, body_min_rate: int = 16384,
-                 headers: list[tuple[bytes, bytes]] = ()) -> None:
+                 headers: list[tuple[bytes, bytes]] = (), max_header_bytes: int | None = None) -> None:
         self.app, self.api_key, self.max_body_bytes, self.on_error = app, api_key, max_body_bytes, on_error
         self.body_timeout_s, self.body_min_rate = body_timeout_s, body_min_rate
         self.headers = list(headers)
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.max_header_bytes is not None:
+            head = (len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+                    + sum(len(k) + len(v) + 4 for k, v in scope["headers"]))  # "name: value\r\n"
+            if head > self.max_header_bytes:
+                return await self._reject(send, APIError(
+                    400, f"the request's head is about {head} bytes; the limit is {self.max_header_bytes} "
+                    "(--max-header-bytes)", "invalid_http"))
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
             if not check_bearer(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):

@@ -15,6 +15,7 @@ log = logging.getLogger("csmserve.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "server_error"}
 

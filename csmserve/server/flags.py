@@ -19,6 +19,7 @@ from csmserve.config import EngineConfig, RayConfig, ServerConfig
 ENV_PREFIX = "CSMSERVE_"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 BOOLS = "true/false, 1/0, yes/no or on/off"
+LORA_DIR_SLOTS = 8  # pool slots --lora-dir adds when --max-loras is not given (54 MB a slot at rank 32, CSM-1B)
 
 _MODEL_FLAGS = {  # name -> default (None: _UNSET says what it means)
     "model": "sesame/csm-1b", "device": None, "dtype": None, "codec": None, "codec_dtype": None, "log_level": "info"}
@@ -83,7 +84,7 @@ _HELP = {
     "ws_turn_idle_s": "a WebSocket turn's text unflushed this many seconds is flushed",
     # EngineConfig
     "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
-    "max_loras": "adapters resident on the GPU at once (pool slots, LRU); 0: one per --lora, or no LoRA",
+    "max_loras": "adapters on the GPU at once (pool slots, LRU); 0: one per --lora, +8 with --lora-dir",
     "max_lora_rank": "the largest adapter rank the pool takes (larger: refused)",
     "max_cpu_loras": "adapters loaded at once, in pinned host memory (one more: 409)",
     "max_lora_wait_s": "a request waits this long for a pool slot held by other adapters, then 503",
@@ -309,6 +310,6 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
         server["model_name"] = args.model
     engine = pick(EngineConfig)
     loras = lora_list(args)
-    if loras and not engine["max_loras"]:  # --lora without --max-loras: a slot each
-        engine["max_loras"] = len(loras)
+    if (loras or server["lora_dir"]) and not engine["max_loras"]:  # without --max-loras: a slot per --lora, and
+        engine["max_loras"] = len(loras) + (LORA_DIR_SLOTS if server["lora_dir"] else 0)  # some for run-time loads
     return ServerConfig(**server), EngineConfig(**engine)

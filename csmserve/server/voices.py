@@ -64,7 +64,7 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
 async def list_voices(http: Request) -> dict:
     state: ServerState = http.app.state.server
     stored = [voice_object(v) for v in await asyncio.to_thread(state.store.list)]
-    aliases = [{"id": name, "object": "audio.voice", "type": "alias", "name": name, "speaker": spk}
+    aliases = [{"id": name, "object": "audio.voice", "type": "alias", "name": name, "speaker": spk, "adapter": None}
                for name, spk in ALIASES.items()]
     return {"object": "list", "voices": stored + aliases, "data": stored + aliases}
 

@@ -109,4 +109,5 @@ def test_talk_mode_three_turns_barge_in_and_errors(servers, tmp_path):
     assert "LLM endpoint" in error and "unreachable" in error and "goes on" in error
     assert last.get("error") is None and last["firstAudioAt"] and len(last["sentContext"]) == 8
     status, rec = refused
-    assert "not found" in status and "replied" not in status and rec["finish"] == "error" and "not found" in rec["error"]
+    assert "not found" in status and "replied" not in status
+    assert rec["finish"] == "error" and "not found" in rec["error"]

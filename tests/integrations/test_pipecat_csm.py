@@ -54,15 +54,19 @@ def reply_done(server, n: int):
 
 
 class StepClock:
-    """The playout's clock: 0 when the reply's first audio is handed on, `later` at every later reading
-    (the interruption), so "played" is exact whatever the machine's speed."""
+    """The playout's clock: 0 while the reply's audio is handed on (it all comes at once, however slowly this
+    machine generates it), `later` once the script says `go` (just before the interruption), so "played" is exact
+    whatever the machine's speed."""
 
     def __init__(self, later: float) -> None:
-        self.later, self.calls = later, 0
+        self.later, self.now = later, 0.0
 
     def __call__(self) -> float:
-        self.calls += 1
-        return 0.0 if self.calls == 1 else self.later
+        return self.now
+
+    def go(self) -> bool:  # a script step: true at once
+        self.now = self.later
+        return True
 
 
 def service(server, **kw) -> CSMTTSService:
@@ -120,8 +124,8 @@ def test_user_text_from_the_llm_context_and_preroll(server, csm):
 def test_interruption_while_generating_keeps_exactly_the_played_frames(server, csm):
     text = "A long answer that keeps on going for a good while."
     server.hold_after = 3  # chunks of 1 and 2 frames, then the stream waits: still generating at the barge-in
-    tts = service(server, max_audio_length_ms=30 * 80, clock=StepClock(0.16))  # 2 frames played by then
-    frames = script(*reply(text), lambda: server.built and server.built[0].frames >= 3, SleepFrame(0.5),
+    tts = service(server, max_audio_length_ms=30 * 80, clock=(clock := StepClock(0.16)))  # 2 frames played by then
+    frames = script(*reply(text), lambda: server.built and server.built[0].frames >= 3, SleepFrame(0.5), clock.go,
                     InterruptionFrame(), SleepFrame(0.3), *reply("Sorry."), lambda: len(server.built) >= 2,
                     SleepFrame(0.5))
     down, _ = asyncio.run(run_test(tts, frames_to_send=frames))
@@ -139,9 +143,9 @@ def test_interruption_while_generating_keeps_exactly_the_played_frames(server, c
 
 def test_interruption_after_generation_truncates_the_reply_still_playing(server, csm):
     text = "A short answer."
-    tts = service(server, max_audio_length_ms=10 * 80, clock=StepClock(0.32))  # 4 of its frames played
-    frames = script(*reply(text), reply_done(server, 1), SleepFrame(0.5), InterruptionFrame(), SleepFrame(0.3),
-                    *reply("Sorry."), reply_done(server, 2), SleepFrame(0.3))
+    tts = service(server, max_audio_length_ms=10 * 80, clock=(clock := StepClock(0.32)))  # 4 of its frames played
+    frames = script(*reply(text), reply_done(server, 1), SleepFrame(0.5), clock.go, InterruptionFrame(),
+                    SleepFrame(0.3), *reply("Sorry."), reply_done(server, 2), SleepFrame(0.3))
     asyncio.run(run_test(tts, frames_to_send=frames))
     (cut,) = tts.cuts
     full = server.built[0].frames
@@ -157,7 +161,7 @@ def test_a_reply_finished_before_the_barge_in_reached_the_server_is_truncated(se
     """The server finished the reply, but its flush_done was still on the wire when the user barged in: the
     cancel stops nothing there, and the reply is cut by a truncate at what was played instead."""
     text = "A short answer."
-    tts = service(server, max_audio_length_ms=10 * 80, clock=StepClock(0.32))  # 4 of its frames played
+    tts = service(server, max_audio_length_ms=10 * 80, clock=(clock := StepClock(0.32)))  # 4 of its frames played
     held, release = hold_from(tts.conversation, "flush_done")
 
     def release_after_the_cancel() -> bool:
@@ -166,7 +170,7 @@ def test_a_reply_finished_before_the_barge_in_reached_the_server_is_truncated(se
             return True
         return False
 
-    frames = script(*reply(text), reply_done(server, 1), lambda: held, SleepFrame(0.3), InterruptionFrame(),
+    frames = script(*reply(text), reply_done(server, 1), lambda: held, SleepFrame(0.3), clock.go, InterruptionFrame(),
                     release_after_the_cancel, SleepFrame(0.3), *reply("Sorry."), reply_done(server, 2),
                     SleepFrame(0.3))
     asyncio.run(run_test(tts, frames_to_send=frames))

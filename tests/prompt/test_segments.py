@@ -71,7 +71,8 @@ def test_a_paragraph_break_after_a_long_sentence_s_clauses_ends_it_streamed_too(
     for token in re.findall(r"\S+|\s+", text):  # an LLM's tokens: words and the whitespace between them
         out += s.feed(token)
     assert out + s.flush() == split_sentences(text)
-    assert split_sentences(text)[-1].startswith("First, open the big box") and split_sentences(text)[-1].endswith("you.")
+    last = split_sentences(text)[-1]
+    assert last.startswith("First, open the big box") and last.endswith("you.")
 
 
 def test_streamed_first_sentence_is_emitted_before_the_end():

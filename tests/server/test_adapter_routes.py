@@ -222,6 +222,7 @@ def test_every_bad_load_is_refused_while_a_stream_runs(lserver, lcsm, root, tmp_
         r = post(lserver, "/v1/load_lora_adapter", body)
         err = error_of(r)
         assert (r.status_code, err["code"]) == (status, code) and words in err["message"], (body, r.text)
+        assert err["type"] == ("invalid_request_error" if status in (400, 404, 409) else "permission_error"), r.text
         assert "\n" not in err["message"]
     r = httpx.post(f"{lserver.url}/v1/load_lora_adapter", content=b'{"lora_name": "x", "lora_path": "cat"}',
                    headers={"content-type": "text/plain"})

@@ -314,6 +314,9 @@ HTTP_CASES = [
     ("content-length-negative", b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400,
      "invalid_http"),
     ("headers-over-the-limit-in-pieces", None, 400, "invalid_http"),
+    # the same head in one read: h11 takes it whole, the guard measures it
+    ("headers-over-the-limit-at-once", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 40_000
+     + b"\r\n\r\n", 400, "invalid_http"),
 ]
 
 

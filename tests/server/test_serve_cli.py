@@ -38,6 +38,15 @@ def test_defaults_flags_and_env(monkeypatch):
     assert configs(parse([]))[1].first_frame_from_prefill is False
 
 
+def test_the_lora_pool_s_default_slots():
+    """No --max-loras: a slot per --lora, 8 more with --lora-dir (its load route then has room), else none."""
+    assert configs(parse([]))[1].max_loras == 0
+    assert configs(parse(["--lora", "a=/x", "--lora", "b=/y"]))[1].max_loras == 2
+    assert configs(parse(["--lora-dir", "/tmp"]))[1].max_loras == 8
+    assert configs(parse(["--lora", "a=/x", "--lora-dir", "/tmp"]))[1].max_loras == 9
+    assert configs(parse(["--lora-dir", "/tmp", "--max-loras", "3"]))[1].max_loras == 3
+
+
 def test_serve_subprocess(tmp_path):
     port = free_port()
     env = {**os.environ, "CSMSERVE_VOICES_DB": str(tmp_path / "v.db"), "CSMSERVE_MAX_SLOTS": "4",

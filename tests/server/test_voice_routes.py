@@ -38,6 +38,7 @@ def test_create_list_get_delete(server):
     listed = httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]
     assert {"id": v["id"], "name": "narrator"}.items() <= listed[0].items()
     assert {"alloy", "nova"} <= {x["id"] for x in listed}  # OpenAI names as aliases
+    assert all("adapter" in x for x in listed)  # every voice object has the key (docs/api.md), aliases' null
     assert httpx.get(f"{server.url}/v1/audio/voices/{v['id']}").json()["transcript"] == "A short reference clip."
     assert httpx.delete(f"{server.url}/v1/audio/voices/{v['id']}").json() == {
         "id": v["id"], "object": "audio.voice", "deleted": True}

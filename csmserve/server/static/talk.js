@@ -189,7 +189,9 @@ finishUtterance = function (reason, m) { // eslint-disable-line no-func-assign
       const error = (m && m.error && m.error.message) || "the server refused the reply";
       c.talk.rec.error = error; csm.talk.errors.push(error);
       setStatus("talk-status", error + " — the conversation goes on", "err");
-    } else if (!c.talk.rec.interrupted) setStatus("talk-status", `replied: ${(c.samples / SR).toFixed(2)} s of audio`, "ok");
+    } else if (!c.talk.rec.interrupted) {
+      setStatus("talk-status", `replied: ${(c.samples / SR).toFixed(2)} s of audio`, "ok");
+    }
   }
 };
 // the reply is "in progress" until its audio has played: a new recording then barges in
