@@ -351,7 +351,7 @@ class CSM:
         sizes = [self._part(seg).frames for seg in history]  # every one checked, as the whole prompt would be
         if room is None:
             return 0
-        left = self.max_seq_len - room - fixed - len(segment_ids(self.tokenizer, int(speaker), text))
+        left = self.max_seq_len + 1 - room - fixed - len(segment_ids(self.tokenizer, int(speaker), text))  # assemble's
         kept = 0
         for size in reversed(sizes):
             if size > left:

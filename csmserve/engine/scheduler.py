@@ -629,8 +629,7 @@ class Scheduler:
             return n
 
         ctx_len = 0 if hist.context is None else len(hist.context[0])
-        keep_ctx = hist.context is not None and ctx_len <= room and (newest_fitting(room - ctx_len) > 0 or
-                                                                     newest_fitting(room) == 0)
+        keep_ctx = hist.context is not None and ctx_len <= room  # the voice's clip and turns first, while they fit
         if not keep_ctx:
             hist.context = None
         n = newest_fitting(room - ctx_len if keep_ctx else room)

@@ -132,11 +132,11 @@ def assemble(parts: Sequence[PromptPart], target_ids: Sequence[int], num_codeboo
     """Context parts then the target turn's text ids -> tokens [T, K+1] int64, mask [T, K+1] bool, and the
     frame count after each part (the turn boundaries). Written into one allocation, a slice per part.
 
-    With `max_frames`, the prompt plus that many generated frames must fit in `max_seq_len` positions
-    (checked before anything is allocated)."""
+    With `max_frames`, the prompt plus that many generated frames, all but the last of which is fed back, must fit
+    in `max_seq_len` positions (checked before anything is allocated; Scheduler.frame_limit's bound)."""
     boundaries = list(accumulate(p.frames for p in parts))
     total = (boundaries[-1] if boundaries else 0) + len(target_ids)
-    if max_frames is not None and total + max_frames > max_seq_len:
+    if max_frames is not None and total + max_frames > max_seq_len + 1:  # the last frame is not fed back
         raise ValueError(
             f"prompt too long: {total} prompt frames + {max_frames} frames of audio "
             f"({max_frames * FRAME_MS} ms) exceed the model's {max_seq_len} positions; "

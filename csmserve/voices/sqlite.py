@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ class VoiceStore(VoiceBackend):
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(str(path), check_same_thread=False, timeout=10.0)
         with self._lock, self._conn:
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._wal()
             self._conn.executescript(_SCHEMA)
             # a database made before voices had an adapter (NULL: every old voice speaks with the base)
             if "adapter" not in {row[1] for row in self._conn.execute("PRAGMA table_info(voices)")}:
@@ -35,6 +36,19 @@ class VoiceStore(VoiceBackend):
                 except sqlite3.OperationalError as e:  # another process added it meanwhile
                     if "duplicate column" not in str(e):
                         raise
+
+    def _wal(self, wait_s: float = 10.0) -> None:
+        """WAL mode (a new file's first opener switches it; processes opening it at that moment find it locked:
+        the busy timeout does not cover the switch, so they try again)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         with self._lock, self._conn:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import numpy as np
 import pytest
@@ -466,3 +467,37 @@ def test_first_frames_from_the_prefill_take_the_last_prompt_frame_into_it():
     s3.add(make_req(1, 4))
     b = s3.schedule()
     assert not b.prefills and b.first_frames and not b.from_prefill
+
+
+def test_a_rebuild_keeps_the_request_s_own_context_while_it_fits():
+    """max_seq_len 40, a 20-frame context (a voice's clip), segments of 3 text frames and 8 of audio: segment 1
+    does not fit after segment 0, so the slot is prefilled again from 0 with room 30. The context fits: it comes
+    first (segment 0 does not fit beside it). It was dropped, for this and every later segment, because no segment
+    fitted beside it."""
+    K = 32
+
+    def frames(n: int, tag: int) -> tuple[np.ndarray, np.ndarray]:
+        t = np.zeros((n, K + 1), np.int64)
+        t[:, K] = tag * 100 + np.arange(n) + 1
+        m = np.zeros((n, K + 1), bool)
+        m[:, K] = True
+        return t, m
+
+    s = Scheduler(EngineConfig(max_slots=1, max_seq_len=40, prefill_token_budget=64, max_prefill_chunk=64,
+                               first_frame_from_prefill=False))
+    ctx, t0, t1 = frames(20, 9), frames(3, 1), frames(3, 2)
+    req = Request(np.concatenate([ctx[0], t0[0]]), np.concatenate([ctx[1], t0[1]]),
+                  SamplingParams(seed=1, max_audio_length_ms=None, max_segment_length_ms=8 * 80),
+                  segments=deque([t1]), context_len=20)
+    s.add(req)
+    prev = None
+    for _ in range(20):
+        b = s.schedule()
+        if prev is not None:
+            s.update(prev.step, np.full((len(prev.decode_slots), K), 5, np.int64))
+        prev = b
+        if b.resumes:
+            break
+    assert req.segment == 1 and req.prompt_start == 0  # prefilled again from position 0
+    np.testing.assert_array_equal(req.tokens[:20], ctx[0])
+    np.testing.assert_array_equal(req.tokens[20:], t1[0])

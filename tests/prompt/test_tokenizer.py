@@ -99,9 +99,30 @@ def test_length_limit():
     codes = np.ones((1900, K), dtype=np.int64)
     tokens, _ = prompt_frames(tok, [PromptSegment(0, "a", codes)], "b", 0, K)
     T = tokens.shape[0]
-    room = 2048 - T
+    room = 2048 - T + 1  # the last frame generated is not fed back
     prompt_frames(tok, [PromptSegment(0, "a", codes)], "b", 0, K, max_frames=room)  # exactly fits
     with pytest.raises(ValueError, match=r"prompt too long: .*max_audio_length_ms"):
         prompt_frames(tok, [PromptSegment(0, "a", codes)], "b", 0, K, max_frames=room + 1)
     with pytest.raises(ValueError, match="prompt too long"):
         prompt_frames(tok, [], "x" * 2100, 0, K, max_frames=1)
+
+
+def test_a_prompt_may_leave_room_for_one_frame_more_than_its_positions():
+    """The last frame generated is not fed back: T prompt frames and L - T + 1 frames of audio fit L positions, as
+    the engine (Scheduler.frame_limit) and the reference generator serve; one more is refused."""
+    from csmserve.config import EngineConfig
+    from csmserve.engine.request import Request
+    from csmserve.engine.scheduler import Scheduler
+    from csmserve.prompt.tokenizer import PromptPart, assemble, segment_ids
+    from csmserve.sampling import SamplingParams
+
+    L, tok = 64, ByteTokenizer()
+    parts = [PromptPart(np.asarray(segment_ids(tok, 0, "hello there"), np.int64), np.ones((10, 32), np.int64))]
+    target = segment_ids(tok, 0, "hi")
+    T = parts[0].frames + len(target)
+    n = L - T + 1
+    req = Request(np.zeros((T, 33), np.int64), np.ones((T, 33), bool), SamplingParams(max_audio_length_ms=n * 80))
+    assert Scheduler(EngineConfig(max_slots=1, max_seq_len=L)).frame_limit(req) == n
+    assert assemble(parts, target, 32, max_frames=n, max_seq_len=L)[0].shape[0] == T
+    with pytest.raises(ValueError, match="prompt too long"):
+        assemble(parts, target, 32, max_frames=n + 1, max_seq_len=L)

@@ -55,6 +55,30 @@ def test_codes_stored_as_int16(tmp_path):
     assert len(blob) == 10 * 32 * 2
 
 
+def test_a_new_file_s_wal_switch_found_locked_is_tried_again(tmp_path):
+    """Processes opening a new voices file at once: the one switching it to WAL makes the others' switch fail
+    with "database is locked" (the busy timeout does not cover it): they try again until the wait is over."""
+    import sqlite3
+
+    store = VoiceStore(tmp_path / "voices.db")
+    real, calls = store._conn, []
+
+    class Locked:  # the first two tries find it locked
+        def execute(self, sql, *a):
+            calls.append(sql)
+            if len(calls) <= 2:
+                raise sqlite3.OperationalError("database is locked")
+            return real.execute(sql, *a)
+
+    store._conn = Locked()
+    store._wal()
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        store._wal(wait_s=0.0)  # past the wait: the error
+    store._conn = real
+
+
 def test_names_repeat_ids_do_not(store):
     a = store.create("same", "one", codes(seed=1))
     b = store.create("same", "two", codes(seed=2))
