@@ -32,12 +32,13 @@ class Probe:
     first: float | None = None
     last: float | None = None
     frames: int = 0
+    error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __call__(self, item) -> None:
         now = time.perf_counter()
         if isinstance(item, BaseException):
-            print("request failed:", item, file=sys.stderr)
+            self.error = item
             self.done.set()
             return
         if len(item.codes) and self.first is None:
@@ -46,6 +47,16 @@ class Probe:
         self.last = now
         if item.final:
             self.done.set()
+
+    def wait(self) -> "Probe":
+        """Until it ends; RuntimeError (one line for the command) if it failed."""
+        self.done.wait()
+        self.check()
+        return self
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"request failed: {self.error}")
 
     @property
     def ttfa(self) -> float:
@@ -80,14 +91,11 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def one_stream(engine, frames: int, probes: int = 5, adapter: str | None = None) -> dict:
-    submit(engine, 4, adapter=adapter).done.wait()  # warm
+    submit(engine, 4, adapter=adapter).wait()  # warm
     ttfas = []
     for _ in range(probes):
-        p = submit(engine, 8, adapter=adapter)
-        p.done.wait()
-        ttfas.append(p.ttfa)
-    p = submit(engine, frames, adapter=adapter)
-    p.done.wait()
+        ttfas.append(submit(engine, 8, adapter=adapter).wait().ttfa)
+    p = submit(engine, frames, adapter=adapter).wait()
     fps = (p.frames - 1) / max(p.last - p.first, 1e-9)
     return {"fps": fps, "rtf": fps * FRAME_S, "ttfa_p50_ms": pct(ttfas, 50) * 1e3, "frames": p.frames}
 
@@ -95,19 +103,21 @@ def one_stream(engine, frames: int, probes: int = 5, adapter: str | None = None)
 def sweep_point(engine, n: int, frames: int, probes: int) -> dict:
     load = [submit(engine, frames) for _ in range(n)]
     while sum(p.first is not None for p in load) < n:  # wait for all streams to be generating
+        for p in load:
+            p.check()
         time.sleep(0.005)
     steps0, frames0, t0 = engine.stats["steps"], engine.stats["frames"], time.perf_counter()
+    mine0 = sum(p.frames for p in load)
     ttfas = []
     for _ in range(probes):  # requests arriving under load
-        p = submit(engine, 4)
-        p.done.wait()
-        ttfas.append(p.ttfa)
+        ttfas.append(submit(engine, 4).wait().ttfa)
     time.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
     dt = time.perf_counter() - t0
-    steps, made = engine.stats["steps"] - steps0, engine.stats["frames"] - frames0
+    steps, made = engine.stats["steps"] - steps0, engine.stats["frames"] - frames0  # the probes' frames too
+    mine = sum(p.frames for p in load) - mine0  # the n streams' own (the probes are another stream beside them)
     for p in load:
-        p.done.wait()
-    return {"n": n, "agg_fps": made / dt, "per_stream_fps": (made / dt) / n, "step_ms": dt / max(steps, 1) * 1e3,
+        p.wait()
+    return {"n": n, "agg_fps": made / dt, "per_stream_fps": mine / dt / n, "step_ms": dt / max(steps, 1) * 1e3,
             "ttfa_p50_ms": pct(ttfas, 50) * 1e3, "ttfa_p99_ms": pct(ttfas, 99) * 1e3}
 
 

@@ -1,7 +1,14 @@
 """The load benchmark's pieces that need no server: the jitter-buffer model, scenario specs, /metrics parsing,
 and the summary of records."""
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
+from csmserve.apps.bench import engine as eb
 from csmserve.apps.bench.serve import report
 from csmserve.apps.bench.serve.users import Playback, Scenario, parse_scenario, ran_dry
 
@@ -100,3 +107,96 @@ def test_summary_of_records():
     assert s["errors"] == {"http 503 server_busy": 1}
     assert s["clients"]["cpu_per_proc_max"] == 0.1 and s["clients"]["loop_lag_p99_ms"] == 5.0
     assert "closed 2 pcm" in report.row(s) and "1 of 2" in report.row(s)
+
+
+
+# ---- the engine tables against a fake engine: one frame per live request every STEP_S (every stream at 100
+# frames/s, whatever the concurrency)
+STEP_S = 0.01
+
+
+class FakeEngine:
+    def __init__(self, fail=False):
+        self.runner = SimpleNamespace(cfg=SimpleNamespace(text_vocab_size=258))
+        self.stats = {"steps": 0, "frames": 0}
+        self.live, self.lock, self.stop, self.fail = [], threading.Lock(), threading.Event(), fail
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def submit(self, req, cb):
+        if self.fail:  # e.g. "prompt is 12 frames; it must be 1..8 (max_seq_len)"
+            cb(ValueError("prompt too long"))
+            return
+        with self.lock:
+            self.live.append([cb, req.params.max_audio_length_ms // 80])
+
+    def _loop(self):
+        while not self.stop.is_set():
+            time.sleep(STEP_S)
+            with self.lock:
+                live, self.live = self.live, []
+                for item in live:
+                    cb, left = item
+                    item[1] -= 1
+                    cb(SimpleNamespace(codes=np.zeros((1, 32), np.int64), final=item[1] == 0))
+                    self.stats["frames"] += 1
+                    if item[1] > 0:
+                        self.live.append(item)
+                self.stats["steps"] += 1
+
+    def shutdown(self):
+        self.stop.set()
+
+
+def test_per_stream_fps_counts_the_streams_own_frames():
+    """One load stream at 100 frames/s: the probes sent meanwhile are another stream, not its frames (1.6x)."""
+    e = FakeEngine()
+    try:
+        r = eb.sweep_point(e, n=1, frames=300, probes=16)
+    finally:
+        e.shutdown()
+    print(r)
+    assert r["per_stream_fps"] == pytest.approx(1 / STEP_S, rel=0.15), r
+
+
+def test_a_failed_request_is_one_error_line_not_a_traceback():
+    """Every request failing in the engine (`--max-seq-len 8`, say): RuntimeError "request failed: ...", the
+    command's one line (it was a TypeError's traceback in Probe.ttfa)."""
+    e = FakeEngine(fail=True)
+    try:
+        with pytest.raises((RuntimeError, ValueError)):
+            eb.one_stream(e, 24, probes=5)
+    finally:
+        e.shutdown()
+
+
+def test_sweep_point_does_not_hang_on_a_failed_request():
+    e = FakeEngine(fail=True)
+    out = {}
+    def run():
+        try:
+            out["r"] = eb.sweep_point(e, 2, 8, 2)
+        except RuntimeError as err:
+            out["error"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(5)
+    e.shutdown()
+    assert not t.is_alive(), "sweep_point still waiting after 5 s for requests that already failed"
+    assert "request failed" in str(out.get("error", ""))
+
+
+def test_a_client_whose_parent_is_gone_stops_its_users():
+    """stdin's EOF (the bench killed) queues "exit": the users stop as on "stop" (they went on loading the server)."""
+    from csmserve.apps.bench.serve.users import Run, Scenario, run_users
+
+    async def main():
+        run = Run("http://127.0.0.1:9", ["x"], [], sc=Scenario(users=1, duration=1, ramp=0, warmup=0))
+        user = asyncio.create_task(asyncio.sleep(3600))  # a user that keeps sending requests
+        commands: asyncio.Queue = asyncio.Queue()
+        commands.put_nowait({"cmd": "exit"})  # what read_stdin queues at EOF (the parent died)
+        await asyncio.wait_for(run_users(run, commands, [user], 0.05, lambda: None), 3)
+        assert user.cancelled()
+
+    asyncio.run(main())

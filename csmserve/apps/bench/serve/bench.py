@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -265,6 +266,10 @@ def session(args: argparse.Namespace, serve: Callable[[Path], list[str]], base: 
     """`csmserve serve` with serve(a temp dir)'s flags started (or --url) and the client processes ready ->
     (its URL, the server started or None, the clients); all stopped after."""
     raise_fd_limit()
+    # a SIGTERM (timeout, a cancelled CI job, docker stop) ends the run through the finally below: the server
+    # (its own session) and the clients would otherwise go on loading each other
+    term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         server = clients = None
         try:
@@ -277,6 +282,12 @@ def session(args: argparse.Namespace, serve: Callable[[Path], list[str]], base: 
                 clients.close()
             if server is not None:
                 server.stop()
+            if term is not None:
+                signal.signal(signal.SIGTERM, term)
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run(args: argparse.Namespace) -> int:

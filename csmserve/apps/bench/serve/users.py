@@ -353,7 +353,7 @@ def send(payload: dict) -> None:
 
 async def run_users(run: Run, commands: asyncio.Queue, tasks: list[asyncio.Task], tick_s: float,
                     on_tick: Callable[[], None]) -> tuple[dict, list[float]]:
-    """The users until the parent sends "stop", then cancelled; beside them a ticker calls on_tick every tick_s
+    """The users until the parent sends "stop" (or is gone), then cancelled; beside them a ticker calls on_tick every tick_s
     -> (the result message: its records, CPU and wall seconds, the users' first errors (a cancellation is not
     one); the ticker's lags in the window, ms: how late it woke, which bounds how late an arrival is stamped)."""
     cpu0, wall0, lags = time.process_time(), now(), []
@@ -367,8 +367,10 @@ async def run_users(run: Run, commands: asyncio.Queue, tasks: list[asyncio.Task]
             on_tick()
 
     tick = asyncio.create_task(ticker())
-    while (await commands.get()).get("cmd") != "stop":
+    while (cmd := (await commands.get()).get("cmd")) not in ("stop", "exit"):  # exit: the parent is gone
         pass
+    if cmd == "exit":
+        commands.put_nowait({"cmd": "exit"})  # for the client's loop: it ends after this result
     run.stopping = True
     for t in tasks:
         t.cancel()
