@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import socket
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -272,6 +273,9 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     .device, .model_name, .model_dir, .frame_size, .build_engine; its .engine_config, if set, is the engine's:
     load may size max_slots); a module-level function (or a partial of one), so that it pickles."""
     logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    # Ctrl-C reaches every process of the group: the parent stops the workers first (their streams end), then this
+    # one; a KeyboardInterrupt here would cut the streams they are still finishing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(spec.parent_pid, (spec.ring_path, spec.address))
     try:
         csm = load(spec)

@@ -16,6 +16,7 @@ import array
 import asyncio
 import logging
 import multiprocessing
+import signal
 import socket
 import threading
 import time
@@ -170,6 +171,11 @@ class DispatchedServer:
         import uvicorn
 
         class _Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame) -> None:
+                if sig == signal.SIGINT:  # Ctrl-C reaches the whole group: the parent stops this worker (one
+                    return  # SIGTERM, a graceful exit); a second signal would make uvicorn cut its streams
+                super().handle_exit(sig, frame)
+
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets=[])  # no listener: the lifespan, the state, nothing bound
                 if self.should_exit:

@@ -276,6 +276,7 @@ class Supervisor:
 
     def __init__(self, spec: ServeSpec, workers: int) -> None:
         self.spec, self.server, self.workers_n = spec, spec.server, workers
+        self.sock = bind(self.server.host, self.server.port)  # first: a taken port leaves no run directory
         self.rundir = new_rundir()
         self.sessions_db = str(self.rundir / "sessions.db")
         metrics = self.rundir / "metrics"
@@ -284,7 +285,6 @@ class Supervisor:
         self.engine_spec = engine_spec(spec.model, spec.device, spec.dtype, spec.codec, spec.codec_dtype, spec.engine,
                                        spec.log_level, self.rundir)
         self.ctx = multiprocessing.get_context("spawn")
-        self.sock = bind(self.server.host, self.server.port)
         self.sock.listen(2048)
         self.sock.set_inheritable(True)
         self.port: int = self.sock.getsockname()[1]
@@ -343,9 +343,13 @@ class Supervisor:
             self.worker_exits.popleft()
         for i, p in enumerate(self.workers):
             if p is not None and not p.is_alive() and not self._stopping:
-                log.error("API worker %d exited (code %s); starting it again", i, p.exitcode)
                 self.worker_exits.append(now)
                 _mark_dead(p.pid)
+                if self._engine_down:  # a new worker could not attach (and would answer 200 while it tried)
+                    log.error("API worker %d exited (code %s); the engine is gone: not started again", i, p.exitcode)
+                    self.workers[i] = None
+                    continue
+                log.error("API worker %d exited (code %s); starting it again", i, p.exitcode)
                 self._start_worker(i)
 
     def fatal(self) -> str | None:
@@ -359,13 +363,23 @@ class Supervisor:
         return None
 
     def watch(self) -> int:
-        """`csmserve serve`'s parent, until stopped; an engine that failed to start ends it (RuntimeError: the
-        command's one line), not a server answering 503."""
+        """`csmserve serve`'s parent, until stopped. RuntimeError (the command's one line, a non-zero exit for the
+        orchestrator to act on) where the unit cannot serve and nothing would say so: the engine failed to start or
+        died before it was ready, API workers keep exiting (WORKER_EXITS in WORKER_EXITS_S), or the engine is gone
+        and no worker is left to answer 503 engine_failed. An engine that dies while serving leaves the workers
+        answering 503 engine_failed (docs/reliability.md)."""
         while not self._stopping:
             time.sleep(0.2)
             self.check()
             if self.engine_error is not None:
                 raise RuntimeError(f"the engine failed to start: {' '.join(self.engine_error.split())}")
+            if self._engine_down and not self.engine_ready:
+                raise RuntimeError(f"the engine process exited (code {self.engine.exitcode}) before it was ready")
+            if len(self.worker_exits) >= WORKER_EXITS:
+                raise RuntimeError(f"API workers exited {len(self.worker_exits)} times in {WORKER_EXITS_S:.0f} s")
+            if self._engine_down and not any(p is not None and p.is_alive() for p in self.workers):
+                raise RuntimeError(f"the engine process exited (code {self.engine.exitcode}) and no API worker is "
+                                   "left")
         return 0
 
     def stop(self, *_: object) -> None:
