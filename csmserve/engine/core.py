@@ -275,7 +275,8 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
     logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     # Ctrl-C reaches every process of the group: the parent stops the workers first (their streams end), then this
     # one; a KeyboardInterrupt here would cut the streams they are still finishing
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # (tests run it on a thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(spec.parent_pid, (spec.ring_path, spec.address))
     try:
         csm = load(spec)
