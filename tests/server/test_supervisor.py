@@ -58,6 +58,9 @@ class FakeEngine:
 def sup(monkeypatch, tmp_path):
     monkeypatch.setattr(processes, "sweep_stale", lambda *d: [])  # leave the machine's other servers alone
     monkeypatch.setattr(processes.tempfile, "tempdir", str(tmp_path))
+    # the Supervisor points this process's Prometheus at its run directory: put back after (later in-process
+    # servers' /metrics would read a directory gone)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     spec = processes.ServeSpec(model="dummy-tiny", device="cpu",
                                server=ServerConfig(host="127.0.0.1", port=0), engine=EngineConfig())
     made = []
@@ -130,6 +133,7 @@ def test_with_the_engine_gone_a_worker_is_not_started_again(sup, monkeypatch):
 
 
 def test_a_taken_port_leaves_no_run_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     monkeypatch.setattr(processes, "sweep_stale", lambda *d: [])
     monkeypatch.setattr(processes.tempfile, "tempdir", str(tmp_path))
     taken = socket.socket()
