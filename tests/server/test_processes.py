@@ -7,6 +7,7 @@ request lands on (the `X-Csmserve-Worker` header says which one served it).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -288,26 +289,25 @@ def test_a_half_gpu_share_leaves_room_for_what_is_not_slots(monkeypatch):
     assert 2 * n >= 2048, n  # two half-GPU replicas still hold issue 40's 2,048 users
 
 
-def test_a_csm_attached_to_an_engine_process_generates_audio():
-    """`CSM.attach` (an API worker's CSM, no codec of its own): generate() returns the audio the engine
-    process decoded, as an in-process CSM does."""
+@contextlib.contextmanager
+def attached_engine(**engine):
+    """An engine-core process on dummy-tiny (EngineConfig: max_slots 2, max_seq_len 256, `engine`) and a CSM
+    attached to it as an API worker's (client 7); both stopped, the run directory removed, after."""
     import shutil
 
     from csmserve.config import EngineConfig
     from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
 
     rundir = new_rundir()
-    spec = engine_spec("dummy-tiny", "cpu", None, None, None, EngineConfig(max_slots=2, max_seq_len=256), "warning",
-                       rundir)
+    spec = engine_spec("dummy-tiny", "cpu", None, None, None,
+                       EngineConfig(**{"max_slots": 2, "max_seq_len": 256, **engine}), "warning", rundir)
     proc = EngineProcess(spec, load_engine_model)
     proc.start()
     csm = None
     try:
         proc.wait_ready()
         csm = attach_engine(spec.address, spec.authkey, 7, timeout=60)
-        r = csm.generate("Hello there.", temperature=0.0, max_audio_length_ms=240)
-        assert r.codes.shape[0] > 0
-        assert r.audio is not None and r.audio.shape == (r.codes.shape[0] * 1920,)
+        yield csm
     finally:
         if csm is not None:
             csm.close()
@@ -315,24 +315,20 @@ def test_a_csm_attached_to_an_engine_process_generates_audio():
         shutil.rmtree(rundir, ignore_errors=True)
 
 
+def test_a_csm_attached_to_an_engine_process_generates_audio():
+    """`CSM.attach` (an API worker's CSM, no codec of its own): generate() returns the audio the engine
+    process decoded, as an in-process CSM does."""
+    with attached_engine() as csm:
+        r = csm.generate("Hello there.", temperature=0.0, max_audio_length_ms=240)
+        assert r.codes.shape[0] > 0
+        assert r.audio is not None and r.audio.shape == (r.codes.shape[0] * 1920,)
+
+
 def test_a_worker_that_fell_behind_lets_its_requests_go_at_the_engine():
     """A worker busy past --reader-wait-s (its ring rows overwritten) ends its streams with "fell behind" and
     aborts their requests at the engine: an open long-form request (a WebSocket turn, speak() with text still
     coming) would otherwise hold its engine slot for good."""
-    import shutil
-
-    from csmserve.config import EngineConfig
-    from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
-
-    rundir = new_rundir()
-    spec = engine_spec("dummy-tiny", "cpu", None, None, None, EngineConfig(max_slots=2, max_seq_len=256,
-                                                                          reader_wait_s=0.1), "warning", rundir)
-    proc = EngineProcess(spec, load_engine_model)
-    proc.start()
-    csm = None
-    try:
-        proc.wait_ready()
-        csm = attach_engine(spec.address, spec.authkey, 7, timeout=60)
+    with attached_engine(reader_wait_s=0.1) as csm:
         client = csm.client
         read, slept = client._step, []
 
@@ -355,11 +351,6 @@ def test_a_worker_that_fell_behind_lets_its_requests_go_at_the_engine():
             time.sleep(0.1)
         st = client.stats()
         assert (st.free_slots, st.running, st.idle) == (st.max_slots, 0, 0), st
-    finally:
-        if csm is not None:
-            csm.close()
-        proc.stop()
-        shutil.rmtree(rundir, ignore_errors=True)
 
 
 def test_a_taken_port_is_one_line_naming_it():
