@@ -15,8 +15,10 @@ cuBLAS and this file runs after it: `lora_add_` (y += delta) and `lora_glu` (the
 deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass over the [M, 2I] output). Up to
 TICKET_ROWS (256) rows one launch, the ticketed kernel (below: the shrink in pieces over K, the expand waiting on
 them); past it two: the shrink in programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order
-by the expand. A batch whose every row has one adapter runs it merged into the weights instead (engine/runner.py,
-models/lora.py LoraMerge): these kernels serve batches that mix adapters.
+by the expand. lora_glu also makes the down projection's shrink of the adapter rows' h while h is in registers (a
+piece a column block, or group past TICKET_ROWS), left on the down's LoraLayer: the down's lora_add_ of that h runs
+no shrink (h [M, I] not read again). A batch whose every row has one adapter runs it merged into the weights
+instead (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
@@ -49,6 +51,10 @@ GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 ro
 GLU_GROUPS = 8
 GLU_PROGRAMS = 1024
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
+# A/B (this session's call): the down's shrink in the GLU past TICKET_ROWS (0 no, 1 in its loop, 2 a second loop over
+# h from L2) and up to it (0 / 1)
+GLU_DOWN = 2
+GLU_DOWN_TICKETED = 1
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -115,17 +121,21 @@ def glu_block(g_rows, y_rows, rn, m2, N, dg, du, DELTA: tl.constexpr):
         g = (g.to(tl.float32) + dg.to(tl.float32)).to(dt)
         u = (u.to(tl.float32) + du.to(tl.float32)).to(dt)
     g = g.to(tl.float32)
-    tl.store(y_rows[:, None] + rn[None, :], (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(dt), mask=m2)
+    h = (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(dt)
+    tl.store(y_rows[:, None] + rn[None, :], h, mask=m2)
+    return h
 
 
 @triton.jit
-def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br, N0, N1,
-                 S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                 IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr):
+def _lora_kernel(GU, Y, XA, B, RANKS, AD, DA, XD, M, N, rows_per, stride_gm, stride_ym, stride_bl, stride_br,
+                 stride_dl, stride_dr, N0, N1, S: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 GLU: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, KS: tl.constexpr, DOWN: tl.constexpr):
     # program (row tile, column group g of G): xa from _shrink_kernel's KS pieces XA [KS, M, S, RB] (fp32), then y's
     # column blocks g, g + G, ... updated (not GLU: G = the column blocks, one a program, and only its slice's xa).
     # GLU: GU is the base gate_up [M, 2N] (cuBLAS'), Y = silu(gate + dg) * (up + du) [M, N] for EVERY row
-    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart)
+    # (rows without an adapter too: this kernel is the MLP's silu_mul); slices 0 / 1 = gate / up (B columns N apart).
+    # DOWN (GLU): also the down projection's shrink of the adapter rows' h, piece g = its column blocks' h A_down^T:
+    # XD [G, M, 1, RB] (fp32), DA the down's A [L, R, 1, N] (h not read again: lora_add_ of the down expands these)
     pid_g = tl.program_id(1)
     G = tl.num_programs(1)
     rm, mm, ad = row_tile(tl.program_id(0), AD, M, rows_per, BM, PDL)
@@ -165,12 +175,27 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, M, N, rows_per, stride_gm, stride_ym, 
         # (Triton's default pipelines only B's loads: 3 layout conversions a block, 115 registers, not 1 and 96)
         if GLU:
             if has:
+                xd = tl.zeros([BM, RB], dtype=tl.float32)
+                da_cols = DA + a_l * stride_dl + rr.to(tl.int64)[None, :] * stride_dr  # [1, RB]
                 for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
                     rn = nb * BN + tl.arange(0, BN)
                     # the deltas rounded to the model dtype before the add, as the torch path's
                     dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
-                    glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
+                    h = glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
+                    if DOWN == 1:  # h [BM, BN] (other rows 0) @ A_down^T [BN, RB]
+                        w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
+                        xd = _dot(h, w, xd, IEEE)
+                if DOWN == 2:  # a second pass over this program's blocks of h, from L2 (stored above: the barrier)
+                    tl.debug_barrier()
+                    for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
+                        rn = nb * BN + tl.arange(0, BN)
+                        h = tl.load(y_rows[:, None] + rn[None, :], mask=sel[:, None] & (rn < N)[None, :], other=0.0)
+                        w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
+                        xd = _dot(h, w, xd, IEEE)
+                if DOWN > 0:
+                    xd_ptr = XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :]
+                    tl.store(xd_ptr, xd, mask=sel[:, None])
             else:
                 for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
                     rn = nb * BN + tl.arange(0, BN)
@@ -404,18 +429,21 @@ def lora_row(WS, AD, B, RANKS, m, M, rows_per, n0, rn, N, N0, N1, stride_bl, str
 
 
 @triton.jit
-def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, stride_xm, stride_gm, stride_ym,
-                       stride_al, stride_ar, stride_bl, stride_br, N0, N1, S: tl.constexpr, KSPLIT: tl.constexpr,
-                       RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-                       IEEE: tl.constexpr, PDL: tl.constexpr, AJ: tl.constexpr = 1, TILES=1):
+def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, DA, XD, M, N, K, rows_per, stride_xm, stride_gm,
+                       stride_ym, stride_al, stride_ar, stride_bl, stride_br, stride_dl, stride_dr, N0, N1,
+                       S: tl.constexpr, KSPLIT: tl.constexpr, RB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                       BN: tl.constexpr, GLU: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                       AJ: tl.constexpr = 1, TILES=1, SHRINK: tl.constexpr = True, DOWN: tl.constexpr = False):
     # per row tile of BM rows (tile-major): S * KSPLIT shrink pieces, then cdiv(N, BN) column blocks, each in AJ
     # programs (lora_piece's split by adapter): y += delta (rows without an adapter untouched), or GLU: Y =
-    # silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul)
+    # silu(gate + dg) * (up + du) [M, N] from the base GU [M, 2N], every row (the MLP's silu_mul). Not SHRINK: no
+    # pieces, WS holds them already (the GLU's DOWN: [tiles, KSPLIT, BM, RB]). DOWN (GLU): the down projection's shrink
+    # of the adapter rows' h too, a piece a column block: XD [tiles, cdiv(N, BN), BM, RB] (DA: the down's A)
     t = tl.atomic_add(CTR, 1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    NP = S * KSPLIT * AJ * TILES
+    NP = S * KSPLIT * AJ * TILES if SHRINK else 0
     dt = Y.dtype.element_ty
     if t < NP:
         lora_piece(t, X, X, X, X, AD, A, RANKS, WS, CTR, M, K, rows_per, stride_xm, 0, stride_al, stride_ar, 0.0,
@@ -442,7 +470,21 @@ def _lora_small_kernel(X, GU, Y, AD, A, B, RANKS, WS, CTR, M, N, K, rows_per, st
                                KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
                 du = lora_tile(WS, AD, B, RANKS, M, rows_per, n0 + N, rn + N, 2 * N, N0, N1, stride_bl, stride_br,
                                dt, KSPLIT, RB, BM, BN, IEEE, j, AJ, tile * BM, tile * S * KSPLIT)
-                glu_block(g_rows, y_rows, rn, m2, N, dg, du, True)
+                h = glu_block(g_rows, y_rows, rn, m2, N, dg, du, True)
+                if DOWN:  # each adapter's rows of h [BM, BN] @ its A_down^T [BN, RB]
+                    rr = tl.arange(0, RB)
+                    xd = tl.zeros([BM, RB], dtype=tl.float32)
+                    todo = live
+                    while tl.max(todo.to(tl.int32), axis=0) > 0:
+                        a = tl.min(tl.where(todo, ad, _BIG), axis=0)
+                        sel = todo & (ad == a)
+                        todo = todo & (ad != a)
+                        a_l = a.to(tl.int64)
+                        w = tl.load(DA + a_l * stride_dl + rr.to(tl.int64)[None, :] * stride_dr + rn[:, None],
+                                    mask=(rn < N)[:, None] & (rr < tl.load(RANKS + a_l))[None, :], other=0.0)
+                        xd = _dot(tl.where(sel[:, None], h, 0.0).to(dt), w, xd, IEEE)
+                    rl = tl.arange(0, BM)
+                    tl.store(XD + (b * BM + rl).to(tl.int64)[:, None] * RB + rr[None, :], xd, mask=own[:, None])
             else:
                 glu_block(g_rows, y_rows, rn, m2, N, 0.0, 0.0, False)
         elif any_live:
@@ -471,23 +513,33 @@ def pieces(k: int) -> int:
     return k // PIECE_K if k % PIECE_K == 0 and k > PIECE_K else 1
 
 
-def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None) -> None:
+def _small(x: Tensor, y: Tensor, lora, gu: Tensor | None, made: Tensor | None = None, down=None
+           ) -> Tensor | None:
+    """The ticketed kernel. made: the shrink's pieces [tiles, KSPLIT, TICKET_TILE, RB] already (the GLU's of the
+    down): no pieces run. down (GLU): the down's LoraLayer, whose shrink of y this returns so."""
     m, n = y.shape
     t = lora.target
     bn, rb = col_block(lora, n), rank_block(lora)
-    ksplit = pieces(t.k)
+    ksplit = pieces(t.k) if made is None else made.shape[1]
     bk = piece_block(t.k)  # divides each piece's K range
     ws, ctr = lora.scratch(rb)
     gu = y if gu is None else gu
     bm = TICKET_TILE
     tiles = triton.cdiv(m, bm)  # tiles * bm <= the scratch's rows: TICKET_ROWS in whole tiles (LoraLayer.scratch)
     aj = adapter_programs(lora, m)
-    grid = ((len(t.slices) * ksplit + triton.cdiv(n, bn)) * aj * tiles,)
-    _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws, ctr, m, n, t.k,
-                             m // lora.rows.shape[0], x.stride(0), gu.stride(0), y.stride(0), lora.a.stride(0),
-                             lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices),
+    shrink = len(t.slices) * ksplit if made is None else 0
+    grid = ((shrink + triton.cdiv(n, bn)) * aj * tiles,)
+    xd = None if down is None else torch.empty(tiles, triton.cdiv(n, bn), bm, rb, dtype=torch.float32,
+                                               device=y.device)
+    da = lora.a if down is None else down.a
+    _lora_small_kernel[grid](x, gu, y, lora.rows, lora.a, lora.b, lora.pool.ranks, ws if made is None else made, ctr,
+                             da, ws if xd is None else xd, m, n, t.k, m // lora.rows.shape[0], x.stride(0),
+                             gu.stride(0), y.stride(0), lora.a.stride(0), lora.a.stride(1), lora.b.stride(0),
+                             lora.b.stride(1), da.stride(0), da.stride(1), *t.bounds, S=len(t.slices),
                              KSPLIT=ksplit, RB=rb, BM=bm, BK=bk, BN=bn, GLU=gu is not y,
-                             IEEE=x.dtype == torch.float32, AJ=aj, TILES=tiles, num_warps=4, **pdl.opts())
+                             IEEE=x.dtype == torch.float32, AJ=aj, TILES=tiles, SHRINK=made is None,
+                             DOWN=xd is not None, num_warps=4, **pdl.opts())
+    return xd
 
 
 def adapter_programs(lora, m: int) -> int:
@@ -523,9 +575,10 @@ def applies(x: Tensor, lora) -> bool:
             and piece_block(t.k) >= 16 and t.k % 16 == 0)
 
 
-def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> None:
+def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None, down=None) -> Tensor | None:
     """y's deltas from lora_shrink's pieces xa; gu: the GLU's (GLU_GROUPS column groups), else every column block
-    its own program."""
+    its own program. down (GLU): the down projection's LoraLayer, whose shrink of y this returns, in pieces
+    [G, M, 1, RB] (one a column group)."""
     m, glu = y.shape[0], gu is not None
     gu = gu if glu else y
     bm, bn, rb = GLU_ROWS if glu else EXPAND_ROWS, col_block(lora, n), rank_block(lora)
@@ -534,10 +587,14 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None) -> No
     tiles, cols = triton.cdiv(m, bm), triton.cdiv(n, bn)
     if glu:  # column groups
         cols = min(max(GLU_GROUPS, triton.next_power_of_2(triton.cdiv(GLU_PROGRAMS, tiles))), cols)
+    xd = None if down is None else torch.empty(cols, m, 1, rb, dtype=torch.float32, device=y.device)
+    da = lora.a if down is None else down.a
     _lora_kernel[(tiles, cols)](
-        gu, y, xa, lora.b, lora.pool.ranks, rows, m, n, m // rows.shape[0], gu.stride(0), y.stride(0),
-        lora.b.stride(0), lora.b.stride(1), *t.bounds, S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu,
-        IEEE=y.dtype == torch.float32, KS=xa.shape[0], num_warps=4, **pdl.opts())
+        gu, y, xa, lora.b, lora.pool.ranks, rows, da, xa if xd is None else xd, m, n, m // rows.shape[0],
+        gu.stride(0), y.stride(0), lora.b.stride(0), lora.b.stride(1), da.stride(0), da.stride(1), *t.bounds,
+        S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu, IEEE=y.dtype == torch.float32, KS=xa.shape[0],
+        DOWN=0 if xd is None else GLU_DOWN, num_warps=4, **pdl.opts())
+    return xd
 
 
 def shrink_piece(k: int) -> int:
@@ -569,11 +626,21 @@ def lora_add_(x: Tensor, y: Tensor, lora) -> Tensor:
     """y [M, N] += the rows' LoRA deltas of x [M, K] (each row its adapter; none: untouched). Returns y."""
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     m, n = x2.shape[0], y2.shape[1]
+    made = _shrunk(x2, lora)
     if m <= TICKET_ROWS:
-        _small(x2, y2, lora, None)
+        _small(x2, y2, lora, None, made)
     else:
-        _expand(lora_shrink(x2, lora), y2, lora, n)
+        _expand(lora_shrink(x2, lora) if made is None else made, y2, lora, n)
     return y
+
+
+def _shrunk(x: Tensor, lora) -> Tensor | None:
+    """The shrink's pieces lora_glu made of this very x (the down's input: its h) as it wrote it, or None (the
+    stash holds h: no other tensor can have its address meanwhile)."""
+    made, lora.shrunk = lora.shrunk, None
+    if made is not None and made[0].data_ptr() == x.data_ptr() and made[0].shape == x.shape:
+        return made[1]
+    return None
 
 
 def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
@@ -582,8 +649,14 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     x2, gu = x.reshape(-1, x.shape[-1]), gate_up.reshape(-1, gate_up.shape[-1])
     m, i = gu.shape[0], gu.shape[1] // 2
     h = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+    # the down's shrink of h here too, while h is in registers (lora_add_ of the down takes it: _shrunk)
+    down = lora.down if lora.down is not None and applies(h, lora.down) else None
     if m <= TICKET_ROWS:
-        _small(x2, h, lora, gu)
+        down = down if GLU_DOWN_TICKETED else None
+        xd = _small(x2, h, lora, gu, down=down)
     else:
-        _expand(lora_shrink(x2, lora), h, lora, i, gu)
+        down = down if GLU_DOWN else None
+        xd = _expand(lora_shrink(x2, lora), h, lora, i, gu, down)
+    if down is not None:
+        down.shrunk = (h, xd)
     return h.reshape(*gate_up.shape[:-1], i)

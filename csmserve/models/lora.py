@@ -352,6 +352,10 @@ class LoraLayer:
         self.a = w.as_strided((L, R, S, K), (R * W, W, K, 1), w.storage_offset() + target.a_off)
         self.b = w.as_strided((L, R, N), (R * W, W, 1), w.storage_offset() + target.b_off)
         self._scratch: tuple[Tensor, Tensor] | None = None
+        # an MLP's gate_up: its block's down (LoraPool), whose shrink kernels/lora.py's GLU makes past TICKET_ROWS
+        # rows and leaves in the down's `shrunk`: (the h it shrank, its pieces), taken by the down's next call
+        self.down: LoraLayer | None = None
+        self.shrunk: tuple[Tensor, Tensor] | None = None
 
     @property
     def rows(self) -> Tensor | None:
@@ -389,6 +393,9 @@ class LoraPool:
         for t in self.layout.targets:
             layer = LoraLayer(self, t)
             model.get_submodule(t.module).lora = layer
+            if t.module.endswith("mlp.down_proj"):  # after its block's gate_up (LoraLayout's order)
+                assert self.layers[-1].target.module == t.module.replace("down_proj", "gate_up_proj")
+                self.layers[-1].down = layer
             self.layers.append(layer)
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:

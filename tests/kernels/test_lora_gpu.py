@@ -136,6 +136,45 @@ def test_lora_many_adapters(many, monkeypatch, module, m):
 
 
 @cuda
+@pytest.mark.parametrize("block", ["backbone.layers.5", "decoder.layers.2"])
+@pytest.mark.parametrize("m, kind", [(40, "mixed"), (200, "sorted"), (300, "mixed"), (512, "sorted"),
+                                     (2048, "sorted")])
+def test_glu_shrinks_the_down(pool, monkeypatch, block, m, kind):
+    """The GLU makes the down's shrink of h (a piece a column block up to TICKET_ROWS, a column group past it): the
+    down's lora_add_ of that h takes it and matches the reference, the same bits twice, close to the down's own
+    shrink of a copy."""
+    from csmserve.kernels import lora as kl
+    from csmserve.models.lora import delta_torch
+
+    model, p = pool
+    gate_up, down = (model.get_submodule(f"{block}.mlp.{name}").lora for name in ("gate_up_proj", "down_proj"))
+    p.rows = rows_of(m, kind)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, gate_up.target.k, generator=g, device="cuda").bfloat16()
+    gu = torch.randn(m, gate_up.target.n, generator=g, device="cuda").bfloat16()
+    y0 = torch.randn(m, down.target.n, generator=g, device="cuda").bfloat16()
+    taken, shrunk = [], kl._shrunk
+    monkeypatch.setattr(kl, "_shrunk", lambda x, lora: taken.append(shrunk(x, lora)) or taken[-1])
+    h = kl.lora_glu(gu, x, gate_up)
+    delta = delta_torch(h, down).float()
+    got = kl.lora_add_(h, y0.clone(), down)
+    assert taken[-1] is not None
+    assert _delta_err(got, y0, delta) < 2e-2
+    assert torch.equal(kl.lora_add_(kl.lora_glu(gu, x, gate_up), y0.clone(), down), got)
+    own = kl.lora_add_(h.clone(), y0.clone(), down)
+    assert taken[-1] is None
+    assert _delta_err(own, y0, delta) < 2e-2
+    if m in (200, 512):  # captured: the pieces made and taken inside the capture (the graph's pool), replayed
+        y = y0.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kl.lora_add_(kl.lora_glu(gu, x, gate_up), y.copy_(y0), down)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, got) and down.shrunk is None
+
+
+@cuda
 @pytest.mark.parametrize("m", [1, 16, 64, 200, 512])  # 200: the ticketed kernel in 13 row tiles
 def test_lora_in_a_cuda_graph(pool, m):
     """Captured once, replayed with other rows' adapters written into the same buffer: equal to eager each time (the
