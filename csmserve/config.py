@@ -167,6 +167,8 @@ class ServerConfig:
     body_min_rate: int = 16384  # bytes/s
     keep_alive_s: float = 5.0
     max_header_bytes: int = 16384
+    # on SIGTERM / Ctrl-C the server takes no new requests and gives open streams this long to end, then cuts them
+    shutdown_timeout_s: float = 15.0
     # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
     session_idle_s: float = 600.0  # a session unused this long is forgotten
     max_sessions: int = 1024  # past it, the least recently used idle session is forgotten
@@ -208,7 +210,7 @@ class ServerConfig:
                                "audio_ms_per_char max_context_chars max_context_total_chars max_concurrent_requests "
                                "max_sessions max_session_turns max_session_frames max_ws_message_bytes body_min_rate "
                                "max_header_bytes")
-        _require(self, ">= 0", "max_lead_s encode_threads api_workers")
+        _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
                               "body_timeout_s keep_alive_s")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:

@@ -74,6 +74,7 @@ _HELP = {
     "body_min_rate": "bytes/s a slow body earns an extra second of --body-timeout-s with",
     "keep_alive_s": "an idle keep-alive connection is closed after this many seconds",
     "max_header_bytes": "bytes of a request's headers (past them 400)",
+    "shutdown_timeout_s": "seconds open streams get after SIGTERM, then cut",
     # WebSocket sessions
     "session_idle_s": "a WebSocket session (context_id) unused this many seconds is forgotten",
     "max_sessions": "WebSocket sessions kept; past it the least recently used idle one is forgotten",
@@ -149,7 +150,8 @@ _UNSET = {  # what a None default means
 }
 # the server's flags in groups (the rest of a config's fields: its class's group)
 _GROUPS = {
-    "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db", "api_workers"),
+    "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db", "api_workers",
+                             "shutdown_timeout_s"),
     "request limits": ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_clip_seconds",
                        "max_context_turns", "max_context_chars", "max_context_total_chars", "max_audio_length_ms",
                        "default_audio_length_ms", "audio_ms_per_char", "max_segment_ms", "max_concurrent_requests"),

@@ -269,6 +269,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 WORKER_EXITS = 3  # a worker exiting this often within WORKER_EXITS_S: the unit is failing (Supervisor.fatal)
 WORKER_EXITS_S = 60.0
+WORKER_EXIT_S = 5.0  # past --shutdown-timeout-s, a worker's own end (its lifespan's) before it is killed
 
 
 class Supervisor:
@@ -389,9 +390,9 @@ class Supervisor:
         self._stopping = True
         self.dispatcher.stop()
         workers = [p for p in self.workers if p is not None]
-        deadline = time.monotonic() + 15
-        # the workers first (their streams end cleanly), then the engine: a worker outliving the engine
-        # would report it lost
+        # the workers first (their streams end, or are cut at --shutdown-timeout-s; then their lifespan's end),
+        # then the engine: a worker outliving the engine would report it lost
+        deadline = time.monotonic() + self.spec.server.shutdown_timeout_s + WORKER_EXIT_S
         for p in workers:
             if p.is_alive():
                 p.terminate()
@@ -399,7 +400,7 @@ class Supervisor:
             p.join(max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-        self.engine.stop(deadline - time.monotonic())  # and its ring file, its socket
+        self.engine.stop(max(WORKER_EXIT_S, deadline - time.monotonic()))  # and its ring file, its socket
         self.sock.close()
         shutil.rmtree(self.rundir, ignore_errors=True)
 

@@ -77,4 +77,5 @@ def uvicorn_config(app: Any, config: ServerConfig, **kw: Any):
     return uvicorn.Config(app, http=with_header_timeout(H11Protocol, config.header_timeout_s),
                           h11_max_incomplete_event_size=config.max_header_bytes,
                           timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
                           ws_max_size=2 * config.max_ws_message_bytes, **kw)

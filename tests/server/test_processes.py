@@ -391,3 +391,27 @@ def test_max_concurrent_requests_holds_for_the_server_not_each_worker(procs):
             break
         time.sleep(0.1)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sigterm_cuts_streams_still_open_after_the_shutdown_timeout(tmp_path, workers):
+    """SIGTERM: a stream its client stopped reading (held open by a full socket) is cut after --shutdown-timeout-s
+    and the server exits then, with one API worker and with the engine on a thread (--api-workers 0)."""
+    server = ProcServer(tmp_path, workers=workers, max_seq_len=2048, shutdown_timeout_s=2).start()
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the server's writes block: the stream stays open
+        sock.connect(("127.0.0.1", server.port))
+        body = json.dumps({**SPEECH, "max_audio_length_ms": 150_000}).encode()  # 7.2 MB of pcm
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        time.sleep(1)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        took = time.monotonic() - t0
+        assert 1.5 < took < 4.5, took  # held for the timeout, then cut by the worker itself (not at the kill past it)
+        sock.close()
+    finally:
+        server.stop()
