@@ -169,6 +169,9 @@ class ServerConfig:
     max_header_bytes: int = 16384
     # on SIGTERM / Ctrl-C the server takes no new requests and gives open streams this long to end, then cuts them
     shutdown_timeout_s: float = 15.0
+    # API workers: the engine process silent this long (no step, no heartbeat: a GPU hang, a deadlock) turns /health
+    # and /ready 503 engine_stalled until it sends again; its open streams are kept (it may only be slow)
+    engine_stall_s: float = 30.0
     # WebSocket conversation sessions (a context_id's voice, settings and turns, across connections)
     session_idle_s: float = 600.0  # a session unused this long is forgotten
     max_sessions: int = 1024  # past it, the least recently used idle session is forgotten
@@ -212,7 +215,7 @@ class ServerConfig:
                                "max_header_bytes")
         _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
-                              "body_timeout_s keep_alive_s")
+                              "body_timeout_s keep_alive_s engine_stall_s")
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
         if not 0 <= self.port <= 65535:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 class ClientBase:
     """What every engine client does: a Router of its own requests, chunks to sinks, sync and async."""
 
+    # time.monotonic() of the engine's last message (remote.py: an engine in another process that may hang while
+    # its connection stays open); None: the engine runs in this process, nothing to watch
+    last_word: float | None = None
+
     def __init__(self, router: Router, client_id: int = 0) -> None:
         self.router = router
         self.client_id = client_id

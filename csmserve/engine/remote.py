@@ -7,7 +7,9 @@ and wakes each consumer at most once. Submit / abort / append / close are messag
 call answered by the engine's encoder thread.
 
 If the connection drops (the engine process died), every open stream ends with an error, every later
-request is refused at once, and `fatal` says so: the worker's /health answers 503.
+request is refused at once, and `fatal` says so: the worker's /health answers 503. An engine that hangs
+(a GPU hang, a deadlock) keeps its connection: `last_word`, when it last sent anything (a step, a heartbeat
+every core.HEARTBEAT_S, a reply), is what tells (ServerState.engine_stalled).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class RemoteEngineClient(ClientBase):
         self.conn.send_bytes(pickle.dumps(m.Hello(client_id), protocol=5))
         welcome: m.Welcome = pickle.loads(self.conn.recv_bytes())
         self.info = welcome.info
+        self.last_word = time.monotonic()
         cfg = welcome.info.engine
         super().__init__(Router.of(cfg, welcome.info.num_codebooks, self.abort), client_id)
         self.ring = OutputRing.attach(welcome.ring)
@@ -152,6 +155,7 @@ class RemoteEngineClient(ClientBase):
         try:
             while True:
                 msg = pickle.loads(self.conn.recv_bytes())
+                self.last_word = time.monotonic()
                 if isinstance(msg, EngineStep):
                     self._step(msg, time.perf_counter() if self.tracer is not None else 0.0)
                 elif isinstance(msg, m.Reply):

@@ -51,10 +51,12 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
         task = asyncio.create_task(_load(state, loader)) if loader is not None else None
         _bind(state.csm)
         state.lead.start()
+        watch = asyncio.create_task(_watch_engine(state))
         try:
             yield
         finally:
             state.lead.stop()
+            watch.cancel()
             if task is not None:
                 task.cancel()
             if owns_csm and state.csm is not None:
@@ -113,6 +115,13 @@ async def _load(state: ServerState, load: Callable[[], CSM]) -> None:
             log.error("loading the model failed: %s; /ready stays 503", " ".join(str(e).split()))
     except Exception:
         log.exception("loading the model failed; /ready stays 503")
+
+
+async def _watch_engine(state: ServerState) -> None:
+    """An engine process's stall logged when it starts and ends, probed or not (ServerState.engine_stalled)."""
+    while True:
+        await asyncio.sleep(min(1.0, state.config.engine_stall_s / 4))
+        state.engine_stalled()
 
 
 _PROBES = ("/health", "/ready")  # their 503 is the server's state (loading, engine down), not a failed request

@@ -41,6 +41,7 @@ _HELP = {
     "cors_origins": "comma-separated origins whose pages may call this server (* any); a page of another site "
                     "gets 403, this server's own page is always served",
     "api_workers": "API worker processes beside the engine-core process; 0: one process, the engine on a thread",
+    "engine_stall_s": "engine silent this long: /health 503",
     # request limits
     "max_input_chars": "characters of a request's `input` (OpenAI's limit)",
     "max_body_bytes": "bytes of any request body (JSON with base64 context audio, multipart)",
@@ -151,7 +152,7 @@ _UNSET = {  # what a None default means
 # the server's flags in groups (the rest of a config's fields: its class's group)
 _GROUPS = {
     "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db", "api_workers",
-                             "shutdown_timeout_s"),
+                             "shutdown_timeout_s", "engine_stall_s"),
     "request limits": ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_clip_seconds",
                        "max_context_turns", "max_context_chars", "max_context_total_chars", "max_audio_length_ms",
                        "default_audio_length_ms", "audio_ms_per_char", "max_segment_ms", "max_concurrent_requests"),

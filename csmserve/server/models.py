@@ -44,10 +44,15 @@ async def audio_models(http: Request) -> dict:
 
 @router.get("/health")
 async def health(http: Request) -> JSONResponse:
-    """200 while the process can serve (or is loading); 503 once the engine lost its device (restart it)."""
-    fatal = http.app.state.server.engine_fatal()
+    """200 while the process can serve (or is loading); 503 once the engine lost its device (restart it), and while
+    the engine process sends nothing for --engine-stall-s (hung: restart it if it stays so)."""
+    state: ServerState = http.app.state.server
+    fatal = state.engine_fatal()
     if fatal is not None:
         return APIError(503, f"the engine is down ({fatal}); restart the server", "engine_failed").response()
+    silent = state.engine_stalled()
+    if silent is not None:
+        return _stalled(silent).response()
     return JSONResponse({"status": "ok"})
 
 
@@ -58,7 +63,15 @@ async def ready(http: Request) -> JSONResponse:
         return APIError(503, "model is loading", "model_not_ready").response()
     if state.engine_fatal() is not None:
         return APIError(503, f"the engine is down ({state.engine_fatal()})", "engine_failed").response()
+    silent = state.engine_stalled()
+    if silent is not None:
+        return _stalled(silent).response()
     return JSONResponse({"status": "ready", "model": state.config.model_name})
+
+
+def _stalled(silent: float) -> APIError:
+    return APIError(503, f"the engine process has sent nothing for {silent:.0f} s (hung?); restart the server if "
+                    "it stays so", "engine_stalled")
 
 
 @router.get("/metrics")

@@ -9,8 +9,9 @@
 
 Shared by the workers: the voice store, the sessions (a SQLite file in the run directory, so a context_id
 continues on any worker), metrics (prometheus multiprocess mode) and the config. If the engine process dies,
-every worker answers /health and /ready 503 `engine_failed`. A Ray replica (ray/replica.py) runs this same
-unit, a Supervisor, and polls it (`check`) where `csmserve serve`'s parent loops over it (`watch`).
+every worker answers /health and /ready 503 `engine_failed`; if it hangs (silent for --engine-stall-s), 503
+`engine_stalled` until it sends again. A Ray replica (ray/replica.py) runs this same unit, a Supervisor, and
+polls it (`check`) where `csmserve serve`'s parent loops over it (`watch`).
 """
 from __future__ import annotations
 

@@ -107,6 +107,7 @@ class ServerState:
         self.sessions = Sessions(config, path=sessions_path)  # WebSocket conversation sessions by context_id
         self.metrics = Metrics(config.model_name, self.engine_stats)
         self.lead = Lead(LoopLoad(), config.max_lead_s)  # LoopLoad started by the app's lifespan
+        self._stall_from: float | None = None  # the engine's last word before the stall under way (engine_stalled)
         # ServerConfig.encode_threads: compressed streams' chunks after the first are encoded there
         self.encode_pool = ThreadPoolExecutor(config.encode_threads, thread_name_prefix="csmserve-encode") \
             if config.encode_threads else None
@@ -127,6 +128,27 @@ class ServerState:
     def engine_fatal(self) -> str | None:
         """The error that stopped the engine, if any; never starts the engine."""
         return self.csm.client.fatal if self.ready else None
+
+    def engine_stalled(self) -> float | None:
+        """Seconds the engine process has been silent, once past --engine-stall-s (no step, no heartbeat: a GPU
+        hang, a deadlock); None while it sends, when it is gone (engine_fatal says so) or in this process. A
+        stall's start and end are logged once each (the app's watch calls this between probes)."""
+        # getattr: a stand-in client (tests/server/fake_csm.py) has none
+        last = getattr(self.csm.client, "last_word", None) if self.ready else None
+        if last is None or self.engine_fatal() is not None:
+            return None
+        silent = time.monotonic() - last
+        if silent < self.config.engine_stall_s:
+            if self._stall_from is not None:
+                log.info("the engine process sends again after %.1f s of silence: /health and /ready answer 200",
+                         last - self._stall_from)
+                self._stall_from = None
+            return None
+        if self._stall_from is None:
+            self._stall_from = last
+            log.warning("the engine process has sent nothing for %.1f s (hung? a GPU hang, a deadlock): /health and "
+                        "/ready answer 503 engine_stalled until it sends again; open streams are kept", silent)
+        return silent
 
     def engine_stats(self):
         """The engine's counters (engine.outputs.EngineStats) as of its last step; None before it runs."""

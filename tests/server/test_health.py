@@ -1,5 +1,7 @@
 """Models, health, readiness, metrics."""
+import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -102,3 +104,23 @@ def test_a_lost_device_turns_ready_and_health_503_and_refuses_in_the_error_shape
     assert r.status_code == 503 and error_of(r)["code"] == "engine_failed"
     monkeypatch.undo()
     assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+@pytest.mark.inproc
+def test_an_engine_silent_past_the_stall_limit_turns_ready_and_health_503_until_it_sends(server, csm, monkeypatch,
+                                                                                       caplog):
+    """An API worker's side of a hung engine process (test_processes.py stops a real one): its client's last word
+    older than --engine-stall-s (30 s) is 503 engine_stalled on /health and /ready, a newer one 200 again; each
+    turn logged once. The shared engine is left alone: only its client's `last_word` is set."""
+    client = server.state.csm.client
+    monkeypatch.setattr(client, "last_word", time.monotonic() - 31, raising=False)  # (the stand-in has none)
+    with caplog.at_level(logging.INFO, "csmserve.server"):
+        for path in ("/health", "/ready", "/health"):
+            r = httpx.get(f"{server.url}{path}")
+            assert r.status_code == 503 and error_of(r)["code"] == "engine_stalled", r.text
+            assert "sent nothing for 3" in error_of(r)["message"]
+        client.last_word = time.monotonic()
+        for path in ("/health", "/ready", "/health"):
+            assert httpx.get(f"{server.url}{path}").status_code == 200
+    said = [r.getMessage() for r in caplog.records]
+    assert [sum(what in m for m in said) for what in ("has sent nothing for", "sends again after")] == [1, 1], said

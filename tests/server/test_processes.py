@@ -2,8 +2,9 @@
 
 What only exists with several processes: a worker killed mid-stream does not stop the other (and is
 started again); the engine process killed turns /health and /ready 503 at once and ends the open
-streams with an error; sessions, voices, metrics and the API key are the same whichever worker a
-request lands on (the `X-Csmserve-Worker` header says which one served it).
+streams with an error, one that hangs turns them 503 after --engine-stall-s and keeps the streams;
+sessions, voices, metrics and the API key are the same whichever worker a request lands on (the
+`X-Csmserve-Worker` header says which one served it).
 """
 from __future__ import annotations
 
@@ -130,6 +131,41 @@ def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_strea
     assert not t.is_alive() and out[0][0] == 200 and not out[0][2]  # ended, not hung, not complete
     r = httpx.post(f"{server.url}/v1/audio/speech", json=SPEECH, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+
+
+def test_a_hung_engine_process_turns_health_503_until_it_sends_again_and_keeps_the_streams(procs):
+    """The engine process stopped (SIGSTOP: a GPU hang, a deadlock) keeps its connections open: no EOF tells the
+    worker. Past --engine-stall-s without a step or heartbeat, /health and /ready answer 503 engine_stalled (so an
+    orchestrator restarts it); once it sends again, 200; the stream open through the stall ends complete."""
+    server = procs(workers=1, engine_stall_s=1)
+    engine = server.pids()["engine"]
+    out: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(server.url, out, 0, 20_000, started))  # fits --max-seq-len 512
+    t.start()
+    assert started.wait(30)
+
+    def probe(want: int, within: float) -> None:
+        t0 = time.time()
+        while (r := httpx.get(f"{server.url}/health", timeout=5)).status_code != want:
+            assert time.time() - t0 < within, f"/health still {r.status_code}: {r.text}"
+            time.sleep(0.05)
+
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        probe(503, 3)
+        assert t.is_alive()  # open through the stall
+        for route in ("/health", "/ready"):
+            r = httpx.get(f"{server.url}{route}", timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled", r.text
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    probe(200, 3)
+    assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 200
+    t.join(60)
+    assert not t.is_alive() and out[0][:3] == (200, 20_000 // 80 * 1920 * 2, True), out
+    log = server.log_path.read_text()
+    assert log.count("has sent nothing for") == 1 and log.count("sends again after") == 1, log[-3000:]
 
 
 def test_the_engine_and_the_workers_exit_when_the_parent_is_killed(procs):
