@@ -4,11 +4,12 @@
 
 Typed messages in (engine/messages.py) from every API worker's connection, polled by the loop itself
 (no other Python thread competes for this process's GIL on the frame path: accepting connections
-and encoding uploaded audio run on two helper threads that sleep otherwise). One message out per
-engine step to each worker that has rows or events in it: the `EngineStep` (small arrays); its codes
-and PCM are read by the workers from the shared-memory output ring (engine/output_ring.py) the
-step's device-to-host copy wrote into. When no step runs, every worker still gets the engine's
-counters a few times a second (and so notices a lost device at once).
+and encoding uploaded audio run on two helper threads that sleep otherwise, each connection's
+handshake on a thread of its own for its milliseconds). One message out per engine step to each
+worker that has rows or events in it: the `EngineStep` (small arrays); its codes and PCM are read
+by the workers from the shared-memory output ring (engine/output_ring.py) the step's device-to-host
+copy wrote into. When no step runs, every worker still gets the engine's counters a few times a
+second (and so notices a lost device at once).
 
 A worker that disconnects (its process died) has its requests aborted; the engine goes on. The
 process that started the engine (spec.parent_pid: `csmserve serve`'s parent, a Ray replica) gone, the
@@ -22,13 +23,14 @@ import pickle
 import queue
 import socket
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge, wait
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ log = logging.getLogger("csmserve.engine")
 RING_SLOTS = 12  # steps a worker may lag before its rows are overwritten (~1 s at 2,048 streams)
 HEARTBEAT_S = 0.25
 PARENT_POLL_S = 0.5  # how often the engine checks that the process that started it is alive
+HELLO_S = 10.0  # a worker's handshake and Hello take milliseconds: a connection silent this long is closed
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,9 @@ class EngineSpec:
 class Connections(Inbox):
     """The loop's inbox: every worker connection, polled; accepted on a helper thread."""
 
-    def __init__(self, listener: Listener, welcome: m.Welcome) -> None:
+    def __init__(self, listener: Listener, welcome: m.Welcome, authkey: bytes) -> None:
         super().__init__()
-        self.listener, self.welcome = listener, welcome
+        self.listener, self.welcome, self.authkey = listener, welcome, authkey
         self.calls: dict[type, _Calls] = {}  # the messages with a call_id -> the helper thread that answers them
         self.conns: dict[Connection, int] = {}  # connection -> client id
         self.by_client: dict[int, Connection] = {}
@@ -80,17 +83,35 @@ class Connections(Inbox):
         threading.Thread(target=self._accept, name="csmserve-accept", daemon=True).start()
 
     def _accept(self) -> None:
+        # the listener has no authkey: its accept() would run the handshake here, and one peer that stalls in it
+        # (or sends a wrong digest: AuthenticationError) would stop every later worker from attaching
         while True:
             try:
                 conn = self.listener.accept()
-                hello = pickle.loads(conn.recv_bytes())
-                assert isinstance(hello, m.Hello), hello
-                conn.send_bytes(pickle.dumps(self.welcome, protocol=5))
-            except (OSError, EOFError, AssertionError) as e:
+            except OSError as e:
                 log.warning("a worker failed to connect: %s", e)
                 continue
-            self._new.put((conn, hello.client_id))
-            self._wake_w.send(b"x")
+            threading.Thread(target=self._attach, args=(conn,), name="csmserve-attach", daemon=True).start()
+
+    def _attach(self, conn: Connection) -> None:
+        """One connection's handshake (the authkey's challenge both ways, then its Hello for our Welcome)."""
+        try:
+            _timeouts(conn, HELLO_S)
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            hello = pickle.loads(conn.recv_bytes())
+            # an id that is not an int breaks the loop where it is used (the ring's ack entry when it leaves)
+            if not isinstance(hello, m.Hello) or not isinstance(hello.client_id, int):
+                raise ValueError(f"not a Hello: {hello!r:.100}")
+            conn.send_bytes(pickle.dumps(self.welcome, protocol=5))
+            _timeouts(conn, 0.0)  # attached: the loop reads and writes as it did
+        except Exception as e:  # noqa: BLE001 - whatever the peer sent (a bad pickle, digest, a timeout): it alone
+            why = f"silent for {HELLO_S:g} s" if isinstance(e, BlockingIOError) else f"{type(e).__name__}: {e}"
+            log.warning("a worker failed to connect: %s", why)
+            conn.close()
+            return
+        self._new.put((conn, hello.client_id))
+        self._wake_w.send(b"x")
 
     def send(self, client: int, msg: object) -> None:
         conn = self.by_client.get(client)
@@ -140,6 +161,14 @@ class Connections(Inbox):
             return []
         log.warning("unknown message from worker %d: %r", client, type(msg).__name__)
         return []
+
+
+def _timeouts(conn: Connection, seconds: float) -> None:
+    """The connection's socket reads and writes fail (EAGAIN) past `seconds` (0: never)."""
+    tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:  # a dup: the same socket
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class _Calls:
@@ -292,7 +321,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
         welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
         if os.path.exists(spec.address):
             os.unlink(spec.address)
-        listener = Listener(spec.address, family="AF_UNIX", authkey=spec.authkey)
+        listener = Listener(spec.address, family="AF_UNIX")  # authenticated by Connections, per connection
     except Exception as e:
         if isinstance(e, ValueError):  # the caller's input (a LoraError of --lora, a bad model): its one line
             log.error("the engine failed to start: %s", " ".join(str(e).split()))
@@ -302,7 +331,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e
     freeze_gc()
-    conns = Connections(listener, welcome)
+    conns = Connections(listener, welcome, spec.authkey)
     adapter_calls = _Calls("csmserve-adapters", _adapter_calls(engine), conns)
     conns.calls = {m.Encode: _Calls("csmserve-encode", _encoder(csm), conns), m.LoadAdapter: adapter_calls,
                    m.UnloadAdapter: adapter_calls, m.ListAdapters: adapter_calls}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -326,29 +328,38 @@ def test_a_half_gpu_share_leaves_room_for_what_is_not_slots(monkeypatch):
 
 
 @contextlib.contextmanager
-def attached_engine(**engine):
-    """An engine-core process on dummy-tiny (EngineConfig: max_slots 2, max_seq_len 256, `engine`) and a CSM
-    attached to it as an API worker's (client 7); both stopped, the run directory removed, after."""
+def engine_process(**engine):
+    """An engine-core process on dummy-tiny (EngineConfig: max_slots 2, max_seq_len 256, `engine`), ready: its
+    EngineProcess (.spec: the socket's address, the authkey); stopped, the run directory removed, after."""
     import shutil
 
     from csmserve.config import EngineConfig
-    from csmserve.server.processes import EngineProcess, attach_engine, engine_spec, load_engine_model, new_rundir
+    from csmserve.server.processes import EngineProcess, engine_spec, load_engine_model, new_rundir
 
     rundir = new_rundir()
     spec = engine_spec("dummy-tiny", "cpu", None, None, None,
                        EngineConfig(**{"max_slots": 2, "max_seq_len": 256, **engine}), "warning", rundir)
     proc = EngineProcess(spec, load_engine_model)
     proc.start()
-    csm = None
     try:
         proc.wait_ready()
-        csm = attach_engine(spec.address, spec.authkey, 7, timeout=60)
-        yield csm
+        yield proc
     finally:
-        if csm is not None:
-            csm.close()
         proc.stop()
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def attached_engine(**engine):
+    """engine_process(**engine) and a CSM attached to it as an API worker's (client 7), closed after."""
+    from csmserve.server.processes import attach_engine
+
+    with engine_process(**engine) as proc:
+        csm = attach_engine(proc.spec.address, proc.spec.authkey, 7, timeout=60)
+        try:
+            yield csm
+        finally:
+            csm.close()
 
 
 def test_a_csm_attached_to_an_engine_process_generates_audio():
@@ -387,6 +398,68 @@ def test_a_worker_that_fell_behind_lets_its_requests_go_at_the_engine():
             time.sleep(0.1)
         st = client.stats()
         assert (st.free_slots, st.running, st.idle) == (st.max_slots, 0, 0), st
+
+
+def _bad_peer(kind: str, address: str, authkey: bytes) -> list:
+    """Connections to the engine's socket that are no worker's: `kind`'s, left open."""
+    from multiprocessing.connection import Client
+
+    from csmserve.engine import messages as m
+
+    def raw() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(address)
+        return s
+
+    if kind == "silent":  # connects and sends nothing; another reads the challenge, then answers 3 bytes of 16
+        cut = raw()
+        cut.recv(256)
+        cut.sendall(struct.pack("!i", 16) + b"abc")
+        return [raw(), cut]
+    if kind == "wrong digest":
+        s = raw()
+        s.recv(256)
+        s.sendall(struct.pack("!i", 16) + os.urandom(16))
+        return [s]
+    c = Client(address, family="AF_UNIX", authkey=authkey)  # the authkey's, with a Hello that is none
+    c.send_bytes(b"not a pickle" if kind == "not a pickle" else pickle.dumps(m.Hello("x"), protocol=5))
+    try:
+        c.recv_bytes()  # the Welcome (or the engine's close): the engine has read it
+    except EOFError:
+        pass
+    return [c]
+
+
+@pytest.mark.parametrize("kind", ["silent", "wrong digest", "not a pickle", "client id not an int"])
+def test_a_bad_connection_to_the_engine_is_closed_and_the_next_worker_attaches(kind):
+    """Whatever a local connection to the engine's socket sends, it alone is closed (a silent one after HELLO_S),
+    the engine goes on and the next worker attaches. Before: a silent peer held the accept thread for good, a wrong
+    digest (AuthenticationError) or a Hello that is no pickle (UnpicklingError) ended it, so that no worker attached
+    again (one restarted waited forever); a Hello("x") killed the engine when it left."""
+    from csmserve.server.processes import attach_engine
+
+    with engine_process() as proc:
+        bad = _bad_peer(kind, proc.spec.address, proc.spec.authkey)
+        for c in bad[:1] if kind == "client id not an int" else ():
+            c.close()  # its leaving is what used the id
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(attach_engine(proc.spec.address, proc.spec.authkey, 8)),
+                             daemon=True)
+        t.start()
+        t.join(10)
+        assert got, "no worker attached after the bad connection"
+        r = got[0].generate("Hello there.", temperature=0.0, max_audio_length_ms=240)
+        assert r.audio is not None and r.audio.size > 0 and proc.alive
+        got[0].close()
+        from csmserve.engine.core import HELLO_S
+
+        deadline = time.monotonic() + HELLO_S + 5
+        for c in bad:
+            if isinstance(c, socket.socket):  # closed by the engine: EOF after what it sent
+                c.settimeout(max(0.1, deadline - time.monotonic()))
+                while c.recv(4096):
+                    pass
+            c.close()
 
 
 def test_a_taken_port_is_one_line_naming_it():
