@@ -146,18 +146,20 @@ class Dispatcher:
     def _hand(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + 30.0
         while not self._stop and time.monotonic() < deadline:
-            full: set[int] = set()  # workers whose link is full now (not reading): the next one instead
+            skip: set[int] = set()  # workers this connection could not be sent to now: the next one instead
             with self._lock:
-                while (i := self.pick(frozenset(full))) is not None:
+                while (i := self.pick(frozenset(skip))) is not None:
                     try:
                         socket.send_fds(self.links[i], [b"c"], [conn.fileno()])
                         self.sent[i] += 1
                         return
-                    except BlockingIOError:
-                        full.add(i)
-                    except OSError as e:  # the worker is gone: not ready until restarted
+                    except ConnectionError as e:  # EPIPE: the worker is gone, not ready until restarted
                         log.warning("API worker %d did not take a connection (%s)", i, e)
                         self.counters.set(i, _READY, 0)
+                    except OSError:
+                        # its link full now (EAGAIN: not reading), or the kernel refusing for a moment (ETOOMANYREFS:
+                        # the fds in flight over all links past RLIMIT_NOFILE; ENOBUFS): alive, passed over this once
+                        skip.add(i)
             time.sleep(0.01)  # no worker ready (starting, or all of them stalled): the client waits
         log.error("no API worker ready for 30 s: a connection was closed")
 

@@ -1,10 +1,12 @@
 """server/dispatch.py's Dispatcher without uvicorn: stand-in workers on threads take the fds it sends.
 
 Connections that stay open spread evenly; a worker not ready gets none; a worker whose link is gone
-(its process died) is skipped, and the connection goes to another; a restarted worker starts from zero.
+(its process died) is skipped, and the connection goes to another; one whose send fails for a moment is
+skipped for that connection only; a restarted worker starts from zero.
 """
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -138,6 +140,37 @@ def test_a_worker_that_stops_reading_its_link_is_passed_over(rig):
         n += 10
         assert _wait(lambda: sum(r.d.sent) >= n, timeout=10), (n, r.d.sent)
     assert len(live.socks) >= 50 and r.d.sent[0] > 50  # the stalled one got what its link holds, then no more
+
+
+@pytest.mark.parametrize("error, gone", [
+    (OSError(errno.ETOOMANYREFS, "Too many references"), False),  # more fds in flight than RLIMIT_NOFILE (not root)
+    (OSError(errno.ENOBUFS, "No buffer space available"), False),  # the kernel short of memory for a moment
+    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), True),
+], ids=["ETOOMANYREFS", "ENOBUFS", "ECONNRESET"])
+def test_a_send_that_fails_for_a_moment_skips_the_worker_for_that_connection_only(rig, monkeypatch, error, gone):
+    """send_fds failing once for a worker alive (ETOOMANYREFS: the parent's fds in flight over all links past its
+    RLIMIT_NOFILE, under a burst of connections): that connection goes to the other worker and the next ones to
+    both again. It set the worker not ready for good (only its restart sets it back). A dead link still does."""
+    r = rig(2)
+    workers = [FakeWorker(r.d, 0), FakeWorker(r.d, 1)]
+    send, failed = socket.send_fds, []
+
+    def send_once_failing(sock, *a):
+        if not failed:
+            failed.append(r.d.links.index(sock))
+            raise error
+        return send(sock, *a)
+
+    monkeypatch.setattr(socket, "send_fds", send_once_failing)
+    r.d.start()
+    r.connect(1)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 1)
+    i = failed[0]
+    assert len(workers[1 - i].socks) == 1
+    assert r.d.counters.get(i, _READY) == (0 if gone else ATTACHED)
+    r.connect(5)
+    assert _wait(lambda: sum(len(w.socks) for w in workers) == 6)
+    assert len(workers[i].socks) == (0 if gone else 3)
 
 
 def test_connections_go_to_attached_workers_while_any_is_and_to_a_serving_one_otherwise(rig):
