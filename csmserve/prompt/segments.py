@@ -8,8 +8,8 @@ Rules:
 - A sentence ends at `.`, `!`, `?`, `…` (runs such as `?!` or `...` included) with any closing
   quotes/brackets after them, followed by whitespace and then a character that does not start
   with a lowercase letter; or at a blank line (paragraph break); or at the end of the text.
-- A `.` does not end a sentence after a known abbreviation (Mr., Dr., e.g., U.S., etc.), after a
-  single letter (initials: J. R. R. Tolkien), or when no whitespace follows (3.14, 1,000.5, a.m.).
+- A `.` does not end a sentence right after (no whitespace between) a known abbreviation (Mr., Dr., e.g., U.S.,
+  etc.) or a single letter (initials: J. R. R. Tolkien), or when no whitespace follows (3.14, 1,000.5, a.m.).
 - A long sentence (> max_words words or > max_chars characters) is cut into clauses, left to right:
   after a word ending in `,` `;` `:` or a dash once the piece has >= max_words // 2 words (or
   >= max_chars // 2 characters); and at a word boundary when the piece would pass max_words /
@@ -35,7 +35,9 @@ _CLAUSE_END = (",", ";", ":", "\u2014", "\u2013", "--", "-")
 
 def _is_abbreviation(before: str) -> bool:
     """`before`: the text of the sentence up to (not including) a terminating '.'."""
-    m = re.search(r"(\S+)$", before)
+    # \Z, not $: $ also matches before a final newline, which made "B\n." B's initial while "B" was in the buffer
+    # and a sentence end once streaming had given "B" out in a clause
+    m = re.search(r"(\S+)\Z", before)
     word = m.group(1).lstrip("\"'\u201c\u2018(\u00ab[{") if m else ""
     if not word:
         return False
@@ -69,11 +71,9 @@ class SentenceSplitter:
     def _drain(self, final: bool) -> list[str]:
         out: list[str] = []
         while True:
-            if self._long:  # a paragraph break right after the clauses given out already ends their sentence
-                m = _PARA.match(self._buf)
-                if m is not None and (m.end() < len(self._buf) or final):
-                    self._buf, self._long = self._buf[m.end():], False
-            end = self._sentence_end(self._buf, final)
+            # after clauses given out, a paragraph break ends their sentence even with only whitespace before it here
+            # (as in the whole text): "...box: \n\n" once left " \n\n", and the next sentence was cut as if long
+            end = self._sentence_end(self._buf, final, started=self._long)
             if end is None:
                 break
             sentence, self._buf = self._buf[:end], self._buf[end:]
@@ -118,8 +118,9 @@ class SentenceSplitter:
             pieces.append(" ".join(cur))
         return pieces
 
-    def _sentence_end(self, buf: str, final: bool) -> int | None:
-        """End offset (exclusive) of the first complete sentence in buf, or None."""
+    def _sentence_end(self, buf: str, final: bool, started: bool = False) -> int | None:
+        """End offset (exclusive) of the first complete sentence in buf, or None. started: buf begins inside a
+        sentence whose first clauses were given out already (a paragraph break before any text here ends it)."""
         if not buf.strip():
             return None
         pos = 0
@@ -127,7 +128,7 @@ class SentenceSplitter:
             m_term = _TERM.search(buf, pos)
             m_para = _PARA.search(buf, pos)
             if m_para is not None and (m_term is None or m_para.start() < m_term.start()):
-                if buf[:m_para.start()].strip():  # a paragraph break after some text, decided once more text follows
+                if started or buf[:m_para.start()].strip():  # a break after some text, decided once text follows
                     return m_para.start() if m_para.end() < len(buf) or final else None
                 pos = m_para.end()
                 continue
