@@ -28,7 +28,7 @@ jan feb apr jun jul aug sep sept oct nov dec nos vol vols pp ca lt sgt capt cmdr
 """.split())  # words that also end sentences (no, us, am, sun...) are left out; dotted forms (U.S., a.m.) match by shape
 
 _TERM = re.compile(r"(?:[.!?\u2026]+)[\"'\u201d\u2019\u00bb)\]}]*")
-_PARA = re.compile(r"\n[ \t]*\n\s*")
+_PARA = re.compile(r"\n[ \t\r]*\n\s*")  # \r: a Windows client's blank line (\r\n\r\n)
 _CLOSE = "\"'\u201d\u2019\u00bb)]}"
 _CLAUSE_END = (",", ";", ":", "\u2014", "\u2013", "--", "-")
 

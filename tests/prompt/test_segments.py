@@ -18,6 +18,7 @@ from csmserve.prompt.segments import SentenceSplitter, split_sentences
     ("J. R. R. Tolkien wrote it. Yes.", ["J. R. R. Tolkien wrote it.", "Yes."]),
     ("Come with us. No. I am.", ["Come with us.", "No.", "I am."]),
     ("First paragraph\n\nsecond one  \n with   spaces", ["First paragraph", "second one with spaces"]),
+    ("Windows lines\r\n\r\nend a paragraph too\r\n", ["Windows lines", "end a paragraph too"]),
     ("no final punctuation here", ["no final punctuation here"]),
     ("", []),
     ("  \n ", []),
