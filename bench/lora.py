@@ -110,8 +110,7 @@ def _defaults() -> dict[str, int]:
     from csmserve.kernels import lora as kl
 
     names = ("TICKET_ROWS", "ADAPTER_SPLIT", "PIECE_K", "SHRINK_ROWS", "SHRINK_WIDE_FROM",
-             "SHRINK_PIECE", "SHRINK_PIECES", "GLU_GROUPS", "GLU_ROWS", "GLU_PROGRAMS", "EXPAND_ROWS",
-             "GLU_DOWN", "GLU_DOWN_TICKETED")
+             "SHRINK_PIECE", "SHRINK_PIECES", "GLU_GROUPS", "GLU_ROWS", "GLU_PROGRAMS", "EXPAND_ROWS")
     return {n: getattr(kl, n) for n in names}
 
 

@@ -15,18 +15,18 @@ cuBLAS and this file runs after it: `lora_add_` (y += delta) and `lora_glu` (the
 deltas added first: the LoRA replaces silu_mul's kernel, the expand costs no pass over the [M, 2I] output). Up to
 TICKET_ROWS (256) rows one launch, the ticketed kernel (below: the shrink in pieces over K, the expand waiting on
 them); past it two: the shrink in programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order
-by the expand. lora_glu also makes the down projection's shrink of the adapter rows' h while h is in registers (a
-piece a column block, or group past TICKET_ROWS), left on the down's LoraLayer: the down's lora_add_ of that h runs
-no shrink (h [M, I] not read again). A batch whose every row has one adapter runs it merged into the weights
+by the expand. lora_glu also makes the down projection's shrink of the adapter rows' h (a piece a column block, in
+registers; past TICKET_ROWS a piece a column group, in a second pass over the group's blocks of h from L2), left on
+the down's LoraLayer: the down's lora_add_ of that h runs no shrink (h [M, I] not read again from memory). A batch whose every row has one adapter runs it merged into the weights
 instead (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
-merged, both at the base's step. A mixed batch over 64 adapters (64-256 rows with ADAPTER_SPLIT 32, 512 rows and more
-at `0a05861`): 64 rows 22.7 ms against the base's 8.4, 128 rows 23.6 (9.4), 256 rows 25.8 (11.2); 512 rows 27.1
-(16.0), 1,024 36.8 (27.7); 2,048 rows 61.5 against 51.9 (+18.5%: the GLU 51 us a call where silu_mul's pass alone
-needs 36, the down's shrink 21 us, the expands ~13 us a layer, the other shrinks ~11, the rest ~1,000 short
-launches). At a few rows each call is ~20 us of chained latency (shrink, tickets, expand).
+merged, both at the base's step. A mixed batch over 64 adapters (`c9fcc1f`'s kernels): 64 rows 22.1 ms against the
+base's 8.4, 256 rows 25.2 (11.2), 512 rows 26.9 (15.9), 2,048 rows 59.9 against 51.6 (+16.0%; at `0a05861`, before
+the down's shrink moved into the GLU: 128 rows 23.6 (9.4), 1,024 36.8 (27.7), and at 2,048 the GLU 51 us a call where
+silu_mul's pass alone needs 36, the down's shrink 21 us, the expands ~13 us a layer, the other shrinks ~11, the rest
+~1,000 short launches). At a few rows each call is ~20 us of chained latency (shrink, tickets, expand).
 """
 from __future__ import annotations
 
@@ -51,10 +51,6 @@ GLU_ROWS = 16  # past TICKET_ROWS the GLU's row tile (1,024 programs at 2,048 ro
 GLU_GROUPS = 8
 GLU_PROGRAMS = 1024
 EXPAND_ROWS = 32  # past TICKET_ROWS the expand's row tile
-# A/B (this session's call): the down's shrink in the GLU past TICKET_ROWS (0 no, 1 in its loop, 2 a second loop over
-# h from L2) and up to it (0 / 1)
-GLU_DOWN = 2
-GLU_DOWN_TICKETED = 1
 _BIG = tl.constexpr(1 << 30)  # past any adapter index (a tile's next adapter is the smallest index left)
 
 
@@ -182,18 +178,16 @@ def _lora_kernel(GU, Y, XA, B, RANKS, AD, DA, XD, M, N, rows_per, stride_gm, str
                     # the deltas rounded to the model dtype before the add, as the torch path's
                     dg = expand_tile(xa0, b_base, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
                     du = expand_tile(xa1, b_base + N, stride_br, rank, rn, N, RB, BM, BN, IEEE).to(dt)
-                    h = glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
-                    if DOWN == 1:  # h [BM, BN] (other rows 0) @ A_down^T [BN, RB]
-                        w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
-                        xd = _dot(h, w, xd, IEEE)
-                if DOWN == 2:  # a second pass over this program's blocks of h, from L2 (stored above: the barrier)
+                    glu_block(g_rows, y_rows, rn, sel[:, None] & (rn < N)[None, :], N, dg, du, True)
+                # DOWN: a second pass over this program's blocks of h, from L2 (stored above: the barrier); the dot
+                # inside the loop above held 168 registers, not 128 (docs/tried-and-dropped.md)
+                if DOWN:
                     tl.debug_barrier()
                     for nb in tl.range(pid_g, n_blocks, G, num_stages=3):
                         rn = nb * BN + tl.arange(0, BN)
                         h = tl.load(y_rows[:, None] + rn[None, :], mask=sel[:, None] & (rn < N)[None, :], other=0.0)
                         w = tl.load(da_cols + rn[:, None], mask=(rn < N)[:, None] & (rr < rank)[None, :], other=0.0)
                         xd = _dot(h, w, xd, IEEE)
-                if DOWN > 0:
                     xd_ptr = XD + (pid_g * M + rm).to(tl.int64)[:, None] * RB + rr[None, :]
                     tl.store(xd_ptr, xd, mask=sel[:, None])
             else:
@@ -593,7 +587,7 @@ def _expand(xa: Tensor, y: Tensor, lora, n: int, gu: Tensor | None = None, down=
         gu, y, xa, lora.b, lora.pool.ranks, rows, da, xa if xd is None else xd, m, n, m // rows.shape[0],
         gu.stride(0), y.stride(0), lora.b.stride(0), lora.b.stride(1), da.stride(0), da.stride(1), *t.bounds,
         S=len(t.slices), RB=rb, BM=bm, BN=bn, GLU=glu, IEEE=y.dtype == torch.float32, KS=xa.shape[0],
-        DOWN=0 if xd is None else GLU_DOWN, num_warps=4, **pdl.opts())
+        DOWN=xd is not None, num_warps=4, **pdl.opts())
     return xd
 
 
@@ -652,10 +646,8 @@ def lora_glu(gate_up: Tensor, x: Tensor, lora) -> Tensor:
     # the down's shrink of h here too, while h is in registers (lora_add_ of the down takes it: _shrunk)
     down = lora.down if lora.down is not None and applies(h, lora.down) else None
     if m <= TICKET_ROWS:
-        down = down if GLU_DOWN_TICKETED else None
         xd = _small(x2, h, lora, gu, down=down)
     else:
-        down = down if GLU_DOWN else None
         xd = _expand(lora_shrink(x2, lora), h, lora, i, gu, down)
     if down is not None:
         down.shrunk = (h, xd)
