@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from csmserve.config import RayConfig
 from csmserve.server.flags import add_serve_parser, configs, ray_config
-from csmserve.server.processes import ServeSpec, bind
+from csmserve.server.processes import WORKER_EXIT_S, ServeSpec, bind
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -67,8 +67,11 @@ def _common_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
 
 def replica_options(spec: ServeSpec, cfg: RayConfig) -> dict[str, Any]:
     """The CSMServe deployment's Ray options (replicas or autoscaling, resources, health checks)."""
+    # Ray kills a stopping replica past graceful_shutdown_timeout_s: its drain (--shutdown-timeout-s), then its
+    # unit's stop (the workers' streams cut at --shutdown-timeout-s, killed WORKER_EXIT_S past it; then the engine)
+    grace = 2 * spec.server.shutdown_timeout_s + WORKER_EXIT_S + 10
     opts = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": spec.gpu_share},
-            **_common_options(spec, cfg)}
+            "graceful_shutdown_timeout_s": grace, **_common_options(spec, cfg)}
     if cfg.autoscaling:
         opts["autoscaling_config"] = autoscaling_config(spec, cfg)
     else:

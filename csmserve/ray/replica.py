@@ -21,7 +21,6 @@ from csmserve.server.processes import ServeSpec, Supervisor, default_api_workers
 
 log = logging.getLogger("csmserve.ray")
 POLL_S = 0.2  # how often the actor looks at its processes (as `csmserve serve`'s parent does)
-DRAIN_S = 20.0  # a replica Ray stops (scaled down, replaced) serves its open streams this long at most
 _ACTIVE = re.compile(rb"^csmserve:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
 
@@ -45,7 +44,7 @@ def replica_workers(spec: ServeSpec, cpus: float) -> int:
     return default_api_workers(int(node_cpus * min(1.0, share)))
 
 
-@serve.deployment(name="CSMServe", graceful_shutdown_timeout_s=DRAIN_S + 10)
+@serve.deployment(name="CSMServe")  # graceful_shutdown_timeout_s: app.replica_options, from --shutdown-timeout-s
 class CSMServeReplica:
     async def __init__(self, spec: ServeSpec, directory: Any, report_interval_s: float = 0.5,
                        cpus: float = 1.0) -> None:
@@ -107,7 +106,8 @@ class CSMServeReplica:
             await self.directory.forget.remote(self.replica)  # the ingresses stop routing here at their next look
         except Exception:  # noqa: BLE001
             pass
-        deadline = asyncio.get_running_loop().time() + DRAIN_S  # open streams end first (scale-down)
+        # open streams end first (scale-down), for --shutdown-timeout-s at most; then the unit's own stop cuts them
+        deadline = asyncio.get_running_loop().time() + self.unit.spec.server.shutdown_timeout_s
         while self.active > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(self.report_interval_s)
             await self._scrape()

@@ -138,3 +138,10 @@ def test_options_no_app_could_run_with_are_refused():
     with pytest.raises(ValueError, match="min_replicas"):
         RayConfig(min_replicas=0, max_replicas=4)
     assert RayConfig(affinity_load_factor=1.01, min_replicas=1, max_replicas=4).affinity_load_factor == 1.01
+
+
+def test_a_stopping_replica_s_grace_follows_the_shutdown_timeout():
+    """Ray kills a stopping replica past graceful_shutdown_timeout_s: room for its drain and its unit's own stop, both
+    --shutdown-timeout-s long (it was a fixed 30 s, short of the default's 15 + 15 + 5)."""
+    assert options(model="dummy")["graceful_shutdown_timeout_s"] >= 2 * 15 + 5
+    assert options(model="dummy", shutdown_timeout_s=60)["graceful_shutdown_timeout_s"] >= 2 * 60 + 5
