@@ -373,7 +373,11 @@ class ServerState:
             raise bad_request(f"'{param}' is not audio we can read: {e}", param, "invalid_audio") from None
         if pcm.size < FRAME_SAMPLES:
             raise bad_request(f"'{param}' is shorter than one 80 ms frame", param, "audio_too_short")
-        return await asyncio.to_thread(csm.encode_audio, pcm)
+        try:
+            return await asyncio.to_thread(csm.encode_audio, pcm)
+        except TimeoutError:  # the engine process's encoder is behind other clips (RemoteEngineClient.encode)
+            raise APIError(503, f"'{param}': the engine did not encode the clip in time (busy with other clips); "
+                           "try again", "server_busy", param) from None
 
     async def context_segments(self, turns: Sequence[ContextTurn], param: str = "context") -> list[Segment]:
         from csmserve.api import Segment

@@ -11,7 +11,7 @@ import time
 import httpx
 from websockets.sync.client import connect
 
-from server_helpers import SHORT_MS, error_of, raw_wav, wait_slots_free
+from server_helpers import SHORT_MS, error_of, raw_wav, wait_slots_free, wav_bytes
 
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Hello there.", "response_format": "pcm",
           "max_audio_length_ms": 400}
@@ -372,3 +372,18 @@ def test_idle_keep_alive_connection_is_closed(serve):
         t = time.perf_counter()
         assert s.recv(65536) == b""  # closed by the server, not by us
         assert 0.3 < time.perf_counter() - t < 5
+
+
+def test_a_clip_the_engine_does_not_encode_in_time_is_503_server_busy(serve, monkeypatch):
+    """RemoteEngineClient.encode's timeout (the engine process's encoder behind other clips): 503 server_busy, a
+    retryable error, not a 500."""
+    server = serve()
+
+    def late(pcm):
+        raise TimeoutError
+
+    monkeypatch.setattr(server.state.csm, "encode_audio", late)
+    r = httpx.post(f"{server.url}/v1/audio/voices", timeout=60, data={"name": "late", "transcript": "A clip."},
+                   files={"audio_sample": ("ref.wav", wav_bytes(1.0), "audio/wav")})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
