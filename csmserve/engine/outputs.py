@@ -135,8 +135,12 @@ class Router:
 
     def __init__(self, num_codebooks: int, first_chunk_frames: int = 1, chunk_frames: int = 4,
                  abort: Callable[[str], None] | None = None, max_chunk_frames: int | None = None,
-                 grow_lead_s: float = 0.5, clock: Callable[[], float] = time.perf_counter) -> None:
+                 grow_lead_s: float = 0.5, clock: Callable[[], float] = time.perf_counter, capacity: int = 0) -> None:
+        """capacity: the streams open at once at most (the engine's slots + queue): the slab is that size from the
+        first open, never grown, so never copied (a copy at 2,048 -> 4,096 rows held the delivering thread 0.5 s);
+        its pages are touched only as rows are used (zeroed allocations are lazy). Past it (or 0) it doubles."""
         self.num_codebooks = num_codebooks
+        self.capacity = capacity
         self.first_chunk_frames, self.chunk_frames = first_chunk_frames, chunk_frames
         self.max_chunk_frames = max(chunk_frames, max_chunk_frames or 0)  # None (<= chunk_frames): no growth
         self.grow_lead_s = grow_lead_s
@@ -160,7 +164,8 @@ class Router:
         """The router of an EngineConfig's chunking (first_chunk_frames, chunk_frames, max_chunk_ms,
         chunk_grow_lead_ms)."""
         return cls(num_codebooks, config.first_chunk_frames, config.chunk_frames, abort,
-                   max_chunk_frames=config.max_chunk_ms // FRAME_MS, grow_lead_s=config.chunk_grow_lead_ms / 1e3)
+                   max_chunk_frames=config.max_chunk_ms // FRAME_MS, grow_lead_s=config.chunk_grow_lead_ms / 1e3,
+                   capacity=config.max_slots + config.max_waiting if config.max_slots else 0)
 
     # ---- streams
     def open(self, handle: int, request_id: str, sink: Callable[[AudioChunk | BaseException], None],
@@ -175,9 +180,10 @@ class Router:
         self._added.append((handle, row))
 
     def _grow(self) -> None:
-        """Twice the stream rows (at least 64); rows in use keep their frames."""
+        """The capacity's stream rows at the first open, then twice the rows (at least 64); rows in use keep their
+        frames."""
         s, f = len(self._n), self._f
-        size = max(64, 2 * s)
+        size = max(64, 2 * s, self.capacity)
         owner = np.full(size, -1, np.int64)
         n, want = np.zeros(size, np.int64), np.zeros(size, np.int64)
         owner[:s], n[:s], want[:s] = self._owner, self._n, self._want
@@ -185,8 +191,7 @@ class Router:
         self._codes = _regrow(self._codes, size * f + 1, s * f)
         if self._pcm is not None:
             self._pcm = _regrow(self._pcm, size * f + 1, s * f)
-        for r in range(s, size):
-            heapq.heappush(self._free, r)
+        self._free.extend(range(s, size))  # each new row above every row in the heap: still a heap
 
     def _close(self, handle: int) -> _Stream | None:
         """Forget a stream (its row freed; its key goes at the next merge); -> it, if it was open."""

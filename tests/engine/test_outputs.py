@@ -248,6 +248,20 @@ def test_streams_past_the_first_slab_keep_their_frames():
     assert all(got[h] == [[h] * 3] for h in range(50, 200))  # their first chunk: 3 frames
 
 
+def test_a_router_of_the_engine_s_capacity_never_regrows():
+    """Router.of: the slab holds max_slots + max_waiting streams from the first open, so opening up to that many
+    never copies it (a regrowth's copy at 2,048 -> 4,096 rows held the delivering thread 0.5 s)."""
+    router = Router.of(EngineConfig(max_slots=300, max_waiting=100), K)
+    router.open(0, "r", lambda c: None)
+    router.deliver(_step([0], [0]), np.zeros((1, K), np.int64), np.zeros((1, FS), np.float32))
+    codes, pcm = router._codes, router._pcm
+    for h in range(1, 400):
+        router.open(h, "r", lambda c: None)
+    assert router._codes is codes and router._pcm is pcm and len(router._n) == 400
+    router.open(400, "r", lambda c: None)  # past it: doubled, as without a capacity
+    assert len(router._n) == 800
+
+
 def test_a_reader_far_behind_real_time_is_dropped():
     t = [0.0]
     aborted = []
