@@ -140,7 +140,7 @@ _UNSET = {  # what a None default means
     "api_workers": "every core but three, 1 to 32",
     "default_audio_length_ms": "30000 on real weights, 1000 on random ones, which never end a sentence",
     "max_concurrent_requests": "no limit but the engine's: --max-slots + --max-waiting, then 503",
-    "max_slots": "as many as fit in free GPU memory; 8 on the CPU",
+    "max_slots": "as many as fit in free GPU memory, at most 4096; 8 on the CPU; 2048 with --model paced",
     "prefix_cache_bytes": "half the GPU's memory left free, at least 2 GiB (a GPU share: 2 GiB); 64 MiB on CPU",
     "trace_requests": "off",
     "lora_dir": "none: that route is off",

@@ -314,3 +314,16 @@ def test_llm_events_as_the_sse_spec_writes_them():
         assert "".join(LLMStream(server.url, "m", [{"role": "user", "content": "hi"}])) == "Hi there."
     finally:
         server.stop()
+
+
+def test_url_user_turns_keep_what_a_default_server_takes():
+    """--url: a user turn's audio is cut to its last --max-clip-seconds of a default server (60 s), not the 120 s a
+    file given to talk may have: a longer turn was refused (400 audio_too_long) and the turn failed."""
+    from csmserve.apps.talk.speech import ServerSpeech
+    from csmserve.config import ServerConfig
+
+    speech = ServerSpeech("http://127.0.0.1:9", "c", 0, 1, {})
+    try:
+        assert speech.conv.max_user_seconds == ServerConfig().max_clip_seconds == 60
+    finally:
+        speech.close()

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from csmserve.apps.common import MAX_CLIP_SECONDS, from_pcm16, pcm16
+from csmserve.apps.common import from_pcm16, pcm16
 from csmserve.apps.talk.errors import TalkError
-from csmserve.config import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE
+from csmserve.config import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE, ServerConfig
 from csmserve.integrations.conversation import Conversation, ConversationError, ReplyAudio
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ class InProcessSpeech:
         """Let go of what the backend holds (not an in-process CSM: its owner closes it)."""
 
 
+SERVER_CLIP_SECONDS = ServerConfig().max_clip_seconds  # a user turn's last 60 s: what a server takes by default
+
+
 class ServerSpeech:
     """CSM behind `csmserve serve` (--url): one Conversation (one context_id; the server keeps the turns, the
     user's audio encoded there once), on an event-loop thread of its own. A barge-in cancels the reply with
@@ -70,7 +73,7 @@ class ServerSpeech:
     def __init__(self, url: str, context_id: str, speaker: int, user_speaker: int, sampling: dict,
                  api_key: str | None = None, voice: str | None = None) -> None:
         self.conv = Conversation(url, voice=voice, api_key=api_key, context_id=context_id, speaker=speaker,
-                                 user_speaker=user_speaker, max_user_seconds=MAX_CLIP_SECONDS, **sampling)
+                                 user_speaker=user_speaker, max_user_seconds=SERVER_CLIP_SECONDS, **sampling)
         self.user_speaker = user_speaker
         self._reply = None  # the Conversation's Reply in progress (or the last)
         self._feeder: threading.Thread | None = None  # the last reply's text sender
