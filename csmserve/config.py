@@ -215,7 +215,8 @@ class ServerConfig:
                                "max_header_bytes")
         _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
-                              "body_timeout_s keep_alive_s engine_stall_s")
+                              "body_timeout_s keep_alive_s")
+        _require(self, ">= 1", "engine_stall_s")  # 4 of the engine's heartbeats (core.HEARTBEAT_S): no flapping
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")
         if not 0 <= self.port <= 65535:

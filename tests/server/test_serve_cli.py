@@ -178,3 +178,10 @@ def test_lora_flags(tmp_path, monkeypatch):
             lora_adapters(parse(argv))
     with pytest.raises(SystemExit):
         parse(["--lora", "ann="])
+
+
+def test_the_engine_stall_bound_leaves_room_for_heartbeats():
+    """--engine-stall-s under a second (4 heartbeats) would turn an idle engine's /health 503 between beats."""
+    assert configs(parse(["--engine-stall-s", "1"]))[0].engine_stall_s == 1
+    with pytest.raises(ValueError, match="engine_stall_s must be >= 1"):
+        configs(parse(["--engine-stall-s", "0.2"]))
