@@ -21,8 +21,12 @@ import socket
 import threading
 import time
 
+from csmserve.server.errors import APIError
+from csmserve.server.timeouts import raw_response
+
 log = logging.getLogger("csmserve.server")
 REPORT_S = 0.02  # how often a worker writes its open-connection count
+READY_WAIT_S = 30.0  # a connection waits this long for an API worker to take it (one starting), then 503
 LOCK_WAIT_S = 1.0  # the generations' lock is held for microseconds; past this its holder was killed in it
 _RECEIVED, _OPEN, _READY, _ACTIVE = 0, 1, 2, 3
 _FIELDS = 4
@@ -144,7 +148,7 @@ class Dispatcher:
                 conn.close()  # the parent's copy: the worker has its own
 
     def _hand(self, conn: socket.socket) -> None:
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + READY_WAIT_S
         while not self._stop and time.monotonic() < deadline:
             skip: set[int] = set()  # workers this connection could not be sent to now: the next one instead
             with self._lock:
@@ -161,7 +165,15 @@ class Dispatcher:
                         # the fds in flight over all links past RLIMIT_NOFILE; ENOBUFS): alive, passed over this once
                         skip.add(i)
             time.sleep(0.01)  # no worker ready (starting, or all of them stalled): the client waits
-        log.error("no API worker ready for 30 s: a connection was closed")
+        if self._stop:
+            return
+        log.error("no API worker ready for %.0f s: a connection was answered 503", READY_WAIT_S)
+        try:  # best effort, never blocking the next connections: the request unread, the answer in OpenAI's shape
+            conn.setblocking(False)
+            conn.send(raw_response(503, "Service Unavailable", APIError(
+                503, f"no API worker was ready for {READY_WAIT_S:.0f} s; try again", "server_busy")))
+        except OSError:
+            pass
 
 
 class DispatchedServer:

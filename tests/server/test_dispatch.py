@@ -205,3 +205,24 @@ def test_generations_are_counted_for_all_workers_together():
     c.reset(0)
     assert c.lock.acquire(timeout=0.1)
     c.lock.release()
+
+
+def test_a_connection_no_worker_takes_in_time_is_answered_503(rig, monkeypatch):
+    """No worker ready for READY_WAIT_S (all starting, or stalled): the client gets a 503 server_busy in OpenAI's
+    shape, not a connection closed without a word."""
+    import json
+
+    from csmserve.server import dispatch
+
+    monkeypatch.setattr(dispatch, "READY_WAIT_S", 0.3)
+    r = rig(1)
+    FakeWorker(r.d, 0, ready=False)
+    r.d.start()
+    r.connect(1)
+    c = r.clients[0]
+    c.settimeout(5)
+    data = b""
+    while chunk := c.recv(4096):
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "server_busy"
