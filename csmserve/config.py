@@ -118,6 +118,9 @@ class ServerConfig:
     api_key: str | None = None  # checked against `Authorization: Bearer <key>`; None = open
     model_name: str = "sesame/csm-1b"  # the id /v1/models reports
     voices_db: str | None = None  # SQLite path or postgresql:// URL; None = $XDG_DATA_HOME/csmserve/voices.db
+    # voices stored at most (POST /v1/audio/voices past it: 409 too_many_voices): any caller may store one (every
+    # caller where no api_key is set), ~48 KB each, and GET /v1/audio/voices lists them all
+    max_voices: int = 10_000
     max_input_chars: int = 4096  # OpenAI's maxLength for `input`
     max_body_bytes: int = 32 * 2**20  # any request body (JSON with base64 context audio, multipart)
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
@@ -212,7 +215,7 @@ class ServerConfig:
         _require(self, ">= 1", "max_input_chars max_body_bytes max_upload_bytes max_context_turns max_segment_ms "
                                "audio_ms_per_char max_context_chars max_context_total_chars max_concurrent_requests "
                                "max_sessions max_session_turns max_session_frames max_ws_message_bytes body_min_rate "
-                               "max_header_bytes")
+                               "max_header_bytes max_voices")
         _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
                               "body_timeout_s keep_alive_s")

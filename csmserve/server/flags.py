@@ -58,6 +58,7 @@ _HELP = {
     "max_segment_ms": "cap on each sentence of a long input or a WebSocket turn, unless the request sets "
                       "max_segment_length_ms",
     "max_concurrent_requests": "generations in flight, HTTP and WebSocket, all API workers together; past it 429",
+    "max_voices": "voices stored (POST /v1/audio/voices; past it 409)",
     # audio encoding
     "mp3_compression_level": "LAME's quality: 0 (best, slowest) .. 9",
     "opus_complexity": "libopus' complexity: 0 .. 10 (most CPU)",
@@ -155,7 +156,8 @@ _GROUPS = {
                              "shutdown_timeout_s", "engine_stall_s"),
     "request limits": ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_clip_seconds",
                        "max_context_turns", "max_context_chars", "max_context_total_chars", "max_audio_length_ms",
-                       "default_audio_length_ms", "audio_ms_per_char", "max_segment_ms", "max_concurrent_requests"),
+                       "default_audio_length_ms", "audio_ms_per_char", "max_segment_ms", "max_concurrent_requests",
+                       "max_voices"),
     "audio encoding": ("mp3_compression_level", "opus_complexity", "native_codecs", "encode_threads", "max_lead_s",
                        "max_reader_lag_s"),
     "slow clients": ("header_timeout_s", "body_timeout_s", "body_min_rate", "keep_alive_s", "max_header_bytes"),

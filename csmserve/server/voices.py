@@ -5,7 +5,7 @@ import asyncio
 
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 
-from csmserve.voices import ALIASES, VoiceInfo
+from csmserve.voices import ALIASES, VoiceInfo, VoiceLimitError
 from csmserve.server.errors import APIError, bad_request
 from csmserve.server.schemas import media_type
 from csmserve.server.state import ServerState
@@ -55,7 +55,11 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
         raise bad_request(f"'transcript' is longer than {state.config.max_input_chars} characters", "transcript")
     data = await audio_sample.read(state.config.max_upload_bytes + 1)
     codes = await state.encode_clip(data, "audio_sample")
-    voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter)
+    try:
+        voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter,
+                                        max_voices=state.config.max_voices)
+    except VoiceLimitError as e:  # checked in the insert itself: creates racing in other workers cannot pass it
+        raise APIError(409, f"{e} (--max-voices)", "too_many_voices") from None
     state.voices_changed()
     return voice_object(voice)
 

@@ -6,11 +6,11 @@ import sqlite3
 from pathlib import Path
 
 from csmserve.voices.backend import (ALIASES, VOICE_ID_PREFIX, CODEBOOK_SIZE, NUM_CODEBOOKS, OPENAI_VOICES, ResolvedVoice, Voice,
-                                     VoiceBackend, VoiceInfo, VoiceNotFoundError, default_db_path)
+                                     VoiceBackend, VoiceInfo, VoiceLimitError, VoiceNotFoundError, default_db_path)
 from csmserve.voices.sqlite import VoiceStore
 
 __all__ = ["ALIASES", "VOICE_ID_PREFIX", "CODEBOOK_SIZE", "NUM_CODEBOOKS", "OPENAI_VOICES", "ResolvedVoice", "Voice", "VoiceBackend",
-           "VoiceInfo", "VoiceNotFoundError", "VoiceStore", "default_db_path", "open_voice_store"]
+           "VoiceInfo", "VoiceLimitError", "VoiceNotFoundError", "VoiceStore", "default_db_path", "open_voice_store"]
 
 
 def open_voice_store(where: str | Path | None = None) -> VoiceBackend:

@@ -50,6 +50,10 @@ class VoiceNotFoundError(KeyError):
     pass
 
 
+class VoiceLimitError(Exception):
+    """create() found `max_voices` voices stored: nothing was written (delete one first)."""
+
+
 @dataclass(frozen=True)
 class VoiceInfo:
     id: str
@@ -100,15 +104,19 @@ class VoiceBackend(ABC):
     path: object  # where (shown in messages): a file path or a URL without its password
 
     def create(self, name: str, transcript: str, codes: np.ndarray, speaker: int = 0,
-               sample_rate: int = 24_000, adapter: str | None = None) -> Voice:
-        """adapter: bind the voice to a LoRA adapter (by name: whether it is loaded is checked where it is used)."""
+               sample_rate: int = 24_000, adapter: str | None = None, max_voices: int | None = None) -> Voice:
+        """adapter: bind the voice to a LoRA adapter (by name: whether it is loaded is checked where it is used).
+        max_voices: VoiceLimitError where this many are stored (None: no cap). The count is taken in the insert's
+        own statement, which every store serializes with the other creates (see `_serialized`), so creates racing
+        in several processes or replicas never pass the cap."""
         if not name or not name.strip():
             raise ValueError("voice name must not be empty")
         codes16 = _check_codes(codes)
         voice = Voice(id=f"{VOICE_ID_PREFIX}{uuid.uuid4().hex[:24]}", name=name, transcript=transcript,
                       speaker=int(speaker), sample_rate=int(sample_rate), num_frames=codes16.shape[0],
                       created_at=time.time(), adapter=adapter or None, codes=codes16.astype(np.int64))
-        self._insert(voice, codes16.tobytes())
+        if not self._insert(voice, codes16.tobytes(), max_voices):
+            raise VoiceLimitError(f"{max_voices} voices are stored, the most this server keeps; delete one first")
         return voice
 
     _table: str  # the voices table
@@ -121,11 +129,25 @@ class VoiceBackend(ABC):
     def _run(self, fn: Callable[[Any], Any]) -> Any:
         """fn(connection) under the store's lock; a write in it is one transaction."""
 
-    def _insert(self, voice: Voice, codes: bytes) -> None:
-        """Store one row (codes: [num_frames, 32] int16 little-endian, row-major)."""
-        sql = f"INSERT INTO {self._table} ({_INFO_COLUMNS}, codes) VALUES ({', '.join([self._param] * 9)})"
-        self._run(lambda c: c.execute(sql, (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate,
-                                            voice.num_frames, voice.created_at, voice.adapter, codes)))
+    def _serialized(self, c: Any, insert: Callable[[], int]) -> int:
+        """insert() (the capped INSERT) so that no other create commits between its count and its write. SQLite:
+        as it is (an INSERT takes the database's write lock before it reads anything); a store whose database lets
+        two inserts count at once (PostgreSQL's READ COMMITTED) takes a lock of its own around it."""
+        return insert()
+
+    def _insert(self, voice: Voice, codes: bytes, max_voices: int | None) -> bool:
+        """Store one row (codes: [num_frames, 32] int16 little-endian, row-major) where fewer than max_voices are
+        stored (None: always) -> whether it was stored."""
+        row = (voice.id, voice.name, voice.transcript, voice.speaker, voice.sample_rate, voice.num_frames,
+               voice.created_at, voice.adapter, codes)
+        values = ", ".join([self._param] * 9)
+        if max_voices is None:
+            sql = f"INSERT INTO {self._table} ({_INFO_COLUMNS}, codes) VALUES ({values})"
+            return self._run(lambda c: c.execute(sql, row).rowcount) > 0
+        # the count and the write in one statement: a full table inserts nothing (rowcount 0)
+        sql = (f"INSERT INTO {self._table} ({_INFO_COLUMNS}, codes) SELECT {values} "
+               f"WHERE (SELECT COUNT(*) FROM {self._table}) < {self._param}")
+        return self._run(lambda c: self._serialized(c, lambda: c.execute(sql, (*row, max_voices)).rowcount)) > 0
 
     def get(self, id_or_name: str) -> Voice | None:
         """By id, else the newest voice with that name; None if neither exists."""

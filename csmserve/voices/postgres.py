@@ -20,6 +20,10 @@ from csmserve.voices.backend import _TABLE, VoiceBackend
 _SCHEMA = (_TABLE.format(table="csmserve_voices", seq="\n    seq BIGSERIAL,", bytes="BYTEA", double="DOUBLE PRECISION")
            + "ALTER TABLE csmserve_voices ADD COLUMN IF NOT EXISTS adapter TEXT;\n")
 _SCHEMA_LOCK = 0x63736D76  # pg_advisory_xact_lock key: replicas starting together create the table once
+# pg_advisory_xact_lock key of the capped creates (--max-voices): under READ COMMITTED two inserts would each count
+# the table without the other's row and both pass a cap of one left; holding this one, each counts every create
+# committed before it
+_CREATE_LOCK = 0x63736D77
 
 
 def display_url(url: str) -> str:
@@ -54,6 +58,11 @@ class PostgresVoiceStore(VoiceBackend):
 
     def _connect(self):
         return self._psycopg.connect(self._url, autocommit=True, connect_timeout=int(self._timeout))
+
+    def _serialized(self, c, insert: Callable[[], int]) -> int:
+        with c.transaction():  # the lock is held to the commit: the next create's count sees this row
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK,))
+            return insert()
 
     def _run(self, fn: Callable[[Any], Any]) -> Any:
         """fn(connection) under the lock; a connection the server closed is reopened and fn run once more."""

@@ -46,6 +46,31 @@ def test_create_list_get_delete(server):
     assert v["id"] not in {x["id"] for x in httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]}
 
 
+def test_past_max_voices_a_create_is_409_until_one_is_deleted(serve, voices_db):
+    """--max-voices: the create past it is refused in OpenAI's shape and stores nothing; the voices stored stay
+    listed and usable; a delete makes room for one more."""
+    server = serve(voices_db=voices_db, max_voices=2)
+    a, b = (create(server.url, name=n).json()["id"] for n in ("a", "b"))
+    for name in ("c", "a"):  # a name taken is no overwrite (names repeat): a voice more all the same
+        r = create(server.url, name=name)
+        assert r.status_code == 409, r.text
+        assert set(r.json()) == {"error"} and error_of(r) == {
+            "message": "2 voices are stored, the most this server keeps; delete one first (--max-voices)",
+            "type": "invalid_request_error", "param": None, "code": "too_many_voices"}
+
+    def stored() -> list[str]:
+        voices = httpx.get(f"{server.url}/v1/audio/voices").json()["voices"]
+        return [v["id"] for v in voices if v["type"] == "audio_sample"]
+
+    assert stored() == [a, b] and httpx.get(f"{server.url}/v1/audio/voices/a").json()["id"] == a
+    assert httpx.delete(f"{server.url}/v1/audio/voices/{a}").status_code == 200
+    c = create(server.url, name="c")
+    assert c.status_code == 200, c.text
+    assert stored() == [b, c.json()["id"]]
+    assert create(server.url, name="d").status_code == 409
+    assert httpx.get(f"{server.url}/v1/audio/voices/{b}").json()["name"] == "b"
+
+
 def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, voices_db):
     db = voices_db
     first = serve(voices_db=db)

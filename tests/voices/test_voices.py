@@ -3,7 +3,8 @@ import threading
 import numpy as np
 import pytest
 
-from csmserve.voices import ALIASES, OPENAI_VOICES, VoiceBackend, VoiceNotFoundError, VoiceStore, open_voice_store
+from csmserve.voices import (ALIASES, OPENAI_VOICES, VoiceBackend, VoiceLimitError, VoiceNotFoundError, VoiceStore,
+                             open_voice_store)
 
 
 def codes(t: int = 25, seed: int = 0) -> np.ndarray:
@@ -117,6 +118,36 @@ def test_concurrent_writes(where):
         t.join()
     assert len(shared.list()) == 160 and len({v.id for v in other.list()}) == 160
     shared.close(), other.close()
+
+
+def test_max_voices_holds_under_racing_creates(where):
+    """Creates with max_voices from 8 stores at once (8 API workers, or replicas on one PostgreSQL), each on a
+    thread: exactly max_voices are stored, every other create is refused and writes nothing."""
+    stores = [open_voice_store(where) for _ in range(8)]
+    shared, other = stores[:2]
+    made, refused, start = [], [], threading.Barrier(8)
+
+    def work(store: VoiceBackend, k: int) -> None:
+        start.wait()
+        for i in range(5):
+            try:
+                made.append(store.create(f"t{k}-{i}", "text", codes(5, seed=k), max_voices=7).id)
+            except VoiceLimitError as e:
+                refused.append(str(e))
+
+    threads = [threading.Thread(target=work, args=(stores[k], k)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 7 and len(refused) == 33 and sorted(v.id for v in other.list()) == sorted(made)
+    assert refused[0] == "7 voices are stored, the most this server keeps; delete one first"
+    assert shared.delete(made[0]) and shared.create("again", "t", codes(), max_voices=7).name == "again"
+    with pytest.raises(VoiceLimitError):
+        other.create("more", "t", codes(), max_voices=7)
+    assert other.create("uncapped", "t", codes()).name == "uncapped"  # None: no cap (the store's own callers)
+    for s in stores:
+        s.close()
 
 
 def test_resolve_aliases_and_stored(store):
