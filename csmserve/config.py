@@ -121,6 +121,9 @@ class ServerConfig:
     # voices stored at most (POST /v1/audio/voices past it: 409 too_many_voices): any caller may store one (every
     # caller where no api_key is set), ~48 KB each, and GET /v1/audio/voices lists them all
     max_voices: int = 10_000
+    # a postgresql:// voices_db: every statement's timeout (past it the request gets 503 voices_db_unavailable, not a
+    # worker thread held by a server that stopped answering) and the connect timeout where the URL names none
+    voices_db_timeout_s: float = 10.0
     max_input_chars: int = 4096  # OpenAI's maxLength for `input`
     max_body_bytes: int = 32 * 2**20  # any request body (JSON with base64 context audio, multipart)
     max_upload_bytes: int = 10 * 2**20  # one audio file (voice sample, one context turn), OpenAI's 10 MiB
@@ -218,7 +221,7 @@ class ServerConfig:
                                "max_header_bytes max_voices")
         _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
-                              "body_timeout_s keep_alive_s")
+                              "body_timeout_s keep_alive_s voices_db_timeout_s")
         _require(self, ">= 1", "engine_stall_s")  # 4 of the engine's heartbeats (core.HEARTBEAT_S): no flapping
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")

@@ -36,7 +36,9 @@ def create_app(csm: CSM | None, config: ServerConfig | None = None, store: Voice
     replica: sent as the `X-Csmserve-Worker` / `X-Csmserve-Replica` response headers."""
     config = config or ServerConfig()
     owns_store, owns_csm = store is None, csm is None and load is not None
-    state = ServerState(csm, config, store if store is not None else open_voice_store(config.voices_db), sessions_path)
+    if store is None:
+        store = open_voice_store(config.voices_db, config.voices_db_timeout_s)
+    state = ServerState(csm, config, store, sessions_path)
     state.headers = [(b"x-csmserve-worker", str(worker).encode())] if worker is not None else []
     if replica is not None:
         state.headers.append((b"x-csmserve-replica", replica.encode()))

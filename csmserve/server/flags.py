@@ -38,6 +38,7 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on the /v1 routes and the WebSocket",
     "model_name": "the model id /v1/models reports",
     "voices_db": "stored voices: an SQLite file, or a postgresql:// URL shared by every replica",
+    "voices_db_timeout_s": "postgresql:// voices DB: statement timeout (503)",
     "cors_origins": "comma-separated origins whose pages may call this server (* any); a page of another site "
                     "gets 403, this server's own page is always served",
     "api_workers": "API worker processes beside the engine-core process; 0: one process, the engine on a thread",
@@ -152,7 +153,8 @@ _UNSET = {  # what a None default means
 }
 # the server's flags in groups (the rest of a config's fields: its class's group)
 _GROUPS = {
-    "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db", "api_workers",
+    "listening and access": ("host", "port", "api_key", "cors_origins", "model_name", "voices_db",
+                             "voices_db_timeout_s", "api_workers",
                              "shutdown_timeout_s", "engine_stall_s"),
     "request limits": ("max_input_chars", "max_body_bytes", "max_upload_bytes", "max_clip_seconds",
                        "max_context_turns", "max_context_chars", "max_context_total_chars", "max_audio_length_ms",

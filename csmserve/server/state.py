@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from csmserve.engine import trace
 from csmserve.engine.adapters import AdapterPoolFullError, UnknownAdapterError
 from csmserve.engine.client import SchedulerBusy
 from csmserve.engine.request import AudioChunk, Request
-from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError
+from csmserve.voices import ALIASES, VOICE_ID_PREFIX, ResolvedVoice, VoiceBackend, VoiceNotFoundError, VoiceStoreError
 from csmserve.prompt.segments import segment_spans, split_sentences
 from csmserve.server.dialogue import is_dialogue, read_dialogue
 from csmserve.server.errors import APIError, bad_request
@@ -341,13 +341,21 @@ class ServerState:
         return request
 
     # ---- voices and context
+    async def stored(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), a voice store call, on a thread; its database failing or past --voices-db-timeout-s:
+        503 voices_db_unavailable (it was a 500, or a request that hung as long as the database did)."""
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except VoiceStoreError as e:
+            raise APIError(503, f"{e}; retry later", "voices_db_unavailable") from None
+
     async def _resolve_voice(self, voice: str | VoiceRef, param: str = "voice") -> ResolvedVoice:
         key = voice.id if isinstance(voice, VoiceRef) else voice
         preset = isinstance(key, str) and not key.startswith(VOICE_ID_PREFIX) and key.lower() in ALIASES
         if preset and time.monotonic() - self._not_stored.get(key, float("-inf")) < ALIAS_RECHECK_S:
             return ResolvedVoice(speaker=ALIASES[key.lower()], voice=None)  # no store read, no thread
         try:
-            got = await asyncio.to_thread(self.store.resolve, key)
+            got = await self.stored(self.store.resolve, key)
         except VoiceNotFoundError:
             raise APIError(404, f"voice {key!r} not found; GET /v1/audio/voices lists the voices",
                            "voice_not_found", param) from None
@@ -398,7 +406,7 @@ class ServerState:
         for i, turn in enumerate(turns):
             p = f"{param}[{i}]"
             if turn.voice_id is not None:
-                v = await asyncio.to_thread(self.store.get, turn.voice_id)
+                v = await self.stored(self.store.get, turn.voice_id)
                 if v is None:
                     raise APIError(404, f"voice {turn.voice_id!r} not found", "voice_not_found", f"{p}.voice_id")
                 out.append(Segment(turn.speaker, turn.text or v.transcript, codes=v.codes))

@@ -1,8 +1,6 @@
 """Voices: POST/GET/DELETE /v1/audio/voices. A voice is a clip's Mimi codes + its transcript, encoded once."""
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 
 from csmserve.voices import ALIASES, VoiceInfo, VoiceLimitError
@@ -56,8 +54,8 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
     data = await audio_sample.read(state.config.max_upload_bytes + 1)
     codes = await state.encode_clip(data, "audio_sample")
     try:
-        voice = await asyncio.to_thread(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter,
-                                        max_voices=state.config.max_voices)
+        voice = await state.stored(state.store.create, name.strip(), transcript, codes, speaker, adapter=adapter,
+                                   max_voices=state.config.max_voices)
     except VoiceLimitError as e:  # checked in the insert itself: creates racing in other workers cannot pass it
         raise APIError(409, f"{e} (--max-voices)", "too_many_voices") from None
     state.voices_changed()
@@ -67,7 +65,7 @@ async def create_voice(http: Request, name: str = Form(...), audio_sample: Uploa
 @router.get("/v1/audio/voices")
 async def list_voices(http: Request) -> dict:
     state: ServerState = http.app.state.server
-    stored = [voice_object(v) for v in await asyncio.to_thread(state.store.list)]
+    stored = [voice_object(v) for v in await state.stored(state.store.list)]
     aliases = [{"id": name, "object": "audio.voice", "type": "alias", "name": name, "speaker": spk, "adapter": None}
                for name, spk in ALIASES.items()]
     return {"object": "list", "voices": stored + aliases, "data": stored + aliases}
@@ -76,7 +74,7 @@ async def list_voices(http: Request) -> dict:
 @router.get("/v1/audio/voices/{voice_id}")
 async def get_voice(voice_id: str, http: Request) -> dict:
     state: ServerState = http.app.state.server
-    v = await asyncio.to_thread(state.store.get, voice_id)
+    v = await state.stored(state.store.get, voice_id)
     if v is None:
         raise APIError(404, f"voice {voice_id!r} not found", "voice_not_found", "voice_id")
     return voice_object(v)
@@ -85,7 +83,7 @@ async def get_voice(voice_id: str, http: Request) -> dict:
 @router.delete("/v1/audio/voices/{voice_id}")
 async def delete_voice(voice_id: str, http: Request) -> dict:
     state: ServerState = http.app.state.server
-    if not await asyncio.to_thread(state.store.delete, voice_id):
+    if not await state.stored(state.store.delete, voice_id):
         raise APIError(404, f"voice {voice_id!r} not found", "voice_not_found", "voice_id")
     state.voices_changed()
     return {"id": voice_id, "object": "audio.voice", "deleted": True}

@@ -50,6 +50,10 @@ class VoiceNotFoundError(KeyError):
     pass
 
 
+class VoiceStoreError(RuntimeError):
+    """The store's database failed or did not answer in time (the server answers 503: retry later)."""
+
+
 class VoiceLimitError(Exception):
     """create() found `max_voices` voices stored: nothing was written (delete one first)."""
 

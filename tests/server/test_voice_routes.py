@@ -71,6 +71,28 @@ def test_past_max_voices_a_create_is_409_until_one_is_deleted(serve, voices_db):
     assert httpx.get(f"{server.url}/v1/audio/voices/{b}").json()["name"] == "b"
 
 
+def test_a_voices_db_past_its_timeout_is_503(serve, pg_url):
+    """--voices-db-timeout-s: a PostgreSQL voices DB that does not answer in time (its table locked) gets the
+    routes that read it a 503 in OpenAI's shape (it was a 500 after the server's own timeouts, if any, or a hang),
+    and the server answers as before once the database does."""
+    import psycopg
+
+    server = serve(voices_db=pg_url, voices_db_timeout_s=0.5)
+    v = create(server.url, name="kept").json()
+    with psycopg.connect(pg_url) as blocker:
+        blocker.execute("LOCK TABLE csmserve_voices IN ACCESS EXCLUSIVE MODE")
+        for r in (httpx.get(f"{server.url}/v1/audio/voices", timeout=10),
+                  httpx.get(f"{server.url}/v1/audio/voices/{v['id']}", timeout=10),
+                  create(server.url, name="more"),
+                  httpx.post(f"{server.url}/v1/audio/speech", timeout=10, json={
+                      "model": "tts-1", "voice": "kept", "input": "Hi.", "response_format": "pcm"})):
+            assert r.status_code == 503, r.text
+            assert set(r.json()) == {"error"} and error_of(r)["code"] == "voices_db_unavailable"
+            assert error_of(r)["type"] == "server_error" and "--voices-db-timeout-s" in error_of(r)["message"]
+        blocker.rollback()
+    assert httpx.get(f"{server.url}/v1/audio/voices/{v['id']}").json()["name"] == "kept"
+
+
 def test_voice_survives_restart_and_conditions_the_prompt(serve, csm, voices_db):
     db = voices_db
     first = serve(voices_db=db)

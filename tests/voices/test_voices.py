@@ -1,10 +1,11 @@
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from csmserve.voices import (ALIASES, OPENAI_VOICES, VoiceBackend, VoiceLimitError, VoiceNotFoundError, VoiceStore,
-                             open_voice_store)
+                             VoiceStoreError, open_voice_store)
 
 
 def codes(t: int = 25, seed: int = 0) -> np.ndarray:
@@ -36,6 +37,48 @@ def test_postgres_url_shown_without_password():
     from csmserve.voices.postgres import display_url
 
     assert display_url("postgresql://csm:s3cret@db.internal:5433/voices") == "postgresql://csm@db.internal:5433/voices"
+
+
+def test_postgres_connect_params_let_the_url_win(monkeypatch):
+    """The connect timeout (and TCP keepalives, tcp_user_timeout) default to --voices-db-timeout-s only where the
+    URL names none (a keyword would override the URL's); the statement timeout is SET unless the URL's options
+    (or PGOPTIONS) set one."""
+    pytest.importorskip("psycopg")
+    from csmserve.voices.postgres import connect_params
+
+    monkeypatch.delenv("PGOPTIONS", raising=False)
+    kw, ms = connect_params("postgresql://csm@db/voices", 2.5)
+    assert kw == {"autocommit": True, "connect_timeout": 3, "keepalives": 1, "keepalives_idle": 3,
+                  "keepalives_interval": 1, "keepalives_count": 3, "tcp_user_timeout": 2500} and ms == 2500
+    assert connect_params("postgresql://db/v", 0.2)[0]["connect_timeout"] == 2  # libpq takes 1 as 2
+    kw, ms = connect_params("postgresql://csm@db/voices?connect_timeout=30&keepalives_idle=60", 10.0)
+    assert "connect_timeout" not in kw and "keepalives_idle" not in kw and kw["keepalives_count"] == 3
+    assert ms == 10_000
+    assert connect_params("host=db dbname=v connect_timeout=5", 10.0)[0].get("connect_timeout") is None
+    assert connect_params("postgresql://db/v?options=-c%20statement_timeout%3D99", 10.0)[1] is None
+    monkeypatch.setenv("PGOPTIONS", "-c statement_timeout=5s")
+    assert connect_params("postgresql://db/v", 10.0)[1] is None
+
+
+def test_a_postgres_statement_past_the_timeout_raises_promptly(pg_url):
+    """--voices-db-timeout-s: a statement the server does not finish in time (here: the table locked by another
+    connection) ends after the timeout with VoiceStoreError (the routes' 503), and the store works on after it."""
+    import psycopg
+
+    with open_voice_store(pg_url, timeout_s=0.5) as s, psycopg.connect(pg_url) as blocker:
+        v = s.create("kept", "t", codes())
+        blocker.execute("LOCK TABLE csmserve_voices IN ACCESS EXCLUSIVE MODE")  # held to blocker's commit
+        for call in (lambda: s.get(v.id), s.list, lambda: s.create("more", "t", codes(), max_voices=9)):
+            t0 = time.monotonic()
+            with pytest.raises(VoiceStoreError, match=r"did not answer within 0.5 s \(--voices-db-timeout-s\)"):
+                call()
+            assert time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        with pytest.raises(VoiceStoreError):  # a plain statement too, whatever it waits on
+            s._run(lambda c: c.execute("SELECT pg_sleep(30)"))
+        assert time.monotonic() - t0 < 3
+        blocker.rollback()
+        assert s.get(v.id).name == "kept" and [i.id for i in s.list()] == [v.id]
 
 
 def test_crud(store):

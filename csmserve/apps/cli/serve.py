@@ -17,7 +17,8 @@ def run_serve(args: argparse.Namespace) -> int:
     adapters = lora_adapters(args)
     from csmserve.voices import open_voice_store
 
-    with open_voice_store(server_config.voices_db):  # a bad --voices-db: one line now, not every worker failing
+    # a bad --voices-db: one line now, not every worker failing
+    with open_voice_store(server_config.voices_db, server_config.voices_db_timeout_s):
         pass
     if server_config.api_workers != 0:  # the engine core in its own process, N API workers beside it
         from csmserve.server.processes import serve_processes
