@@ -37,3 +37,28 @@ def test_a_stream_whose_loop_closed_is_aborted_and_the_others_go_on():
         assert sched.num_free_slots == sched.max_slots  # the orphan's slot was given back, not held to its cap
     finally:
         csm.close()
+
+
+def test_a_burst_of_chunks_wakes_the_loop_once_and_keeps_their_order():
+    """The delivering thread hands a step's chunks to an event loop's streams with one call_soon_threadsafe (a
+    self-pipe write and a GIL hand-off each), not one a chunk; each queue gets its own items in order."""
+    from csmserve.engine.client import _LoopFeed
+
+    loop = asyncio.new_event_loop()
+    try:
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))
+        feed = _LoopFeed(loop, lambda rid: None)
+        queues = [asyncio.Queue() for _ in range(4)]
+        for i in range(100):
+            feed.put(queues[i % 4], i, f"r{i % 4}")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakes) == 1
+        assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [list(range(k, 100, 4))
+                                                                                 for k in range(4)]
+        feed.put(queues[0], 100, "r0")  # drained: the next burst wakes it again
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakes) == 2 and queues[0].get_nowait() == 100
+    finally:
+        loop.close()
