@@ -11,7 +11,10 @@ by the workers from the shared-memory output ring (engine/output_ring.py) the st
 copy wrote into. When no step runs, every worker still gets the engine's counters a few times a
 second (and so notices a lost device at once).
 
-A worker that disconnects (its process died) has its requests aborted; the engine goes on. The
+A worker that disconnects (its process died) has its requests aborted; the engine goes on. So has one
+whose connection stays full for reader_wait_s (the worker frozen: SIGSTOP, a cgroup freezer, swapped out):
+a blocking send to it would stop the loop, every other worker's streams with it; it is dropped (closed)
+instead, and exits to be restarted once it runs again (engine/remote.py). The
 process that started the engine (spec.parent_pid: `csmserve serve`'s parent, a Ray replica) gone, the
 engine removes its ring file and socket and exits: no orphan holding the GPU.
 """
@@ -47,6 +50,7 @@ RING_SLOTS = 12  # steps a worker may lag before its rows are overwritten (~1 s 
 HEARTBEAT_S = 0.25
 PARENT_POLL_S = 0.5  # how often the engine checks that the process that started it is alive
 HELLO_S = 10.0  # a worker's handshake and Hello take milliseconds: a connection silent this long is closed
+MIN_SEND_S = 0.1  # a send's wait for room in a worker's socket with reader_wait_s 0 (0 would be no bound at all)
 
 
 @dataclass(frozen=True)
@@ -70,16 +74,20 @@ class EngineSpec:
 class Connections(Inbox):
     """The loop's inbox: every worker connection, polled; accepted on a helper thread."""
 
-    def __init__(self, listener: Listener, welcome: m.Welcome, authkey: bytes) -> None:
+    def __init__(self, listener: Listener, welcome: m.Welcome, authkey: bytes, send_timeout_s: float = 0.0) -> None:
+        """send_timeout_s: how long a send may wait for room in a worker's socket before that worker is dropped
+        (the engine's reader_wait_s; 0: a floor of MIN_SEND_S, never unbounded)."""
         super().__init__()
         self.listener, self.welcome, self.authkey = listener, welcome, authkey
+        self.send_timeout_s = max(send_timeout_s, MIN_SEND_S)
         self.calls: dict[type, _Calls] = {}  # the messages with a call_id -> the helper thread that answers them
         self.conns: dict[Connection, int] = {}  # connection -> client id
         self.by_client: dict[int, Connection] = {}
         self.locks: dict[int, threading.Lock] = {}
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
-        self.gone: list[int] = []  # clients whose connection closed, for the engine to abort
+        self.gone: list[tuple[int, str]] = []  # (client, why) whose connection closed, for the engine to abort
+        self._behind: list[tuple[int, Connection]] = []  # sends that timed out, for the loop to close (get)
         threading.Thread(target=self._accept, name="csmserve-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -104,7 +112,9 @@ class Connections(Inbox):
             if not isinstance(hello, m.Hello) or not isinstance(hello.client_id, int):
                 raise ValueError(f"not a Hello: {hello!r:.100}")
             conn.send_bytes(pickle.dumps(self.welcome, protocol=5))
-            _timeouts(conn, 0.0)  # attached: the loop reads and writes as it did
+            # attached: reads block as before (the loop reads only what poll() says arrived); a send gives up past
+            # send_timeout_s: a frozen worker's full socket would block the loop, every stream of every worker
+            _timeouts(conn, 0.0, self.send_timeout_s)
         except Exception as e:  # noqa: BLE001 - whatever the peer sent (a bad pickle, digest, a timeout): it alone
             why = f"silent for {HELLO_S:g} s" if isinstance(e, BlockingIOError) else f"{type(e).__name__}: {e}"
             log.warning("a worker failed to connect: %s", why)
@@ -121,6 +131,11 @@ class Connections(Inbox):
         try:
             with self.locks[client]:
                 conn.send_bytes(data)
+        except BlockingIOError:  # SO_SNDTIMEO: its socket full for send_timeout_s
+            # part of the message may be written (the stream is unusable): no more sends; the loop closes it (this
+            # may be a helper thread's _reply, and the loop's wait() polls the connection)
+            if self.by_client.pop(client, None) is conn:
+                self._behind.append((client, conn))
         except (OSError, ValueError):
             pass  # gone: noticed by the poll
 
@@ -132,6 +147,12 @@ class Connections(Inbox):
         while not self._new.empty():
             conn, cid = self._new.get()
             self.conns[conn], self.by_client[cid], self.locks[cid] = cid, conn, threading.Lock()
+        while self._behind:
+            cid, conn = self._behind.pop()
+            if self.conns.pop(conn, None) is not None:  # (not already seen closed by the poll)
+                conn.close()  # EOF for the worker once it runs again: it exits and is restarted
+                self.gone.append((cid, f"fell behind (its connection full for {self.send_timeout_s:g} s: frozen, "
+                                       "swapped out?): dropped"))
         ready = wait([*self.conns, self._wake_r], timeout=HEARTBEAT_S if block and not out else 0)
         for conn in ready:
             if conn is self._wake_r:
@@ -144,7 +165,7 @@ class Connections(Inbox):
             except (EOFError, OSError):
                 del self.conns[conn]
                 self.by_client.pop(cid, None)
-                self.gone.append(cid)
+                self.gone.append((cid, "disconnected"))
         return out
 
     def _message(self, client: int, msg: object) -> list[tuple]:
@@ -163,12 +184,15 @@ class Connections(Inbox):
         return []
 
 
-def _timeouts(conn: Connection, seconds: float) -> None:
-    """The connection's socket reads and writes fail (EAGAIN) past `seconds` (0: never)."""
-    tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+def _timeouts(conn: Connection, seconds: float, send_s: float | None = None) -> None:
+    """The connection's socket reads (and writes, or past `send_s`) fail (EAGAIN) past `seconds` (0: never)."""
     with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:  # a dup: the same socket
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds if send_s is None else send_s))
+
+
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 class _Calls:
@@ -242,8 +266,8 @@ class CoreLoop:
         with torch.inference_mode():
             while True:
                 self.engine.run_once()
-                for cid in self.conns.gone:
-                    log.warning("worker %d disconnected: its requests are aborted", cid)
+                for cid, why in self.conns.gone:
+                    log.warning("worker %d %s: its requests are aborted", cid, why)
                     self.engine.abort_client(cid)
                 self.conns.gone.clear()
                 self._heartbeat()
@@ -318,7 +342,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
         take = getattr(csm, "take_adapters", None)  # CSM(adapters=...): read by load, served from the first step
         if take is not None:
             engine.register_adapters(take())
-        welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec())
+        welcome = m.Welcome(m.EngineInfo.of(csm, engine), engine.runner.ring.spec(), os.getpid())
         if os.path.exists(spec.address):
             os.unlink(spec.address)
         listener = Listener(spec.address, family="AF_UNIX")  # authenticated by Connections, per connection
@@ -331,7 +355,7 @@ def serve_engine(spec: EngineSpec, load: Callable[[EngineSpec], Any], ready: Con
             ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e
     freeze_gc()
-    conns = Connections(listener, welcome, spec.authkey)
+    conns = Connections(listener, welcome, spec.authkey, config.reader_wait_s)
     adapter_calls = _Calls("csmserve-adapters", _adapter_calls(engine), conns)
     conns.calls = {m.Encode: _Calls("csmserve-encode", _encoder(csm), conns), m.LoadAdapter: adapter_calls,
                    m.UnloadAdapter: adapter_calls, m.ListAdapters: adapter_calls}

@@ -44,6 +44,7 @@ class Hello:
 class Welcome:
     info: EngineInfo
     ring: dict  # OutputRing.spec()
+    pid: int | None = None  # the engine process's: a closed connection with it alive means this worker was dropped
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ and wakes each consumer at most once. Submit / abort / append / close are messag
 call answered by the engine's encoder thread.
 
 If the connection drops (the engine process died), every open stream ends with an error, every later
-request is refused at once, and `fatal` says so: the worker's /health answers 503. An engine that hangs
+request is refused at once, and `fatal` says so: the worker's /health answers 503. A connection the engine
+closed while it still runs dropped this worker (its socket stayed full: the worker was frozen; engine/core.py):
+with `on_dropped` (an API worker's: exit, to be restarted by its parent) that is called instead. An engine that hangs
 (a GPU hang, a deadlock) keeps its connection: `last_word`, when it last sent anything (a step, a heartbeat
 every core.HEARTBEAT_S, a reply), is what tells (ServerState.engine_stalled).
 """
@@ -19,6 +21,7 @@ import logging
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Client
 
@@ -32,6 +35,9 @@ from csmserve.engine.outputs import CLIENT_SHIFT, EV_ERROR, EngineStep, Event, R
 from csmserve.engine.request import Request
 
 log = logging.getLogger("csmserve.engine")
+# how long the engine's process must go on running after its connection closed to count as alive (it dropped this
+# worker): a dying one closes its sockets in its last moments, then is a zombie (or gone) within milliseconds
+DEATH_GRACE_S = 2.0
 
 
 class EngineGone(RuntimeError):
@@ -39,8 +45,10 @@ class EngineGone(RuntimeError):
 
 
 class RemoteEngineClient(ClientBase):
-    def __init__(self, address: str, authkey: bytes, client_id: int, timeout: float = 0.0) -> None:
-        """Connect (retrying up to `timeout` seconds while the engine starts) and read its Welcome."""
+    def __init__(self, address: str, authkey: bytes, client_id: int, timeout: float = 0.0,
+                 on_dropped: Callable[[], None] | None = None) -> None:
+        """Connect (retrying up to `timeout` seconds while the engine starts) and read its Welcome. on_dropped:
+        called (on the reader thread, open streams ended) if the engine closes the connection and still runs."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -53,6 +61,7 @@ class RemoteEngineClient(ClientBase):
         self.conn.send_bytes(pickle.dumps(m.Hello(client_id), protocol=5))
         welcome: m.Welcome = pickle.loads(self.conn.recv_bytes())
         self.info = welcome.info
+        self.engine_pid, self.on_dropped = welcome.pid, on_dropped
         self.last_word = time.monotonic()
         cfg = welcome.info.engine
         super().__init__(Router.of(cfg, welcome.info.num_codebooks, self.abort), client_id)
@@ -168,6 +177,11 @@ class RemoteEngineClient(ClientBase):
         except (EOFError, OSError) as e:
             if self._closing:  # our own shutdown(): nothing was lost
                 return
+            if self.on_dropped is not None and self.engine_pid is not None and _runs(self.engine_pid, DEATH_GRACE_S):
+                log.error("the engine dropped this worker (it fell behind): exiting to be restarted")
+                self._gone("the engine dropped this API worker (it fell behind)", quiet=True)
+                self.on_dropped()
+                return
             self._gone(f"the engine process exited ({type(e).__name__})")
         except Exception as e:  # noqa: BLE001 - a broken message stream is the same as a lost engine
             if self._closing:  # shutdown() closed the connection under recv_bytes (TypeError: its handle is None)
@@ -204,9 +218,10 @@ class RemoteEngineClient(ClientBase):
         self.tracer.row("recv", step.step, t_recv, time.perf_counter(), len(step.rows))
         self.router.deliver(step, codes, pcm)
 
-    def _gone(self, reason: str) -> None:
+    def _gone(self, reason: str, quiet: bool = False) -> None:
         self._fatal = reason
-        log.critical("%s: open streams end with an error; /health answers 503", reason)
+        if not quiet:
+            log.critical("%s: open streams end with an error; /health answers 503", reason)
         for fut in list(self._calls.values()):
             if not fut.done():
                 fut.set_exception(EngineGone(reason))
@@ -228,6 +243,22 @@ class RemoteEngineClient(ClientBase):
             self.conn.close()
         except OSError:
             pass
+
+
+def _runs(pid: int, grace_s: float) -> bool:
+    """Whether process `pid` is still running (not a zombie, not gone) `grace_s` from now."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # "pid (comm) S ...": comm may hold spaces and parentheses
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # gone (or no /proc: as before, the engine counts as dead)
+            return False
+        if state in ("Z", "X"):  # exited, not yet reaped by its parent
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

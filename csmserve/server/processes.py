@@ -10,8 +10,10 @@
 Shared by the workers: the voice store, the sessions (a SQLite file in the run directory, so a context_id
 continues on any worker), metrics (prometheus multiprocess mode) and the config. If the engine process dies,
 every worker answers /health and /ready 503 `engine_failed`; if it hangs (silent for --engine-stall-s), 503
-`engine_stalled` until it sends again. A Ray replica (ray/replica.py) runs this same unit, a Supervisor, and
-polls it (`check`) where `csmserve serve`'s parent loops over it (`watch`).
+`engine_stalled` until it sends again. A worker the engine dropped (frozen until its connection stayed full for
+--reader-wait-s: engine/core.py) exits once it runs again, and is started again as a dead one is. A Ray replica
+(ray/replica.py) runs this same unit, a Supervisor, and polls it (`check`) where `csmserve serve`'s parent loops over
+it (`watch`).
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
     exit_with_parent(spec.parent_pid, what=f"API worker {spec.index}")
 
     def load():  # waits for the engine (it may still be loading the model and capturing graphs)
-        return attach_engine(spec.address, spec.authkey, spec.client_id)
+        return attach_engine(spec.address, spec.authkey, spec.client_id, on_dropped=_exit_dropped)
 
     # worker 0 answers at once (/health 200, /ready and the routes 503 while the engine loads); the others
     # accept connections only once attached, so no request lands on a worker still connecting
@@ -106,12 +108,24 @@ def run_worker(spec: WorkerSpec, link: socket.socket, counters) -> None:
     DispatchedServer(config, link, counters, spec.index, attached=lambda: state.ready).run()
 
 
-def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600):
-    """An API side's CSM over an engine-core process (waits up to `timeout` for the engine to listen)."""
+def attach_engine(address: str, authkey: bytes, client_id: int, timeout: float = 24 * 3600, on_dropped=None):
+    """An API side's CSM over an engine-core process (waits up to `timeout` for the engine to listen); on_dropped:
+    RemoteEngineClient's."""
     from csmserve.api import CSM
     from csmserve.engine.remote import RemoteEngineClient
 
-    return CSM.attach(RemoteEngineClient(address, authkey, client_id, timeout=timeout))
+    return CSM.attach(RemoteEngineClient(address, authkey, client_id, timeout=timeout, on_dropped=on_dropped))
+
+
+DROPPED_EXIT = 3  # a worker the engine dropped: its exit code (the parent starts it again)
+
+
+def _exit_dropped() -> None:
+    """A worker the engine dropped cannot attach again under its client id (its requests were aborted, its ring
+    reads forgotten): it exits and its parent starts a fresh one. Its streams were just ended with an error: a
+    moment for the event loop to send those errors out first."""
+    time.sleep(0.5)
+    os._exit(DROPPED_EXIT)
 
 
 # slots' share of what a GPU share leaves after the weights and the prefix cache. At 0.85 (a whole GPU's) a

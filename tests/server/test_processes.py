@@ -102,6 +102,93 @@ def test_killing_one_api_worker_leaves_the_other_serving(procs):
     assert r.status_code == 200 and len(r.content) == 2 * 1920 * 2
 
 
+def _clients_on(url: str, want: dict[str, int], tries: int = 40) -> dict[str, list[httpx.Client]]:
+    """Keep-alive clients, `want[worker]` of them on each worker (a connection stays with the worker it was handed
+    to; a new one, as a client's second connection would be, may land on any)."""
+    by: dict[str, list[httpx.Client]] = {w: [] for w in want}
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, timeout=30)
+        w = c.get("/v1/models").headers["x-csmserve-worker"]
+        if len(by[w]) < want[w]:
+            by[w].append(c)
+        else:
+            c.close()
+        if all(len(by[w]) == n for w, n in want.items()):
+            return by
+    raise AssertionError(f"not {want} clients: {by}")
+
+
+def _stream_on(client: httpx.Client, got: list, ms: int, stop: threading.Event) -> None:
+    """A streaming request on `client`'s connection; got[0]: bytes received so far; until the end or `stop`."""
+    try:
+        with client.stream("POST", "/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": ms}) as r:
+            for part in r.iter_bytes():
+                got[0] += len(part)
+                if stop.is_set():
+                    break
+    except httpx.HTTPError:
+        pass
+
+
+def test_a_frozen_api_worker_is_dropped_and_the_other_keeps_serving(procs):
+    """An API worker frozen (SIGSTOP: a cgroup freezer, swapped out) stops reading its connection to the engine;
+    with a stream of its own every step sends it a message, and its socket fills within seconds. The engine's
+    sends to it give up past --reader-wait-s and drop it (a blocking send stopped the engine loop: every stream of
+    every worker froze with it). The other worker keeps serving throughout; the frozen one, once it runs again,
+    finds its link closed with the engine alive: it exits and is started again."""
+    server = procs(reader_wait_s=0.5)
+    frozen = server.pids()["workers"][1]
+    by = _clients_on(server.url, {"0": 2, "1": 1})
+    stop = threading.Event()
+    got0, got1 = [0], [0]
+    streams = [threading.Thread(target=_stream_on, args=(by["1"][0], got1, 20_000, stop)),
+               threading.Thread(target=_stream_on, args=(by["0"][1], got0, 20_000, stop))]
+    for t in streams:
+        t.start()
+    deadline = time.time() + 30
+    while not (got0[0] and got1[0]):  # both streaming: worker 1 has a row in every step
+        assert time.time() < deadline, (got0, got1)
+        time.sleep(0.05)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        t0, served, seen, t_seen, t_dropped = time.time(), 0, got0[0], time.time(), None
+        # until the engine has dropped the frozen worker (its socket full: where the engine blocked) and 2 s more:
+        # worker 0 answers every request, and its open stream keeps receiving audio
+        while t_dropped is None or time.time() - t_dropped < 2:
+            r = by["0"][0].post("/v1/audio/speech", json={**SPEECH, "max_audio_length_ms": 240}, timeout=10)
+            assert r.status_code == 200 and len(r.content) == 3 * 1920 * 2, r.text
+            served += 1
+            if got0[0] > seen or got0[0] == 20_000 // 80 * 1920 * 2:
+                seen, t_seen = got0[0], time.time()
+            assert time.time() - t_seen < 5, f"worker 0's open stream got nothing for 5 s ({served} requests served)"
+            if t_dropped is None and "fell behind (its connection full" in server.log_path.read_text():
+                t_dropped = time.time()
+            assert time.time() - t0 < 60, f"worker 1 not dropped in 60 s ({served} requests served by worker 0)"
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    stop.set()
+    for t in streams:
+        t.join(30)
+    # running again, worker 1 exits (one line) and is started again; both ready
+    deadline = time.time() + 30
+    while server.pids()["workers"][1] == frozen:
+        assert time.time() < deadline, "the dropped worker was not started again"
+        time.sleep(0.2)
+    ready: set[str] = set()
+    while ready != {"0", "1"}:
+        assert time.time() < deadline, f"/ready 200 from {sorted(ready)} only"
+        r = httpx.get(f"{server.url}/ready", timeout=5)
+        if r.status_code == 200:
+            ready.add(r.headers["x-csmserve-worker"])
+        time.sleep(0.05)
+    for c in [*by["0"], *by["1"]]:
+        c.close()
+    assert wait_idle(server, timeout=20)  # the dropped worker's request aborted at the engine
+    log = server.log_path.read_text()
+    assert log.count("the engine dropped this worker (it fell behind): exiting to be restarted") == 1, log[-3000:]
+    assert log.count("fell behind (its connection full") == 1 and "engine_failed" not in log, log[-3000:]
+
+
 def test_killing_the_engine_process_turns_health_503_at_once_and_ends_open_streams(procs):
     server = procs()  # both workers attached (ProcServer.start)
     # keep-alive connections opened one after another go to the worker with the fewest open, so these reach
