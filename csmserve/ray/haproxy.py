@@ -18,6 +18,7 @@ connections still reach the old worker, so the ingress calls a replica routed (/
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import resource
@@ -80,8 +81,15 @@ class Frontend:
     body_bytes: int = 256 << 10
     request_timeout_s: float = 60.0  # headers and the buffered body
     keep_alive_s: float = 5.0
-    threads: int = field(default_factory=lambda: max(1, min(MAX_THREADS, os.cpu_count() or 1)))
+    threads: int = field(default_factory=lambda: haproxy_threads(0.0))
     maxconn: int = field(default_factory=lambda: max_connections())
+
+
+def haproxy_threads(cpus: float) -> int:
+    """HAProxy's nbthread: MAX_THREADS (the CPUs Ray reserves for it, --ingress-cpus, where more), at most the
+    machine's cores."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, max(MAX_THREADS, math.ceil(cpus))))
 
 
 def raise_fd_limit() -> int:

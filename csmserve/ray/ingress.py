@@ -20,7 +20,7 @@ from ray import serve
 
 from csmserve.config import RayConfig, ServerConfig
 from csmserve.ray.directory import merge_metrics, readiness
-from csmserve.ray.haproxy import Frontend, HAProxy, Server, binary, render
+from csmserve.ray.haproxy import Frontend, HAProxy, Server, binary, haproxy_threads, render
 
 log = logging.getLogger("csmserve.ray")
 LOW_MAXCONN = 8192  # below it (a low open-file limit) the ingress says so: 2,048 streams take 4,096 sockets
@@ -41,12 +41,13 @@ class IngressSpec:
     request_timeout_s: float = 60.0
     keep_alive_s: float = 5.0
     report_interval_s: float = 0.5
+    threads: int = 0  # HAProxy's (haproxy_threads of --ingress-cpus); 0: Frontend's default
 
     @classmethod
     def of(cls, server: ServerConfig, cfg: RayConfig) -> IngressSpec:
         return cls(server.host, server.port, server.model_name, server.base_models, cfg.affinity_load_factor,
                    cfg.ingress_body_bytes, server.header_timeout_s + server.body_timeout_s, server.keep_alive_s,
-                   cfg.report_interval_s)
+                   cfg.report_interval_s, haproxy_threads(cfg.ingress_cpus))
 
 
 def frontend(spec: IngressSpec, control_port: int) -> Frontend:
@@ -54,7 +55,8 @@ def frontend(spec: IngressSpec, control_port: int) -> Frontend:
 
     return Frontend(spec.host, spec.port, control_port, models=spec.models,
                     aliases=OPENAI_VOICES, load_factor=spec.load_factor, body_bytes=spec.body_bytes,
-                    request_timeout_s=spec.request_timeout_s, keep_alive_s=spec.keep_alive_s)
+                    request_timeout_s=spec.request_timeout_s, keep_alive_s=spec.keep_alive_s,
+                    **({"threads": spec.threads} if spec.threads else {}))
 
 
 def routable(reports: dict[str, dict]) -> tuple[Server, ...]:

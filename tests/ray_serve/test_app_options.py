@@ -145,3 +145,17 @@ def test_a_stopping_replica_s_grace_follows_the_shutdown_timeout():
     --shutdown-timeout-s long (it was a fixed 30 s, short of the default's 15 + 15 + 5)."""
     assert options(model="dummy")["graceful_shutdown_timeout_s"] >= 2 * 15 + 5
     assert options(model="dummy", shutdown_timeout_s=60)["graceful_shutdown_timeout_s"] >= 2 * 60 + 5
+
+
+def test_haproxy_runs_as_many_threads_as_the_cpus_ray_reserves_for_it(monkeypatch):
+    """--ingress-cpus past MAX_THREADS (4) gives HAProxy that many threads (it reserved 8 CPUs and ran 4), never more
+    than the machine's cores, never fewer than 4 where the cores allow."""
+    from csmserve.ray import haproxy
+    from csmserve.ray.ingress import IngressSpec, frontend
+
+    monkeypatch.setattr(haproxy.os, "cpu_count", lambda: 16)
+    assert [haproxy.haproxy_threads(c) for c in (0, 1, 4, 5.5, 8, 64)] == [4, 4, 4, 6, 8, 16]
+    spec, cfg = spec_from_args(parse_flags({"model": "dummy", "ingress_cpus": 8}))
+    assert frontend(IngressSpec.of(spec.server, cfg), 9000).threads == 8
+    monkeypatch.setattr(haproxy.os, "cpu_count", lambda: 2)
+    assert haproxy.haproxy_threads(8) == 2
