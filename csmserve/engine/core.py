@@ -112,9 +112,10 @@ class Connections(Inbox):
             if not isinstance(hello, m.Hello) or not isinstance(hello.client_id, int):
                 raise ValueError(f"not a Hello: {hello!r:.100}")
             conn.send_bytes(pickle.dumps(self.welcome, protocol=5))
-            # attached: reads block as before (the loop reads only what poll() says arrived); a send gives up past
-            # send_timeout_s: a frozen worker's full socket would block the loop, every stream of every worker
-            _timeouts(conn, 0.0, self.send_timeout_s)
+            # attached: a send gives up past send_timeout_s (a frozen worker's full socket would block the loop, every
+            # stream of every worker), and so does a read (the loop reads a message whole once its first bytes came:
+            # a worker frozen mid-message would hold it the same way)
+            _timeouts(conn, self.send_timeout_s)
         except Exception as e:  # noqa: BLE001 - whatever the peer sent (a bad pickle, digest, a timeout): it alone
             why = f"silent for {HELLO_S:g} s" if isinstance(e, BlockingIOError) else f"{type(e).__name__}: {e}"
             log.warning("a worker failed to connect: %s", why)
@@ -162,6 +163,11 @@ class Connections(Inbox):
             try:
                 while conn.poll():
                     out += self._message(cid, pickle.loads(conn.recv_bytes()))
+            except BlockingIOError:  # SO_RCVTIMEO: the rest of a message not come in send_timeout_s
+                del self.conns[conn]
+                self.by_client.pop(cid, None)
+                conn.close()  # part of a message read: unusable; EOF for the worker once it runs again
+                self.gone.append((cid, f"stopped mid-message for {self.send_timeout_s:g} s (frozen?): dropped"))
             except (EOFError, OSError):
                 del self.conns[conn]
                 self.by_client.pop(cid, None)

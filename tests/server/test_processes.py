@@ -611,3 +611,34 @@ def test_sigterm_cuts_streams_still_open_after_the_shutdown_timeout(tmp_path, wo
         sock.close()
     finally:
         server.stop()
+
+
+def test_a_worker_stopped_mid_message_is_dropped_and_the_engine_goes_on():
+    """A worker that sent a message's first bytes and no more (frozen mid-send) is dropped after --reader-wait-s:
+    the engine's loop reads a message whole once it began, and held every other worker's streams while it waited."""
+    from multiprocessing.connection import Client
+
+    from csmserve.engine import messages as m
+    from csmserve.server.processes import attach_engine
+
+    with engine_process(reader_wait_s=0.5) as proc:
+        stuck = Client(proc.spec.address, family="AF_UNIX", authkey=proc.spec.authkey)
+        stuck.send_bytes(pickle.dumps(m.Hello(9), protocol=5))
+        stuck.recv_bytes()  # the Welcome: attached
+        raw = socket.socket(fileno=os.dup(stuck.fileno()))
+        raw.sendall(struct.pack("!i", 1000) + b"x" * 10)  # 10 bytes of a 1,000-byte message
+        csm = attach_engine(proc.spec.address, proc.spec.authkey, 8, timeout=60)
+        try:
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(csm.generate("Hello there.", temperature=0.0,
+                                                                        max_audio_length_ms=240)), daemon=True)
+            t.start()
+            t.join(20)
+            assert got and got[0].audio.size > 0, "the engine's loop is held by the worker stopped mid-message"
+            raw.settimeout(5)
+            assert raw.recv(4096) == b""  # closed by the engine
+            assert proc.alive
+        finally:
+            csm.close()
+            raw.close()
+            stuck.close()
