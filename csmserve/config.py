@@ -189,6 +189,10 @@ class ServerConfig:
     # a WebSocket turn that got text but no flush: flushed by the server after this long without new text
     # (what was sent is spoken, `flush_done` says `idle_timeout`), so its engine slot is freed
     ws_turn_idle_s: float = 30.0
+    # the server pings every WebSocket this often and closes one whose pong has not come this long after (1011):
+    # a dead peer's slot and session freed; a pong waits behind the audio the client has not read yet
+    ws_ping_interval_s: float = 20.0
+    ws_ping_timeout_s: float = 20.0
     # POST /v1/load_lora_adapter reads adapter directories under this directory only (a relative lora_path is
     # taken from it; one that resolves outside it, through `..` or a symlink, is refused); None: that route is
     # off (403): `--lora` at start still loads any path (the operator's own)
@@ -221,7 +225,7 @@ class ServerConfig:
                                "max_header_bytes max_voices")
         _require(self, ">= 0", "max_lead_s encode_threads api_workers shutdown_timeout_s")
         _require(self, "> 0", "max_clip_seconds max_reader_lag_s session_idle_s ws_turn_idle_s header_timeout_s "
-                              "body_timeout_s keep_alive_s voices_db_timeout_s")
+                              "body_timeout_s keep_alive_s voices_db_timeout_s ws_ping_interval_s ws_ping_timeout_s")
         _require(self, ">= 1", "engine_stall_s")  # 4 of the engine's heartbeats (core.HEARTBEAT_S): no flapping
         if not 0 <= self.mp3_compression_level <= 9 or not 0 <= self.opus_complexity <= 10:
             raise ValueError("ServerConfig needs mp3_compression_level in 0..9 and opus_complexity in 0..10")

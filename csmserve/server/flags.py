@@ -86,6 +86,8 @@ _HELP = {
     "max_ws_message_bytes": "bytes of one WebSocket message: past it an error, past twice it the connection "
                             "is closed (1009)",
     "ws_turn_idle_s": "a WebSocket turn's text unflushed this many seconds is flushed",
+    "ws_ping_interval_s": "seconds between the server's pings of each WebSocket",
+    "ws_ping_timeout_s": "a WebSocket whose pong is this late is closed (1011)",
     # EngineConfig
     "max_slots": "concurrent requests on the engine (a slot holds a request's KV caches, sampler and codec rows)",
     "max_loras": "adapters on the GPU at once (pool slots, LRU); 0: one per --lora, +8 with --lora-dir",
@@ -164,7 +166,7 @@ _GROUPS = {
                        "max_reader_lag_s"),
     "slow clients": ("header_timeout_s", "body_timeout_s", "body_min_rate", "keep_alive_s", "max_header_bytes"),
     "WebSocket sessions": ("session_idle_s", "max_sessions", "max_session_turns", "max_session_frames",
-                           "max_ws_message_bytes", "ws_turn_idle_s"),
+                           "max_ws_message_bytes", "ws_turn_idle_s", "ws_ping_interval_s", "ws_ping_timeout_s"),
     "LoRA adapters": ("lora_dir", "max_loras", "max_lora_rank", "max_cpu_loras", "max_lora_wait_s", "lora_merge"),
 }
 _METAVARS = {"model": "ID|PATH", "codec": "PATH", "codec_dtype": "DTYPE", "log_level": "LEVEL", "host": "HOST",

@@ -78,4 +78,5 @@ def uvicorn_config(app: Any, config: ServerConfig, **kw: Any):
                           h11_max_incomplete_event_size=config.max_header_bytes,
                           timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
-                          ws_max_size=2 * config.max_ws_message_bytes, **kw)
+                          ws_max_size=2 * config.max_ws_message_bytes, ws_ping_interval=config.ws_ping_interval_s,
+                          ws_ping_timeout=config.ws_ping_timeout_s, **kw)

@@ -115,7 +115,7 @@ def test_help_names_every_flag_and_what_an_unset_default_means(capsys, monkeypat
     out = capsys.readouterr().out
     text = " ".join(out.split())
     assert "(default: None)" not in text and "(default: --model)" in text and "every core but three" in text
-    assert len(out.splitlines()) < 265  # it was 318 lines (two lines a flag, three with a wrapped help)
+    assert len(out.splitlines()) < 270  # it was 318 lines (two lines a flag, three with a wrapped help)
 
 
 @pytest.mark.parametrize("value, want", [("true", True), ("1", True), ("yes", True), ("ON", True), (None, True),

@@ -153,3 +153,26 @@ def test_api_key(serve):
         with connect(url, **kw) as ws:
             ws.send(json.dumps({"text": "Authorized.", "flush": True, "max_audio_length_ms": 160}))
             assert turn(ws)[1][-1]["type"] == "flush_done"
+
+
+def test_a_websocket_that_never_answers_a_ping_is_closed_after_the_ping_timeout(serve):
+    """--ws-ping-interval-s / --ws-ping-timeout-s: a peer that reads nothing (gone without a FIN, a frozen client)
+    is closed once a ping's pong is that late, its session and slot freed; before, uvicorn's 20 s + 20 s always."""
+    import base64
+    import os
+    import socket
+    import time
+
+    server = serve(ws_ping_interval_s=0.3, ws_ping_timeout_s=0.3)
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall(f"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    t0 = time.monotonic()
+    s.settimeout(10)
+    data = b""
+    while chunk := s.recv(4096):  # the upgrade, pings (never answered), then the close and EOF
+        data += chunk
+    s.close()
+    assert data.startswith(b"HTTP/1.1 101") and time.monotonic() - t0 < 5
