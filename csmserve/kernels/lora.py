@@ -17,8 +17,9 @@ TICKET_ROWS (256) rows one launch, the ticketed kernel (below: the shrink in pie
 them); past it two: the shrink in programs of SHRINK_ROWS rows x SHRINK_PIECE of K, their fp32 sums added in order
 by the expand. lora_glu also makes the down projection's shrink of the adapter rows' h (a piece a column block, in
 registers; past TICKET_ROWS a piece a column group, in a second pass over the group's blocks of h from L2), left on
-the down's LoraLayer: the down's lora_add_ of that h runs no shrink (h [M, I] not read again from memory). A batch whose every row has one adapter runs it merged into the weights
-instead (engine/runner.py, models/lora.py LoraMerge): these kernels serve batches that mix adapters.
+the down's LoraLayer: the down's lora_add_ of that h runs no shrink (h [M, I] not read again from memory). A batch
+whose every row has one adapter runs it merged into the weights instead (engine/runner.py, models/lora.py
+LoraMerge): these kernels serve batches that mix adapters.
 
 Cost (rank 16 on all 591 LoRA'd projections a frame, one H100; the history: docs/benchmarks.md "Issue 42"): a step
 with no adapter row does not run these kernels (engine/graphs.py: the plain graphs replay) and a lone adapter runs
