@@ -41,7 +41,7 @@ class IngressSpec:
     request_timeout_s: float = 60.0
     keep_alive_s: float = 5.0
     report_interval_s: float = 0.5
-    threads: int = 0  # HAProxy's (haproxy_threads of --ingress-cpus); 0: Frontend's default
+    threads: int = 0  # HAProxy's (haproxy_threads of --ingress-cpus); 0: of no reservation (MAX_THREADS)
 
     @classmethod
     def of(cls, server: ServerConfig, cfg: RayConfig) -> IngressSpec:
@@ -56,7 +56,7 @@ def frontend(spec: IngressSpec, control_port: int) -> Frontend:
     return Frontend(spec.host, spec.port, control_port, models=spec.models,
                     aliases=OPENAI_VOICES, load_factor=spec.load_factor, body_bytes=spec.body_bytes,
                     request_timeout_s=spec.request_timeout_s, keep_alive_s=spec.keep_alive_s,
-                    **({"threads": spec.threads} if spec.threads else {}))
+                    threads=spec.threads or haproxy_threads(0.0))
 
 
 def routable(reports: dict[str, dict]) -> tuple[Server, ...]:
